@@ -1,0 +1,108 @@
+"""Config reading (HF keys, presets, errors) and the command line."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megakernel.run import main
+from model import PRESETS, ConfigError, ModelConfig, init_weights, preset, save_checkpoint
+from model.stats import active_parameters, parameter_count, step_bytes
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_presets_round_trip_through_config_json(name, tmp_path):
+    cfg = preset(name)
+    cfg.save(tmp_path)
+    assert ModelConfig.from_dir(tmp_path) == cfg
+
+
+def test_preset_sizes():
+    lite = preset("dsv2-lite")
+    assert abs(parameter_count(lite) / 1e9 - 15.7) < 0.05
+    assert abs(active_parameters(lite) / 1e9 - 2.4) < 0.1
+    llama = preset("llama-1b")
+    assert abs(parameter_count(llama) / 1e9 - 1.24) < 0.01
+    assert abs(step_bytes(llama, context=0).weight_bytes / 1e9 - 2.47) < 0.01
+    v3 = preset("dsv3-slice")
+    assert (v3.hidden_size, v3.q_lora_rank, v3.n_routed_experts, v3.num_experts_per_tok, v3.n_group) == (7168, 1536, 256, 8, 8)
+    assert v3.num_hidden_layers == 4 and v3.num_nextn_predict_layers == 1 and v3.scoring_func == "sigmoid"
+
+
+def test_rope_groups_share_tables():
+    cfg = preset("tiny-dense").replace(num_hidden_layers=38, rope_theta_per_layer=tuple(1e4 * (1 + i % 8) for i in range(38)))
+    assert len({cfg.rope_for_layer(i).key() for i in range(38)}) == 8
+
+
+def _hf(**changes):
+    d = preset("tiny-moe").to_hf_dict()
+    d.update(changes)
+    return d
+
+
+@pytest.mark.parametrize("changes,pattern", [
+    (dict(architectures=["GPT2LMHeadModel"]), r"unknown architecture 'GPT2LMHeadModel'"),
+    (dict(architectures=None, model_type="bert"), r"unknown model_type 'bert'"),
+    (dict(hidden_size=None), r"missing key\(s\) 'hidden_size'"),
+    (dict(kv_lora_rank=None, v_head_dim=None), r"missing key\(s\) 'kv_lora_rank', 'v_head_dim'"),
+    (dict(num_experts_per_tok=None), r"missing key\(s\) 'num_experts_per_tok'"),
+    (dict(hidden_size="big"), r"key 'hidden_size' has value 'big'"),
+    (dict(num_experts_per_tok=9), r"num_experts_per_tok=9 exceeds n_routed_experts=8"),
+    (dict(n_group=3), r"not divisible by n_group=3"),
+    (dict(scoring_func="relu"), r"scoring_func"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), r"rope_scaling type 'dynamic'"),
+    (dict(num_attention_heads=4, num_key_value_heads=3), r"not a multiple of num_key_value_heads=3"),
+])
+def test_config_errors_name_the_key(changes, pattern):
+    with pytest.raises(ConfigError, match=pattern) as info:
+        ModelConfig.from_hf_dict(_hf(**changes))
+    assert "\n" not in str(info.value)
+
+
+def test_config_dir_errors(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        ModelConfig.from_dir(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        ModelConfig.from_dir(tmp_path)
+
+
+# ---- CLI --------------------------------------------------------------------------------------
+def test_default_run_prints_what_it_did(capsys, tmp_path):
+    assert main(["--json", str(tmp_path / "r.json"), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny-moe" in out and "seeded random weights (seed 0)" in out and "tokens/s" in out
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["model"] == "tiny-moe" and len(r["tokens"][0]) == r["steps"] == 16
+
+
+def test_describe_dsv2_lite_allocates_nothing(capsys, monkeypatch):
+    import model.weights
+    monkeypatch.setattr(model.weights, "init_tensor", lambda *a, **k: pytest.fail("allocated a weight"))
+    assert main(["--model", "dsv2-lite", "--describe"]) == 0
+    out = capsys.readouterr().out
+    assert "15.71B" in out and "2.45B" in out and "reads 5.030 GB" in out
+
+
+def test_model_dir_with_and_without_weights(tmp_path, capsys):
+    cfg = preset("tiny-dense")
+    cfg.save(tmp_path)
+    assert main(["--model", str(tmp_path), "--steps", "3", "--device", "cpu"]) == 0
+    assert "seeded random weights" in capsys.readouterr().out
+    save_checkpoint(cfg, init_weights(cfg, seed=3), tmp_path)
+    assert main(["--model", str(tmp_path), "--steps", "3", "--device", "cpu"]) == 0
+    assert f"checkpoint {tmp_path}" in capsys.readouterr().out
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["--model", "nope"]) == 2
+    assert "neither a preset" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Foo"]}))
+    assert main(["--model", str(tmp_path)]) == 2
+    assert "unknown architecture 'Foo'" in capsys.readouterr().err
+
+
+def test_module_entry_point_help():
+    out = subprocess.run([sys.executable, "-m", "megakernel.run", "--help"], capture_output=True, text=True, check=True)
+    assert "--describe" in out.stdout and "--model" in out.stdout
