@@ -1,0 +1,153 @@
+"""The compiler pipeline: lower -> CSE -> fuse -> memory -> tile -> schedule -> encode -> verify."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from model.config import ModelConfig
+from model.stats import step_bytes
+
+from .cost import CostModel
+from .fusion import fuse
+from .cse import cse
+from .ir import Graph, Op
+from .isa import MAX_WAITS, OPCODES, WORDS, Buf, encode
+from .lower import StepShape, lower
+from .memory import ancestors, plan_memory
+from .plan import IOSlot, Plan, WeightSlot
+from .schedule import SchedTask, critical_path, round_robin
+from .tiling import Tiler, TilingOptions
+from .verify import verify_plan
+
+
+@dataclass
+class CompileOptions:
+    workers: int = 132
+    scheduler: str = "critical_path"  # critical_path | round_robin
+    cse: bool = True
+    fuse: bool = True
+    reuse_memory: bool = True
+    vocab_block: int = 4096
+    tiling: TilingOptions = field(default_factory=TilingOptions)
+    cost: CostModel = field(default_factory=CostModel)
+    verify: bool = True
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        return d
+
+
+class CompileError(ValueError):
+    pass
+
+
+def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | None = None) -> Plan:
+    opts = options or CompileOptions()
+    if opts.workers < 1:
+        raise CompileError("workers must be >= 1")
+    t0 = time.perf_counter()
+    graph = lower(cfg, shape, opts.vocab_block)
+    passes = [{"pass": "lower", "ops": len(graph.ops), "tensors": len(graph.tensors)}]
+    if opts.cse:
+        passes.append(cse(graph))
+    if opts.fuse:
+        passes.append(fuse(graph))
+    graph.renumber()
+    graph.prune()
+    mem = plan_memory(graph, reuse=opts.reuse_memory)
+    passes.append({"pass": "memory", "A_bytes": mem.sizes["A"] * 4, "I_bytes": mem.sizes["I"] * 4,
+                   "unshared_bytes": mem.activation_bytes_unshared, "reused_blocks": mem.reused,
+                   "W_elements": mem.sizes["W"], "WF_elements": mem.sizes["WF"]})
+    wbytes = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.dtype]
+    tiler = Tiler(graph, opts.tiling, wbytes)
+    op_tiles = {op.id: tiler.tiles(op) for op in graph.ops}
+    passes.append({"pass": "tiling", "tasks": sum(len(t) for t in op_tiles.values()),
+                   "tile_bytes": opts.tiling.tile_bytes})
+
+    deps = graph.op_deps()
+    sched_tasks: list[SchedTask] = []
+    task_tile: list[tuple[Op, int]] = []
+    total_bytes = 0
+    for op in graph.ops:
+        for k, tile in enumerate(op_tiles[op.id]):
+            secs = opts.cost.task_seconds(tile.weight_bytes, tile.act_bytes, tile.flops, opts.workers)
+            sched_tasks.append(SchedTask(op.id, secs))
+            task_tile.append((op, k))
+            total_bytes += tile.weight_bytes + tile.act_bytes
+    scheduler = {"critical_path": critical_path, "round_robin": round_robin}[opts.scheduler]
+    sched = scheduler(sched_tasks, deps, opts.workers, opts.cost.hop_latency)
+    passes.append({"pass": "schedule", "scheduler": opts.scheduler, "workers": opts.workers,
+                   "critical_path_ms": round(sched.makespan * 1e3, 4), "balance": round(sched.balance, 3)})
+
+    words, labels, ptr = _encode(graph, op_tiles, task_tile, sched.queues, deps)
+    plan = Plan(
+        config=cfg.to_hf_dict(), shape=dataclasses.asdict(shape), workers=opts.workers, words=words, queue_ptr=ptr,
+        task_labels=labels, counter_labels=[op.label for op in graph.ops], buffers=mem.sizes,
+        weights=[WeightSlot(t.name, int(t.buf), t.offset, t.rows, t.cols, [list(p) for p in t.parts])
+                 for t in graph.tensors.values() if t.role == "weight"],
+        consts=[{"name": t.name, "offset": t.offset, "data": list(t.data)} for t in graph.tensors.values()
+                if t.role == "const"],
+        io={t.name: IOSlot(int(t.buf), t.offset, t.rows, t.cols) for t in graph.tensors.values()
+            if t.role in ("input", "output")},
+        passes=passes,
+        estimate={"scheduler": opts.scheduler, "critical_path_ms": sched.makespan * 1e3,
+                  "work_ms": sum(sched.busy) * 1e3, "balance": sched.balance,
+                  "worker_ms": [b * 1e3 for b in sched.busy], "bytes": total_bytes,
+                  "floor_ms": opts.cost.floor_seconds(step_bytes(cfg, shape.T, shape.B, shape.max_len).total) * 1e3},
+        options={"workers": opts.workers, "scheduler": opts.scheduler, "cse": opts.cse, "fuse": opts.fuse,
+                 "tiling": dataclasses.asdict(opts.tiling)},
+    )
+    if opts.verify:
+        report = verify_plan(plan)
+        passes.append({"pass": "verify", **report})
+    passes.append({"pass": "total", "compile_s": round(time.perf_counter() - t0, 3)})
+    return plan
+
+
+def _wait_list(op: Op, deps: dict[int, set[int]], anc: list[int], ntasks: dict[int, int]) -> list[tuple[int, int]]:
+    """Dependencies not implied by another dependency (transitive reduction), as (counter, count) waits."""
+    direct = [d for d in deps[op.id] if ntasks.get(d)]
+    kept = [d for d in direct if not any(e != d and anc[e] >> d & 1 for e in direct)]
+    if len(kept) > MAX_WAITS:
+        raise CompileError(f"op {op.label} waits on {len(kept)} producers, more than the {MAX_WAITS} a task word holds")
+    return [(d, ntasks[d]) for d in sorted(kept)]
+
+
+def _fields(graph: Graph, op: Op, tile_fields: dict) -> dict:
+    fields: dict = {}
+    for name in OPCODES[op.opcode].fields:
+        if "." in name:
+            key, part = name.split(".")
+            view = op.reads.get(key) or op.writes.get(key)
+            if view is None:
+                fields[name] = -1 if part == "buf" else 0
+                continue
+            t = graph.tensors[view.tensor]
+            fields[name] = {"buf": int(t.buf), "off": t.offset + view.col0, "ld": t.ld}[part]
+        elif name in tile_fields:
+            fields[name] = tile_fields[name]
+        else:
+            fields[name] = op.attrs.get(name, 0)
+    return fields
+
+
+def _encode(graph: Graph, op_tiles, task_tile, queues, deps):
+    anc = ancestors(graph)
+    ntasks = {op_id: len(t) for op_id, t in op_tiles.items()}
+    waits = {op.id: _wait_list(op, deps, anc, ntasks) for op in graph.ops}
+    rows, labels, ptr = [], [], [0]
+    for queue in queues:
+        for i in queue:
+            op, k = task_tile[i]
+            tile = op_tiles[op.id][k]
+            opcode = OPCODES[op.opcode]
+            flags = opcode.flag_bits(f for f in op.flags if f in opcode.flags)
+            rows.append(encode(op.opcode, flags, op.id, waits[op.id], k, _fields(graph, op, tile.fields)))
+            labels.append(f"{op.label}[{k}]")
+        ptr.append(len(rows))
+    words = np.array(rows, dtype=np.int32).reshape(-1, WORDS)
+    return words, labels, ptr

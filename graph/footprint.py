@@ -1,0 +1,231 @@
+"""What memory a task touches, derived from its instruction word alone.
+
+This is a second statement of each opcode's access pattern, independent of the
+tiler that produced the task, so the verifier can check any plan (including
+one loaded from disk).  Weights (buffers W, WF) are read-only and only bounds-
+checked; an `exclusive` key marks writes whose rows are chosen at run time but
+are disjoint by construction from other writes of the same op with another key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .isa import Buf, Decoded
+
+
+@dataclass(frozen=True)
+class Access:
+    buf: int
+    base: int
+    ld: int
+    row0: int
+    row1: int
+    col0: int
+    col1: int
+    write: bool
+    exclusive: tuple | None = None
+
+    @property
+    def lo(self) -> int:
+        return self.base + self.row0 * self.ld + self.col0
+
+    @property
+    def hi(self) -> int:
+        """One past the last element (bounding interval)."""
+        return self.base + (self.row1 - 1) * self.ld + self.col1
+
+    @property
+    def empty(self) -> bool:
+        return self.row1 <= self.row0 or self.col1 <= self.col0
+
+    def rows(self):
+        for r in range(self.row0, self.row1):
+            yield self.base + r * self.ld + self.col0, self.base + r * self.ld + self.col1
+
+
+def overlaps(a: Access, b: Access) -> bool:
+    if a.buf != b.buf or a.empty or b.empty or a.hi <= b.lo or b.hi <= a.lo:
+        return False
+    if a.base == b.base and a.ld == b.ld and a.ld > 0:
+        return a.row0 < b.row1 and b.row0 < a.row1 and a.col0 < b.col1 and b.col0 < a.col1
+    contiguous = [x for x in (a, b) if x.ld == 0 or x.col1 - x.col0 >= x.ld]
+    if contiguous:
+        return True  # bounding intervals overlap and one side has no holes
+    small, big = (a, b) if a.row1 - a.row0 <= b.row1 - b.row0 else (b, a)
+    for lo, hi in small.rows():
+        if hi <= big.lo or lo >= big.hi:
+            continue
+        # rows of `big` that can meet [lo, hi)
+        first = max(big.row0, (lo - big.base - big.col1) // big.ld)
+        last = min(big.row1, (hi - big.base - big.col0) // big.ld + 1)
+        for r in range(first, last):
+            s = big.base + r * big.ld
+            if s + big.col0 < hi and lo < s + big.col1:
+                return True
+    return False
+
+
+def _acc(task: Decoded, key: str, row0: int, row1: int, col0: int, col1: int, write: bool, ld: int | None = None,
+         exclusive=None) -> list[Access]:
+    f = task.fields
+    buf = f[key + ".buf"]
+    if buf < 0:
+        return []
+    if ld is None:
+        ld = f.get(key + ".ld", 0)
+    return [Access(buf, f[key + ".off"], ld, row0, row1, col0, col1, write, exclusive)]
+
+
+def _flat(task: Decoded, key: str, start: int, stop: int, write: bool) -> list[Access]:
+    return _acc(task, key, 0, 1, start, stop, write, ld=0)
+
+
+def footprint(task: Decoded) -> list[Access]:
+    """Every buffer access of a task (weights included, for bounds checks)."""
+    f, name = task.fields, task.op.name
+    out: list[Access] = []
+    if name == "EMBED":
+        r0, r1 = f["r0"], f["r1"]
+        out += _flat(task, "tok", r0, r1, False)
+        out += _acc(task, "out", r0, r1, 0, f["H"] * f["copies"], True)
+    elif name == "RMSNORM":
+        r0, r1, D = f["r0"], f["r1"], f["D"]
+        out += _acc(task, "x", r0, r1, 0, D, False)
+        if task.has("ADD"):
+            out += _acc(task, "d", r0, r1, 0, D, False) + _acc(task, "xo", r0, r1, 0, D, True)
+        if not task.has("NOWEIGHT"):
+            out += _flat(task, "w", 0, D, False)
+        out += _acc(task, "out", r0, r1, 0, D, True)
+    elif name == "LINEAR":
+        N, K, r0, r1 = f["N"], f["K"], f["r0"], f["r1"]
+        out += _acc(task, "x", 0, N, 0, K, False)
+        out += _acc(task, "w", r0, r1, 0, K, False, ld=K)
+        if task.has("SILU_MUL"):
+            out += _acc(task, "w2", r0, r1, 0, K, False, ld=K)
+        if task.has("RES"):
+            out += _acc(task, "res", 0, N, r0, r1, False)
+        out += _acc(task, "out", 0, N, r0, r1, True)
+    elif name == "EWISE":
+        r0, r1, c = f["r0"], f["r1"], f["cols"]
+        out += _acc(task, "a", r0, r1, 0, c, False)
+        if task.has("ADD") or task.has("MUL"):
+            out += _acc(task, "b", r0, r1, 0, c, False)
+        out += _acc(task, "out", r0, r1, 0, c, True)
+    elif name == "ROPE_TABLE":
+        r0, r1, T = f["r0"], f["r1"], f["T"]
+        out += _flat(task, "cl", r0 // T, (r1 - 1) // T + 1, False) + _flat(task, "f", 0, f["half"], False)
+        out += _acc(task, "out", r0, r1, 0, 2 * f["half"], True, ld=2 * f["half"])
+    elif name == "ROPE":
+        r0, r1, half = f["r0"], f["r1"], f["half"]
+        for h in range(f["heads"]):
+            c = h * f["x_hs"] + f["x_col0"]
+            out += _acc(task, "x", r0, r1, c, c + 2 * half, False)
+            out += _acc(task, "out", r0, r1, h * f["out_hs"], h * f["out_hs"] + 2 * half, True)
+        out += _acc(task, "tab", r0, r1, 0, 2 * half, False, ld=2 * half)
+    elif name == "CACHE_WRITE":
+        r0, r1, T, S = f["r0"], f["r1"], f["T"], f["S"]
+        out += _acc(task, "src", r0, r1, 0, f["cols"], False)
+        out += _flat(task, "cl", r0 // T, (r1 - 1) // T + 1, False)
+        # positions come from the cache lengths at run time: every position of those sequences
+        out += _acc(task, "cache", (r0 // T) * S, ((r1 - 1) // T + 1) * S, f["col0"], f["col0"] + f["cols"], True,
+                    ld=f["width"])
+    elif name == "HEAD_MATMUL":
+        N, h0, h1 = f["N"], f["h0"], f["h1"]
+        for h in range(h0, h1):
+            c = h * f["x_hs"] + f["x_col0"]
+            out += _acc(task, "x", 0, N, c, c + f["in_dim"], False)
+            out += _acc(task, "out", 0, N, h * f["out_hs"], h * f["out_hs"] + f["out_dim"], True)
+        span = (f["in_dim"] - 1) * f["w_ld"] + f["out_dim"] if not task.has("TRANS") else \
+            (f["out_dim"] - 1) * f["w_ld"] + f["in_dim"]
+        out += _flat(task, "w", h0 * f["w_hs"], (h1 - 1) * f["w_hs"] + span, False)
+    elif name == "ATTENTION":
+        b, T, S, h0, h1, nh, ns = f["b"], f["T"], f["S"], f["h0"], f["h1"], f["nheads"], f["nsplits"]
+        for h in range(h0, h1):
+            c = h * f["q_hs"] + f["q_col0"]
+            out += _acc(task, "q", b * T, (b + 1) * T, c, c + f["dim"], False)
+            if task.has("MLA"):
+                c = h * f["pe_hs"] + f["pe_col0"]
+                out += _acc(task, "pe", b * T, (b + 1) * T, c, c + f["rope_dim"], False)
+        out += _acc(task, "cache", b * S, (b + 1) * S, 0, f["width"], False, ld=f["width"])
+        out += _flat(task, "cl", b, b + 1, False)
+        for t in range(T):
+            row = ((b * ns + f["split"]) * T + t) * nh
+            out += _acc(task, "op", row + h0, row + h1, 0, f["dim"], True, ld=f["dim"])
+            out += _flat(task, "lse", row + h0, row + h1, True)
+    elif name == "ATTN_COMBINE":
+        b, T, h0, h1, nh, ns, dim = f["b"], f["T"], f["h0"], f["h1"], f["nheads"], f["nsplits"], f["dim"]
+        for s in range(ns):
+            for t in range(T):
+                row = ((b * ns + s) * T + t) * nh
+                out += _acc(task, "op", row + h0, row + h1, 0, dim, False, ld=dim)
+                out += _flat(task, "lse", row + h0, row + h1, False)
+        out += _acc(task, "out", b * T, (b + 1) * T, h0 * dim, h1 * dim, True)
+    elif name == "ROUTE":
+        N, E, k, S = f["N"], f["E"], f["k"], f["S"]
+        score, topk, slots = task.has("SCORE"), task.has("TOPK"), task.has("SLOTS")
+        # a stage's output is stored when its operand is present; a stage's input is loaded
+        # when no earlier stage of this task produced it
+        if score:
+            out += _acc(task, "lg", 0, N, 0, E, False) + _flat(task, "sc", 0, N * E, True)
+        if topk:
+            out += _flat(task, "bias", 0, E, False) + _flat(task, "wts", 0, N * k, True)
+            out += _flat(task, "ids", 0, N * k, True)
+            if not score:
+                out += _flat(task, "sc", 0, N * E, False)
+        if slots:
+            out += _flat(task, "st", 0, 2 * S + S * N * k, True)
+            if not topk:
+                out += _flat(task, "ids", 0, N * k, False)
+    elif name == "EXPERT_LINEAR":
+        N, K, k, S, r0, r1 = f["N"], f["K"], f["k"], f["S"], f["r0"], f["r1"]
+        out += _acc(task, "x", 0, N if task.has("GATHER") else N * k, 0, K, False)
+        out += _flat(task, "st", 0, 2 * S + S * N * k, False)
+        out += _acc(task, "out", 0, N * k, r0, r1, True, exclusive=(task.signal, f["slot"]))
+    elif name == "MOE_COMBINE":
+        r0, r1, H, k = f["r0"], f["r1"], f["H"], f["k"]
+        out += _acc(task, "y", r0 * k, r1 * k, 0, H, False, ld=H) + _flat(task, "wts", r0 * k, r1 * k, False)
+        if task.has("SHARED"):
+            out += _acc(task, "sh", r0, r1, 0, H, False)
+        if task.has("RES"):
+            out += _acc(task, "res", r0, r1, 0, H, False)
+        out += _acc(task, "out", r0, r1, 0, H, True)
+    elif name == "HC_COEFF":
+        r0, r1, n, H = f["r0"], f["r1"], f["n"], f["H"]
+        width = (2 + n) * n
+        mix, act, sink, collapse = (task.has(s) for s in ("MIX", "ACT", "SINK", "COLLAPSE"))
+        if mix or collapse:
+            out += _acc(task, "st", r0, r1, 0, n * H, False)
+        for key, producer, consumer in (("mix", mix, act), ("craw", act, sink), ("coef", sink, collapse)):
+            if producer:
+                out += _acc(task, key, r0, r1, 0, width, True, ld=width)
+            elif consumer:
+                out += _acc(task, key, r0, r1, 0, width, False, ld=width)
+        if collapse:
+            out += _acc(task, "out", r0, r1, 0, H, True)
+    elif name == "HC_EXPAND":
+        r0, r1, n, H = f["r0"], f["r1"], f["n"], f["H"]
+        out += _acc(task, "st", r0, r1, 0, n * H, False) + _acc(task, "sub", r0, r1, 0, H, False)
+        out += _acc(task, "coef", r0, r1, 0, (2 + n) * n, False, ld=(2 + n) * n)
+        out += _acc(task, "out", r0, r1, 0, n * H, True)
+    elif name == "HC_HEAD":
+        r0, r1, n, H = f["r0"], f["r1"], f["n"], f["H"]
+        out += _acc(task, "st", r0, r1, 0, n * H, False) + _acc(task, "out", r0, r1, 0, H, True)
+    elif name == "ARGMAX":
+        N, nparts, part = f["N"], f["nparts"], f["part"]
+        partial, final = task.has("PARTIAL"), task.has("FINAL")
+        if partial:
+            out += _acc(task, "lg", 0, N, f["c0"], f["c1"], False)
+        if partial:
+            out += _acc(task, "pv", 0, N, part, part + 1, True, ld=nparts)
+            out += _acc(task, "pi", 0, N, part, part + 1, True, ld=nparts)
+        else:
+            out += _acc(task, "pv", 0, N, 0, nparts, False, ld=nparts) + _acc(task, "pi", 0, N, 0, nparts, False, ld=nparts)
+        if final:
+            out += _flat(task, "out", 0, N, True)
+    else:
+        raise ValueError(f"no footprint for opcode {name}")
+    return [a for a in out if not a.empty]
+
+
+READ_ONLY = (Buf.W, Buf.WF)

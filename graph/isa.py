@@ -1,0 +1,200 @@
+"""The instruction set: opcodes, their flags and fields, and the fixed-width task word.
+
+A task is WORDS int32 words:
+
+    0 opcode | 1 flags | 2 signal counter | 3..10 up to MAX_WAITS (counter, count) pairs | 11 tile id
+    12.. the opcode's fields, in the order listed below
+
+A wait (c, n) is satisfied when counters[c] >= epoch * n; unused waits have
+c = -1.  Operands are (buffer, offset[, ld]) in elements of that buffer; an
+offset takes two words (low, high: weight arenas and caches pass 2^31
+elements); floats are stored as their IEEE-754 bit pattern.  The runtime (megakernel/ops) gives
+each opcode its meaning; this file is the contract between compiler and runtime.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+WORDS = 64
+MAX_WAITS = 4
+HEADER = 12
+NO_COUNTER = -1
+
+
+class Buf(IntEnum):
+    W = 0  # weights in the model dtype (one arena, laid out in the order tasks read it)
+    WF = 1  # fp32 weights and compile-time constants (router bias, mHC parameters, rope frequencies)
+    A = 2  # fp32 activations
+    I = 3  # int32 activations and inputs (tokens, cache lengths, routing tables, argmax)
+    C = 4  # the KV / latent cache, model dtype, [layers, B, S_max, width]
+
+
+@dataclass(frozen=True)
+class Opcode:
+    name: str
+    code: int
+    fields: tuple[str, ...]
+    flags: tuple[str, ...] = ()
+
+    def flag(self, name: str) -> int:
+        return 1 << self.flags.index(name)
+
+    def flag_bits(self, names) -> int:
+        bits = 0
+        for n in names:
+            bits |= self.flag(n)
+        return bits
+
+    def flag_names(self, bits: int) -> tuple[str, ...]:
+        return tuple(n for i, n in enumerate(self.flags) if bits >> i & 1)
+
+
+def _f(spec: str) -> tuple[str, ...]:
+    """'x* w* N' -> x.buf x.off x.ld w.buf w.off N ('*' adds buf/off/ld, '+' adds buf/off)."""
+    out: list[str] = []
+    for token in spec.split():
+        if token.endswith("*"):
+            out += [token[:-1] + ".buf", token[:-1] + ".off", token[:-1] + ".ld"]
+        elif token.endswith("+"):
+            out += [token[:-1] + ".buf", token[:-1] + ".off"]
+        else:
+            out.append(token)
+    return tuple(out)
+
+
+_OPS = [
+    # out[r, c*H:(c+1)*H] = table[tok[r]] for each of `copies` (mHC streams) — rows r0..r1
+    Opcode("EMBED", 1, _f("tok+ table+ out* H copies r0 r1")),
+    # v = x[r] (+ d[r] with ADD, v also stored to xo); out[r] = v * rsqrt(mean(v²) + eps) * w
+    Opcode("RMSNORM", 2, _f("x* d* xo* w+ out* D r0 r1 eps"), ("ADD", "NOWEIGHT")),
+    # out[:, r0:r1] = x[:N, :K] @ W[r0:r1].T (+ res with RES); SILU_MUL: silu(x@W.T) * (x@W2.T)
+    Opcode("LINEAR", 3, _f("x* w+ w2+ res* out* N K r0 r1"), ("SILU_MUL", "RES")),
+    # out = a + b | a * b | silu(a) | a, rows r0..r1, cols columns
+    Opcode("EWISE", 4, _f("a* b* out* cols r0 r1"), ("ADD", "MUL", "SILU", "COPY")),
+    # out[r] = [cos(pos·f) · scale, sin(pos·f) · scale], pos = cache_lens[r // T] + r % T + pos_offset
+    Opcode("ROPE_TABLE", 5, _f("cl+ f+ out+ T half scale pos_offset r0 r1")),
+    # out[r, h*out_hs : +2·half] = rotate(x[r, h*x_hs + x_col0 : +2·half]) for each head
+    Opcode("ROPE", 6, _f("x* tab+ out* heads x_hs x_col0 out_hs half r0 r1"), ("INTERLEAVE",)),
+    # cache[b, pos, col0:col0+cols] = src[r, :cols], b = r // T, pos as in ROPE_TABLE
+    Opcode("CACHE_WRITE", 7, _f("src* cache+ cl+ T S width col0 cols pos_offset r0 r1")),
+    # out[n, h*out_hs + o] = sum_i x[n, h*x_hs + x_col0 + i] · W_h[i, o] for heads h0..h1;
+    # W_h[i, o] at w.off + h*w_hs + i*w_ld + o, or o*w_ld + i with TRANS
+    Opcode("HEAD_MATMUL", 8, _f("x* x_hs x_col0 w+ w_hs w_ld out* out_hs N in_dim out_dim h0 h1"), ("TRANS",)),
+    # partial attention of sequence b, heads h0..h1 over cache rows [split·split_len, +split_len):
+    # o_part[b, split, t, h, :dim], lse_part[b, split, t, h]
+    Opcode("ATTENTION", 9, _f("q* q_hs q_col0 pe* pe_hs pe_col0 cache+ cl+ T S width b h0 h1 split split_len "
+                              "dim rope_dim v_col0 kv_hs group scale op+ lse+ nheads nsplits pos_offset"), ("MLA",)),
+    # out[b*T + t, h*dim : +dim] = sum_s exp(lse_s - LSE) · o_part_s
+    Opcode("ATTN_COMBINE", 10, _f("op+ lse+ out* b T h0 h1 nheads nsplits dim")),
+    # SCORE: scores = softmax|sigmoid(logits); TOPK: ids, weights; SLOTS: distinct experts -> slot table
+    # st = [expert of slot s (-1: empty)] * S + [pairs in slot s] * S + [pair ids (token·k + j)] * S·N·k
+    Opcode("ROUTE", 11, _f("lg* sc+ bias+ ids+ wts+ st+ N E k n_group topk_group scale S"),
+           ("SCORE", "TOPK", "SLOTS", "SIGMOID", "NOAUX", "GROUPED", "NORM")),
+    # rows of expert slot_expert[slot]'s weights r0..r1 applied to the tokens routed to `slot`
+    Opcode("EXPERT_LINEAR", 12, _f("x* x_ss w+ w2+ w_es out* out_ss st+ N K r0 r1 slot S k"),
+           ("GATHER", "SCATTER", "SILU_MUL")),
+    # out[r] = sum_k wts[r, k] · y[r, k] (+ shared[r]) (+ res[r]) in k order
+    Opcode("MOE_COMBINE", 13, _f("y+ wts+ sh* res* out* H k r0 r1"), ("SHARED", "RES")),
+    # MIX: mix = rmsnorm(streams) @ fn.T; ACT: raw coefficients; SINK: Sinkhorn; COLLAPSE: sum_j pre_j stream_j
+    Opcode("HC_COEFF", 14, _f("st* fn+ base+ scale+ mix+ craw+ coef+ out* n H iters eps hc_eps r0 r1"),
+           ("MIX", "ACT", "SINK", "COLLAPSE")),
+    # new[r, k] = post_k · sub[r] + sum_j comb[j, k] · st[r, j]
+    Opcode("HC_EXPAND", 15, _f("st* sub* coef+ out* n H r0 r1")),
+    # out[r] = sum_j (sigmoid(rmsnorm(st[r]) @ fn.T · scale + base) + hc_eps)_j · st[r, j]
+    Opcode("HC_HEAD", 16, _f("st* fn+ base+ scale+ out* n H eps hc_eps r0 r1")),
+    # PARTIAL: (max, first argmax) of logits[:, c0:c1] -> pv/pi[row*nparts + part]; FINAL: out[row]
+    Opcode("ARGMAX", 17, _f("lg* N c0 c1 pv+ pi+ part nparts out+"), ("PARTIAL", "FINAL")),
+]
+
+OPCODES: dict[str, Opcode] = {op.name: op for op in _OPS}
+BY_CODE: dict[int, Opcode] = {op.code: op for op in _OPS}
+FLOAT_FIELDS = frozenset({"eps", "scale", "hc_eps"})
+
+
+def is_wide(name: str) -> bool:
+    return name.endswith(".off")
+
+
+def layout(op: Opcode) -> dict[str, int]:
+    """Word index of each field (wide fields take two words: low, high)."""
+    pos, out = HEADER, {}
+    for name in op.fields:
+        out[name] = pos
+        pos += 2 if is_wide(name) else 1
+    return out
+
+
+LAYOUTS = {op.name: layout(op) for op in _OPS}
+assert all(max(LAYOUTS[op.name].values()) + 2 <= WORDS for op in _OPS)
+
+
+def f2i(x: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", float(x)))[0]
+
+
+def i2f(x: int) -> float:
+    return struct.unpack("<f", struct.pack("<i", int(x)))[0]
+
+
+def encode(opcode: str, flags: int, signal: int, waits: list[tuple[int, int]], tile: int,
+           fields: dict[str, float | int]) -> list[int]:
+    op = OPCODES[opcode]
+    if len(waits) > MAX_WAITS:
+        raise ValueError(f"{opcode} task has {len(waits)} waits, at most {MAX_WAITS} fit a task word")
+    unknown = set(fields) - set(op.fields)
+    if unknown:
+        raise ValueError(f"{opcode} has no field(s) {sorted(unknown)}")
+    word = [0] * WORDS
+    word[0], word[1], word[2], word[11] = op.code, flags, signal, tile
+    for i in range(MAX_WAITS):
+        c, n = waits[i] if i < len(waits) else (NO_COUNTER, 0)
+        word[3 + 2 * i], word[4 + 2 * i] = c, n
+    for name, pos in LAYOUTS[opcode].items():
+        value = fields.get(name, 0)
+        if name in FLOAT_FIELDS:
+            word[pos] = f2i(value)
+        elif is_wide(name):
+            value = int(value)
+            lo = value & 0xFFFFFFFF
+            word[pos], word[pos + 1] = lo - (1 << 32) if lo >= 1 << 31 else lo, value >> 32
+        else:
+            if not -(1 << 31) <= int(value) < 1 << 31:
+                raise ValueError(f"{opcode} field {name}={value} does not fit 32 bits")
+            word[pos] = int(value)
+    return word
+
+
+@dataclass(frozen=True)
+class Decoded:
+    op: Opcode
+    flags: int
+    signal: int
+    waits: tuple[tuple[int, int], ...]
+    tile: int
+    fields: dict
+
+    def has(self, flag: str) -> bool:
+        return bool(self.flags & self.op.flag(flag))
+
+    def __getitem__(self, name: str):
+        return self.fields[name]
+
+
+def decode(word) -> Decoded:
+    word = [int(v) for v in word]
+    op = BY_CODE.get(word[0])
+    if op is None:
+        raise ValueError(f"unknown opcode {word[0]} in task word")
+    waits = tuple((word[3 + 2 * i], word[4 + 2 * i]) for i in range(MAX_WAITS) if word[3 + 2 * i] != NO_COUNTER)
+    fields = {}
+    for name, pos in LAYOUTS[op.name].items():
+        if name in FLOAT_FIELDS:
+            fields[name] = i2f(word[pos])
+        elif is_wide(name):
+            fields[name] = (word[pos] & 0xFFFFFFFF) | (word[pos + 1] << 32)
+        else:
+            fields[name] = word[pos]
+    return Decoded(op, word[1], word[2], waits, word[11], fields)

@@ -1,0 +1,120 @@
+"""Memory planning: weights in one arena in the order tasks read them; activations reuse space by liveness.
+
+An activation block is reused for a new tensor only when every op that
+touched its previous tensor is an ancestor of every op that writes the new one,
+so the reuse can never race (the verifier checks this again on the tasks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .ir import Graph
+from .isa import Buf
+
+ALIGN = 64  # elements: keeps rows of bf16 weights 128-byte aligned
+
+
+def _align(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def ancestors(graph: Graph) -> list[int]:
+    """Bitset per op (indexed by op id, ops in topological order) of the ops it transitively depends on."""
+    deps = graph.op_deps()
+    anc = [0] * len(graph.ops)
+    for op in graph.ops:
+        bits = 0
+        for d in deps[op.id]:
+            if d > op.id:
+                raise ValueError(f"op {op.label} depends on a later op: the op list is not topological")
+            bits |= anc[d] | (1 << d)
+        anc[op.id] = bits
+    return anc
+
+
+@dataclass
+class _Segment:
+    offset: int
+    size: int
+    users: int  # bitset of ops that touched the tensor living here
+
+
+@dataclass
+class MemoryReport:
+    sizes: dict  # buffer -> elements
+    activation_bytes_unshared: int
+    activation_bytes_planned: int
+    reused: int
+
+
+def plan_memory(graph: Graph, reuse: bool = True) -> MemoryReport:
+    anc = ancestors(graph)
+    sizes = {b: 0 for b in Buf}
+    # weights and constants: first use order (ops are in the order a step runs them)
+    for op in graph.ops:
+        for view in op.reads.values():
+            t = graph.tensors[view.tensor]
+            if t.role in ("weight", "const") and t.offset is None:
+                t.offset = _align(sizes[t.buf])
+                sizes[t.buf] = t.offset + t.numel
+    for t in graph.tensors.values():
+        if t.role == "cache":
+            t.offset = sizes[Buf.C]
+            sizes[Buf.C] += t.numel
+    # pinned inputs and outputs first, so the host finds them at fixed places
+    for t in graph.tensors.values():
+        if t.role in ("input", "output"):
+            t.offset = _align(sizes[t.buf])
+            sizes[t.buf] = t.offset + t.numel
+    users: dict[str, int] = {}
+    writers: dict[str, list[int]] = {}
+    for op in graph.ops:
+        for v in op.reads.values():
+            users[v.tensor] = users.get(v.tensor, 0) | (1 << op.id)
+        for v in op.writes.values():
+            users[v.tensor] = users.get(v.tensor, 0) | (1 << op.id)
+            writers.setdefault(v.tensor, []).append(op.id)
+    segments: dict[Buf, list[_Segment]] = {Buf.A: [], Buf.I: []}
+    unshared = planned_reused = 0
+    for op in graph.ops:
+        for view in op.writes.values():
+            t = graph.tensors[view.tensor]
+            if t.role != "act" or t.offset is not None:
+                continue
+            size = _align(t.numel, 16)
+            unshared += size * 4
+            before = 0
+            for w in writers[t.name]:
+                before = anc[w] if before == 0 else before & anc[w]
+            t.offset, reused = _place(segments[t.buf], size, before if reuse else 0, users[t.name], sizes[t.buf])
+            planned_reused += reused
+    for buf, segs in segments.items():
+        if segs:
+            sizes[buf] = max(sizes[buf], segs[-1].offset + segs[-1].size)
+    planned = sum(sizes[b] * 4 for b in (Buf.A, Buf.I))
+    return MemoryReport({b.name: sizes[b] for b in Buf}, unshared, planned, planned_reused)
+
+
+def _place(segs: list[_Segment], size: int, before: int, users: int, base: int) -> tuple[int, bool]:
+    """First run of adjacent dead segments that fits `size`, else grow at the end; (offset, reused)."""
+    i = 0
+    while i < len(segs):
+        j, total = i, 0
+        while j < len(segs) and segs[j].users & ~before == 0 and total < size:
+            total += segs[j].size
+            j += 1
+        if total >= size or (j == len(segs) and total):  # fits, or a dead tail that can grow
+            offset = segs[i].offset
+            rest_users = 0
+            for s in segs[i:j]:
+                rest_users |= s.users
+            new = [_Segment(offset, size, users)]
+            if total > size:
+                new.append(_Segment(offset + size, total - size, rest_users))
+            segs[i:j] = new
+            return offset, True
+        i = j + 1
+    end = segs[-1].offset + segs[-1].size if segs else _align(base, 16)
+    segs.append(_Segment(end, size, users))
+    return end, False

@@ -1,0 +1,147 @@
+"""Scheduling tasks onto W workers, and simulating a schedule with the cost model.
+
+`critical_path` is list scheduling: tasks become ready when every task of the
+ops they depend on has finished (plus a dependency hop); a free worker takes
+the ready task with the longest remaining path to the end of the step.
+`round_robin` deals tasks in program order and is kept as a baseline.  Both
+produce queues whose order agrees with the dependencies, so the union of
+queue order and dependency edges is acyclic.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+
+@dataclass
+class SchedTask:
+    op: int
+    seconds: float
+
+
+@dataclass
+class Schedule:
+    queues: list[list[int]]
+    makespan: float
+    busy: list[float]  # seconds of work per worker
+
+    @property
+    def balance(self) -> float:
+        """Mean over max worker load (1.0 = perfectly even)."""
+        return (sum(self.busy) / len(self.busy)) / max(max(self.busy), 1e-30)
+
+
+def _op_tasks(tasks: list[SchedTask]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for i, t in enumerate(tasks):
+        out.setdefault(t.op, []).append(i)
+    return out
+
+
+def bottom_levels(tasks: list[SchedTask], op_deps: dict[int, set[int]], hop: float) -> dict[int, float]:
+    """Longest remaining path (seconds) from the start of an op's slowest task to the end of the step."""
+    by_op = _op_tasks(tasks)
+    succ: dict[int, list[int]] = {op: [] for op in by_op}
+    for op, deps in op_deps.items():
+        for d in deps:
+            succ.setdefault(d, []).append(op)
+    level: dict[int, float] = {}
+    for op in sorted(by_op, reverse=True):  # op ids are topological
+        longest = max(tasks[i].seconds for i in by_op[op])
+        level[op] = longest + max((hop + level[s] for s in succ.get(op, ()) if s in level), default=0.0)
+    return level
+
+
+def critical_path(tasks: list[SchedTask], op_deps: dict[int, set[int]], workers: int, hop: float) -> Schedule:
+    by_op = _op_tasks(tasks)
+    level = bottom_levels(tasks, op_deps, hop)
+    succ: dict[int, list[int]] = {}
+    pending = {op: len([d for d in op_deps.get(op, ()) if d in by_op]) for op in by_op}
+    for op in by_op:
+        for d in op_deps.get(op, ()):
+            if d in by_op:
+                succ.setdefault(d, []).append(op)
+    op_finish: dict[int, float] = {}
+    remaining = {op: len(ids) for op, ids in by_op.items()}
+    waiting: list[tuple[float, float, int]] = []  # (ready time, -level, task)
+    ready: list[tuple[float, int, float]] = []  # (-level, task, ready time)
+
+    def release(op: int) -> None:
+        t = max((op_finish[d] + hop for d in op_deps.get(op, ()) if d in by_op), default=0.0)
+        for i in by_op[op]:
+            heapq.heappush(waiting, (t, -level[op], i))
+
+    for op, n in pending.items():
+        if n == 0:
+            release(op)
+    free = [(0.0, w) for w in range(workers)]
+    queues: list[list[int]] = [[] for _ in range(workers)]
+    busy = [0.0] * workers
+    makespan = 0.0
+    for _ in range(len(tasks)):
+        now, w = heapq.heappop(free)
+        while waiting and waiting[0][0] <= now:
+            t, neg, i = heapq.heappop(waiting)
+            heapq.heappush(ready, (neg, i, t))
+        if ready:
+            _, i, _ = heapq.heappop(ready)
+            start = now
+        else:
+            t, _, i = heapq.heappop(waiting)
+            start = t
+        finish = start + tasks[i].seconds
+        queues[w].append(i)
+        busy[w] += tasks[i].seconds
+        makespan = max(makespan, finish)
+        heapq.heappush(free, (finish, w))
+        op = tasks[i].op
+        op_finish[op] = max(op_finish.get(op, 0.0), finish)
+        remaining[op] -= 1
+        if remaining[op] == 0:
+            for s in succ.get(op, ()):
+                pending[s] -= 1
+                if pending[s] == 0:
+                    release(s)
+    return Schedule(queues, makespan, busy)
+
+
+def round_robin(tasks: list[SchedTask], op_deps: dict[int, set[int]], workers: int, hop: float) -> Schedule:
+    order = sorted(range(len(tasks)), key=lambda i: (tasks[i].op, i))
+    queues: list[list[int]] = [[] for _ in range(workers)]
+    for n, i in enumerate(order):
+        queues[n % workers].append(i)
+    makespan, busy = simulate(tasks, op_deps, queues, hop)
+    return Schedule(queues, makespan, busy)
+
+
+def simulate(tasks: list[SchedTask], op_deps: dict[int, set[int]], queues: list[list[int]],
+             hop: float) -> tuple[float, list[float]]:
+    """Run the queues in order under the cost model; returns (makespan, busy seconds per worker)."""
+    by_op = _op_tasks(tasks)
+    left = {op: len(ids) for op, ids in by_op.items()}
+    finish_op: dict[int, float] = {}
+    heads = [0] * len(queues)
+    clock = [0.0] * len(queues)
+    busy = [0.0] * len(queues)
+    done = 0
+    while done < len(tasks):
+        progressed = False
+        for w, q in enumerate(queues):
+            while heads[w] < len(q):
+                i = q[heads[w]]
+                deps = [d for d in op_deps.get(tasks[i].op, ()) if d in by_op]
+                if any(left[d] for d in deps):
+                    break
+                start = max([clock[w]] + [finish_op[d] + hop for d in deps])
+                clock[w] = start + tasks[i].seconds
+                busy[w] += tasks[i].seconds
+                op = tasks[i].op
+                finish_op[op] = max(finish_op.get(op, 0.0), clock[w])
+                left[op] -= 1
+                heads[w] += 1
+                done += 1
+                progressed = True
+        if not progressed:
+            raise ValueError("queues deadlock: no worker can start its next task")
+    return max(clock), busy

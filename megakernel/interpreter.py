@@ -1,0 +1,116 @@
+"""The plan interpreter: executes a plan's instruction words in PyTorch, exactly as the workers would.
+
+Each worker runs its queue in order; a task starts only when each of its waits
+is satisfied (counter >= epoch × count) and then signals its counter.  Queues
+interleave either round-robin or in a random valid order, so any ordering bug
+the verifier missed shows up as a mismatch.  Counters only grow: epoch e needs
+e × count, so nothing is reset between steps.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from graph.isa import decode
+from graph.plan import Plan
+
+from .memory import Memory
+from .ops import REFERENCE
+
+
+class InterpreterDeadlock(RuntimeError):
+    pass
+
+
+@dataclass
+class StepResult:
+    logits: torch.Tensor  # [B, T, V]
+    tokens: torch.Tensor  # [B, T] greedy next tokens
+    hidden: torch.Tensor  # [B, T, H]
+    mtp_logits: list[torch.Tensor]
+    mtp_tokens: list[torch.Tensor]
+    mtp_hidden: list[torch.Tensor]
+
+
+class Interpreter:
+    def __init__(self, plan: Plan, weights: dict[str, torch.Tensor], device: torch.device | str = "cpu",
+                 dtype: torch.dtype | None = None):
+        self.plan = plan
+        self.mem = Memory(plan, weights, device, dtype)
+        self.tasks = [decode(w) for w in plan.words]
+        self.counters = [0] * plan.num_counters
+        self.epoch = 0
+        self.trace: list[int] = []  # task ids in execution order of the last step
+
+    @property
+    def T(self) -> int:
+        return self.plan.shape["T"]
+
+    @property
+    def B(self) -> int:
+        return self.plan.shape["B"]
+
+    def cache(self) -> torch.Tensor:
+        return self.mem.cache()
+
+    def step(self, tokens: torch.Tensor, cache_lens: torch.Tensor, order: str = "queue",
+             rng: random.Random | None = None, stop_after: int | None = None) -> StepResult:
+        """One decode step: tokens [B, T] at positions cache_lens[b] + t.  order: 'queue' or 'random'."""
+        B, T = self.B, self.T
+        if tuple(tokens.shape) != (B, T):
+            raise ValueError(f"tokens has shape {tuple(tokens.shape)}, the plan was compiled for ({B}, {T})")
+        max_len, passes = self.plan.shape["max_len"], self.plan.shape["mtp_passes"]
+        if int(cache_lens.max()) + T + passes > max_len:
+            raise ValueError(f"cache_lens up to {int(cache_lens.max())} + T={T} + {passes} MTP passes exceeds the "
+                             f"cache of {max_len} positions")
+        self.mem.io_view("in.tokens").copy_(tokens.reshape(-1, 1).to(torch.int32))
+        self.mem.io_view("in.cache_lens").copy_(cache_lens.reshape(-1, 1).to(torch.int32))
+        self.epoch += 1
+        self._run(order, rng or random.Random(0), stop_after)
+        return self.result()
+
+    def _ready(self, i: int) -> bool:
+        return all(self.counters[c] >= self.epoch * n for c, n in self.tasks[i].waits)
+
+    def _run(self, order: str, rng: random.Random, stop_after: int | None) -> None:
+        plan = self.plan
+        heads = [plan.queue_ptr[w] for w in range(plan.workers)]
+        ends = [plan.queue_ptr[w + 1] for w in range(plan.workers)]
+        self.trace = []
+        remaining = plan.num_tasks
+        while remaining:
+            runnable = [w for w in range(plan.workers) if heads[w] < ends[w] and self._ready(heads[w])]
+            if not runnable:
+                stuck = [(w, plan.task_labels[heads[w]], self.tasks[heads[w]].waits) for w in range(plan.workers)
+                         if heads[w] < ends[w]]
+                raise InterpreterDeadlock(f"no worker can run; waiting: {stuck[:4]}")
+            if order == "random":
+                workers = [rng.choice(runnable)]
+            else:
+                workers = runnable
+            for w in workers:
+                i = heads[w]
+                task = self.tasks[i]
+                REFERENCE[task.op.name](task, self.mem)
+                self.counters[task.signal] += 1
+                self.trace.append(i)
+                heads[w] += 1
+                remaining -= 1
+                if stop_after is not None and len(self.trace) >= stop_after:
+                    return
+
+    def result(self) -> StepResult:
+        B, T = self.B, self.T
+        view = self.mem.io_view
+        passes = self.plan.shape["mtp_passes"]
+        return StepResult(
+            logits=view("out.logits").clone().view(B, T, -1),
+            tokens=view("out.tokens").clone().view(B, T).long(),
+            hidden=view("out.hidden").clone().view(B, T, -1),
+            mtp_logits=[view(f"out.mtp{i}.logits").clone().view(B, T, -1) for i in range(passes)],
+            mtp_tokens=[view(f"out.mtp{i}.tokens").clone().view(B, T).long() for i in range(passes)],
+            mtp_hidden=[view(f"out.mtp{i}.hidden").clone().view(B, T, -1) for i in range(passes)],
+        )

@@ -1,0 +1,70 @@
+"""Device memory of a plan: the buffers tasks address, and typed views into them.
+
+Buffers are flat tensors: W (model-dtype weight arena), WF (fp32 weights and
+constants), A (fp32 activations), I (int32), C (the cache, [layers, B, S, width]).
+Weights are packed into the arenas at the offsets the plan chose.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graph.isa import Buf, Decoded
+from graph.plan import Plan
+from model.config import ModelConfig
+from model.weights import resolve_shared
+
+
+class Memory:
+    def __init__(self, plan: Plan, weights: dict[str, torch.Tensor], device: torch.device | str = "cpu",
+                 dtype: torch.dtype | None = None):
+        cfg = ModelConfig.from_hf_dict(plan.config)
+        w = resolve_shared(cfg, weights)
+        self.device = torch.device(device)
+        self.dtype = dtype or next(t.dtype for k, t in w.items() if k == "model.embed_tokens.weight")
+        sizes = plan.buffers
+        self.bufs: dict[int, torch.Tensor] = {
+            Buf.W: torch.zeros(max(1, sizes["W"]), dtype=self.dtype, device=self.device),
+            Buf.WF: torch.zeros(max(1, sizes["WF"]), dtype=torch.float32, device=self.device),
+            Buf.A: torch.full((max(1, sizes["A"]),), float("nan"), dtype=torch.float32, device=self.device),
+            Buf.I: torch.full((max(1, sizes["I"]),), -7, dtype=torch.int32, device=self.device),
+            Buf.C: torch.zeros(max(1, sizes["C"]), dtype=self.dtype, device=self.device),
+        }
+        for slot in plan.weights:
+            arena = self.bufs[slot.buf]
+            for hf_name, rel in slot.parts:
+                if hf_name not in w:
+                    raise KeyError(f"plan needs weight {hf_name}, which the weights do not have")
+                src = w[hf_name].reshape(-1)
+                arena[slot.offset + rel: slot.offset + rel + src.numel()] = src.to(arena.dtype)
+        for const in plan.consts:
+            data = torch.tensor(const["data"], dtype=torch.float32)
+            self.bufs[Buf.WF][const["offset"]: const["offset"] + data.numel()] = data
+        self.cfg = cfg
+        self.shape = plan.shape
+        self.io = plan.io
+
+    # ---- typed access --------------------------------------------------------
+    def mat(self, task: Decoded, key: str, rows: int, cols: int, row0: int = 0, col0: int = 0,
+            ld: int | None = None) -> torch.Tensor:
+        """A [rows, cols] view of operand `key` starting at (row0, col0)."""
+        buf = self.bufs[task[key + ".buf"]]
+        ld = task[key + ".ld"] if ld is None else ld
+        return buf.as_strided((rows, cols), (ld, 1), task[key + ".off"] + row0 * ld + col0)
+
+    def flat(self, task: Decoded, key: str, start: int, n: int) -> torch.Tensor:
+        return self.bufs[task[key + ".buf"]].as_strided((n,), (1,), task[key + ".off"] + start)
+
+    def present(self, task: Decoded, key: str) -> bool:
+        return task[key + ".buf"] >= 0
+
+    # ---- io ------------------------------------------------------------------
+    def io_view(self, name: str) -> torch.Tensor:
+        slot = self.io[name]
+        return self.bufs[slot.buf].as_strided((slot.rows, slot.cols), (slot.cols, 1), slot.offset)
+
+    def cache(self) -> torch.Tensor:
+        """The cache as [layers, B, S, width] (the reference Cache's layout)."""
+        s, cfg = self.shape, self.cfg
+        n = cfg.num_layers_total * s["B"] * s["max_len"] * cfg.cache_width
+        return self.bufs[Buf.C][:n].view(cfg.num_layers_total, s["B"], s["max_len"], cfg.cache_width)
