@@ -12,12 +12,12 @@ from model.config import ModelConfig
 from model.stats import step_bytes
 
 from .cost import CostModel
-from .fusion import fuse
+from .fusion import RULES, fuse
 from .cse import cse
 from .ir import Graph, Op
 from .isa import MAX_WAITS, OPCODES, WORDS, Buf, encode
 from .lower import StepShape, lower
-from .memory import ancestors, plan_memory
+from .memory import ancestors, plan_memory, weight_order
 from .plan import IOSlot, Plan, WeightSlot
 from .schedule import SchedTask, critical_path, round_robin
 from .tiling import Tiler, TilingOptions
@@ -32,13 +32,10 @@ class CompileOptions:
     fuse: bool = True
     reuse_memory: bool = True
     vocab_block: int = 4096
+    fusion_rules: tuple[str, ...] = RULES
     tiling: TilingOptions = field(default_factory=TilingOptions)
     cost: CostModel = field(default_factory=CostModel)
     verify: bool = True
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        return d
 
 
 class CompileError(ValueError):
@@ -55,10 +52,10 @@ def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | N
     if opts.cse:
         passes.append(cse(graph))
     if opts.fuse:
-        passes.append(fuse(graph))
+        passes.append(fuse(graph, opts.fusion_rules))
     graph.renumber()
     graph.prune()
-    mem = plan_memory(graph, reuse=opts.reuse_memory)
+    mem = plan_memory(graph, reuse=opts.reuse_memory, weights=canonical_weights(cfg))
     passes.append({"pass": "memory", "A_bytes": mem.sizes["A"] * 4, "I_bytes": mem.sizes["I"] * 4,
                    "unshared_bytes": mem.activation_bytes_unshared, "reused_blocks": mem.reused,
                    "W_elements": mem.sizes["W"], "WF_elements": mem.sizes["WF"]})
@@ -99,13 +96,20 @@ def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | N
                   "worker_ms": [b * 1e3 for b in sched.busy], "bytes": total_bytes,
                   "floor_ms": opts.cost.floor_seconds(step_bytes(cfg, shape.T, shape.B, shape.max_len).total) * 1e3},
         options={"workers": opts.workers, "scheduler": opts.scheduler, "cse": opts.cse, "fuse": opts.fuse,
-                 "tiling": dataclasses.asdict(opts.tiling)},
+                 "fusion_rules": list(opts.fusion_rules), "tiling": dataclasses.asdict(opts.tiling)},
     )
     if opts.verify:
         report = verify_plan(plan)
         passes.append({"pass": "verify", **report})
     passes.append({"pass": "total", "compile_s": round(time.perf_counter() - t0, 3)})
     return plan
+
+
+def canonical_weights(cfg: ModelConfig) -> list:
+    """The weight arena order shared by every plan of a model: a one-token decode step with
+    every MTP layer, as the unfused graph first reads them."""
+    n = cfg.num_nextn_predict_layers
+    return weight_order(lower(cfg, StepShape(T=1, B=1, max_len=1 + n, mtp_passes=n)))
 
 
 def _wait_list(op: Op, deps: dict[int, set[int]], anc: list[int], ntasks: dict[int, int]) -> list[tuple[int, int]]:

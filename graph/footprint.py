@@ -44,6 +44,15 @@ class Access:
             yield self.base + r * self.ld + self.col0, self.base + r * self.ld + self.col1
 
 
+def declared_disjoint(a: Access, b: Access) -> bool:
+    """Run-time-addressed writes of one op that cannot meet: different expert slots, or different token rows."""
+    if a.exclusive is None or b.exclusive is None or a.exclusive[:2] != b.exclusive[:2]:
+        return False
+    _, _, lo_a, hi_a = a.exclusive
+    _, _, lo_b, hi_b = b.exclusive
+    return hi_a <= lo_b or hi_b <= lo_a
+
+
 def overlaps(a: Access, b: Access) -> bool:
     if a.buf != b.buf or a.empty or b.empty or a.hi <= b.lo or b.hi <= a.lo:
         return False
@@ -127,9 +136,10 @@ def footprint(task: Decoded) -> list[Access]:
         r0, r1, T, S = f["r0"], f["r1"], f["T"], f["S"]
         out += _acc(task, "src", r0, r1, 0, f["cols"], False)
         out += _flat(task, "cl", r0 // T, (r1 - 1) // T + 1, False)
-        # positions come from the cache lengths at run time: every position of those sequences
+        # positions come from the cache lengths at run time: claim every position of those sequences;
+        # tiles of one op with disjoint rows write distinct positions (cache_lens[b] + t differs per t)
         out += _acc(task, "cache", (r0 // T) * S, ((r1 - 1) // T + 1) * S, f["col0"], f["col0"] + f["cols"], True,
-                    ld=f["width"])
+                    ld=f["width"], exclusive=(task.signal, "rows", r0, r1))
     elif name == "HEAD_MATMUL":
         N, h0, h1 = f["N"], f["h0"], f["h1"]
         for h in range(h0, h1):
@@ -181,7 +191,7 @@ def footprint(task: Decoded) -> list[Access]:
         N, K, k, S, r0, r1 = f["N"], f["K"], f["k"], f["S"], f["r0"], f["r1"]
         out += _acc(task, "x", 0, N if task.has("GATHER") else N * k, 0, K, False)
         out += _flat(task, "st", 0, 2 * S + S * N * k, False)
-        out += _acc(task, "out", 0, N * k, r0, r1, True, exclusive=(task.signal, f["slot"]))
+        out += _acc(task, "out", 0, N * k, r0, r1, True, exclusive=(task.signal, "slot", f["slot"], f["slot"] + 1))
     elif name == "MOE_COMBINE":
         r0, r1, H, k = f["r0"], f["r1"], f["H"], f["k"]
         out += _acc(task, "y", r0 * k, r1 * k, 0, H, False, ld=H) + _flat(task, "wts", r0 * k, r1 * k, False)

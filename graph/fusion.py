@@ -1,10 +1,200 @@
-"""Fusion (filled in below)."""
+"""Fusion: merge chains of ops into one op whose opcode runs the chain in a single task body.
+
+Rules, applied in this order (each names what it merged in the report):
+- swiglu:        LINEAR gate, LINEAR up, SiLU, mul        -> LINEAR[SILU_MUL]   (also for EXPERT_LINEAR)
+- moe_epilogue:  ADD(MOE_COMBINE, shared); ADD(res, ...)   -> MOE_COMBINE[SHARED, RES]
+                 (before residual_into_linear, so shared experts run beside the routed ones)
+- residual_into_linear:  ADD(res, LINEAR out)             -> LINEAR[RES]
+- residual_norm: ADD(a, b) feeding an RMSNORM              -> RMSNORM[ADD] (writes the sum too)
+- route:         ROUTE[SCORE], ROUTE[TOPK], ROUTE[SLOTS]   -> one ROUTE
+- hc_coeff:      HC_COEFF mix, act, sinkhorn, collapse     -> one HC_COEFF
+A tensor is absorbed only when the fused op is its sole reader and it is not
+an output.  The fused op takes the program position of the chain's last op.
+"""
 
 from __future__ import annotations
 
-from .ir import Graph
+from .ir import Graph, Op, View
+
+RULES = ("swiglu", "moe_epilogue", "residual_into_linear", "residual_norm", "route", "hc_coeff")
 
 
-def fuse(graph: Graph) -> dict:
+class _Ctx:
+    def __init__(self, graph: Graph):
+        self.g = graph
+        self.refresh()
+
+    def refresh(self) -> None:
+        self.g.renumber()
+        self.prod = {}
+        self.cons: dict[str, list[Op]] = {}
+        for op in self.g.ops:
+            for v in op.writes.values():
+                self.prod.setdefault(v.tensor, []).append(op)
+            for v in op.reads.values():
+                self.cons.setdefault(v.tensor, []).append(op)
+
+    def sole_producer(self, view: View, opcode: str, flag: str | None = None) -> Op | None:
+        """The single op writing this whole tensor, if it has that opcode (and flag)."""
+        if view.col0 or view.cols is not None:
+            return None
+        ops = self.prod.get(view.tensor, [])
+        if len(ops) != 1 or ops[0].opcode != opcode or (flag and flag not in ops[0].flags):
+            return None
+        return ops[0]
+
+    def private(self, tensor: str, reader: Op) -> bool:
+        """Only `reader` reads it and it is an ordinary activation."""
+        t = self.g.tensors[tensor]
+        return t.role == "act" and all(op is reader for op in self.cons.get(tensor, []))
+
+    def replace(self, absorbed: list[Op], fused: Op) -> None:
+        last = max(op.id for op in absorbed)
+        fused.fused_from = tuple(op.label for op in sorted(absorbed, key=lambda o: o.id))
+        gone = {id(op) for op in absorbed}
+        ops = []
+        for op in self.g.ops:
+            if op.id == last:
+                ops.append(fused)
+            elif id(op) not in gone:
+                ops.append(op)
+        self.g.ops = ops
+        self.refresh()
+
+
+def _new(op: Op, flags, reads, writes, attrs=None, label=None) -> Op:
+    return Op(-1, op.opcode, frozenset(flags), dict(attrs or op.attrs), reads, writes, label or op.label, op.layer)
+
+
+def _swiglu(ctx: _Ctx) -> str | None:
+    for mul in ctx.g.ops:
+        if mul.opcode != "EWISE" or "MUL" not in mul.flags:
+            continue
+        silu = ctx.sole_producer(mul.reads["a"], "EWISE", "SILU")
+        if silu is None or not ctx.private(silu.writes["out"].tensor, mul):
+            continue
+        for kind in ("LINEAR", "EXPERT_LINEAR"):
+            gate = ctx.sole_producer(silu.reads["a"], kind)
+            up = ctx.sole_producer(mul.reads["b"], kind)
+            if gate is None or up is None or gate is up or gate.reads["x"] != up.reads["x"] \
+                    or gate.flags != up.flags or gate.attrs.get("K") != up.attrs.get("K"):
+                continue
+            if not (ctx.private(gate.writes["out"].tensor, silu) and ctx.private(up.writes["out"].tensor, mul)):
+                continue
+            reads = dict(gate.reads)
+            reads["w2"] = up.reads["w"]
+            fused = _new(gate, gate.flags | {"SILU_MUL"}, reads, {"out": mul.writes["out"]},
+                         label=gate.label.rsplit(".", 1)[0] + ".gate_up")
+            ctx.replace([gate, up, silu, mul], fused)
+            return f"{gate.label} + {up.label} + silu + mul -> {kind}[SILU_MUL]"
+    return None
+
+
+def _residual_into_linear(ctx: _Ctx) -> str | None:
+    for add in ctx.g.ops:
+        if add.opcode != "EWISE" or "ADD" not in add.flags or "b" not in add.reads:
+            continue
+        for res_key, lin_key in (("a", "b"), ("b", "a")):
+            lin = ctx.sole_producer(add.reads[lin_key], "LINEAR")
+            if lin is None or "RES" in lin.flags or not ctx.private(lin.writes["out"].tensor, add):
+                continue
+            reads = dict(lin.reads)
+            reads["res"] = add.reads[res_key]
+            fused = _new(lin, lin.flags | {"RES"}, reads, {"out": add.writes["out"]})
+            ctx.replace([lin, add], fused)
+            return f"{add.label} -> {lin.label} LINEAR[RES]"
+    return None
+
+
+def _moe_epilogue(ctx: _Ctx) -> str | None:
+    for add in ctx.g.ops:
+        if add.opcode != "EWISE" or "ADD" not in add.flags or "b" not in add.reads:
+            continue
+        for mine, other in (("a", "b"), ("b", "a")):
+            comb = ctx.sole_producer(add.reads[mine], "MOE_COMBINE")
+            if comb is None or not ctx.private(comb.writes["out"].tensor, add):
+                continue
+            slot = "sh" if "SHARED" not in comb.flags else "res" if "RES" not in comb.flags else None
+            if slot is None:
+                continue
+            reads = dict(comb.reads)
+            reads[slot] = add.reads[other]
+            fused = _new(comb, comb.flags | {"SHARED" if slot == "sh" else "RES"}, reads, {"out": add.writes["out"]})
+            ctx.replace([comb, add], fused)
+            return f"{add.label} -> {comb.label} MOE_COMBINE[{'SHARED' if slot == 'sh' else 'RES'}]"
+    return None
+
+
+def _residual_norm(ctx: _Ctx) -> str | None:
+    for norm in ctx.g.ops:
+        if norm.opcode != "RMSNORM" or "ADD" in norm.flags:
+            continue
+        add = ctx.sole_producer(norm.reads["x"], "EWISE", "ADD")
+        if add is None or "b" not in add.reads or norm.reads["x"].col0:
+            continue
+        summed = add.writes["out"].tensor
+        if any(op.id < norm.id for op in ctx.cons.get(summed, []) if op is not norm):
+            continue  # another reader sits between the add and the norm
+        reads = dict(norm.reads)
+        reads["x"], reads["d"] = add.reads["a"], add.reads["b"]
+        writes = dict(norm.writes)
+        if ctx.g.tensors[summed].role == "output" or not ctx.private(summed, norm):
+            writes["xo"] = add.writes["out"]
+        fused = _new(norm, norm.flags | {"ADD"}, reads, writes)
+        ctx.replace([add, norm], fused)
+        return f"{add.label} -> {norm.label} RMSNORM[ADD]"
+    return None
+
+
+def _merge_stages(ctx: _Ctx, opcode: str, stages: tuple[str, ...], label_suffix: str) -> str | None:
+    """Merge an op running stage s with the op running the next stage on its private outputs."""
+    for first in ctx.g.ops:
+        if first.opcode != opcode:
+            continue
+        for second in ctx.g.ops[first.id + 1:]:
+            if second.opcode != opcode or second.layer != first.layer:
+                continue
+            produced = {v.tensor for v in first.writes.values()}
+            used = [k for k, v in second.reads.items() if v.tensor in produced]
+            if not used:
+                continue
+            mine = [s for s in stages if s in first.flags]
+            theirs = [s for s in stages if s in second.flags]
+            if not mine or not theirs or stages.index(theirs[0]) != stages.index(mine[-1]) + 1:
+                break
+            reads = dict(first.reads)
+            reads.update({k: v for k, v in second.reads.items() if v.tensor not in produced})
+            writes = {k: v for k, v in first.writes.items() if not ctx.private(v.tensor, second)}
+            writes.update(second.writes)
+            flags = first.flags | second.flags
+            label = first.label.rsplit(".", 1)[0] + label_suffix
+            fused = _new(first, flags, reads, writes, label=label)
+            ctx.replace([first, second], fused)
+            return f"{first.label} + {second.label} -> {opcode}[{'|'.join(s for s in stages if s in flags)}]"
+    return None
+
+
+def fuse(graph: Graph, rules: tuple[str, ...] = RULES) -> dict:
     before = len(graph.ops)
-    return {"pass": "fusion", "ops_before": before, "ops_after": len(graph.ops), "fused": 0, "changes": []}
+    unknown = set(rules) - set(RULES)
+    if unknown:
+        raise ValueError(f"unknown fusion rule(s) {sorted(unknown)}; rules are {RULES}")
+    ctx = _Ctx(graph)
+    impl = {
+        "swiglu": _swiglu,
+        "residual_into_linear": _residual_into_linear,
+        "moe_epilogue": _moe_epilogue,
+        "residual_norm": _residual_norm,
+        "route": lambda c: _merge_stages(c, "ROUTE", ("SCORE", "TOPK", "SLOTS"), ".route"),
+        "hc_coeff": lambda c: _merge_stages(c, "HC_COEFF", ("MIX", "ACT", "SINK", "COLLAPSE"), ".coeff"),
+    }
+    changes, per_rule = [], {}
+    for rule in RULES:
+        if rule not in rules:
+            continue
+        while (change := impl[rule](ctx)) is not None:
+            changes.append(change)
+            per_rule[rule] = per_rule.get(rule, 0) + 1
+    graph.prune()
+    return {"pass": "fusion", "ops_before": before, "ops_after": len(graph.ops), "fused": len(changes),
+            "per_rule": per_rule, "changes": changes}

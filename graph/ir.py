@@ -100,7 +100,7 @@ class Graph:
     def prune(self) -> int:
         """Drop tensors no op touches (after passes merged ops away); returns how many."""
         used = {v.tensor for op in self.ops for v in (*op.reads.values(), *op.writes.values())}
-        dead = [n for n, t in self.tensors.items() if n not in used and t.role in ("act", "const")]
+        dead = [n for n, t in self.tensors.items() if n not in used and t.role == "act"]
         for n in dead:
             del self.tensors[n]
         return len(dead)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .ir import Graph
+from .ir import Graph, Tensor
 from .isa import Buf
 
 ALIGN = 64  # elements: keeps rows of bf16 weights 128-byte aligned
@@ -48,16 +48,26 @@ class MemoryReport:
     reused: int
 
 
-def plan_memory(graph: Graph, reuse: bool = True) -> MemoryReport:
-    anc = ancestors(graph)
-    sizes = {b: 0 for b in Buf}
-    # weights and constants: first use order (ops are in the order a step runs them)
+def weight_order(graph: Graph) -> list[Tensor]:
+    """Weights and constants in the order the graph's ops first read them."""
+    seen: dict[str, Tensor] = {}
     for op in graph.ops:
         for view in op.reads.values():
             t = graph.tensors[view.tensor]
-            if t.role in ("weight", "const") and t.offset is None:
-                t.offset = _align(sizes[t.buf])
-                sizes[t.buf] = t.offset + t.numel
+            if t.role in ("weight", "const") and t.name not in seen:
+                seen[t.name] = t
+    return list(seen.values())
+
+
+def plan_memory(graph: Graph, reuse: bool = True, weights: list[Tensor] | None = None) -> MemoryReport:
+    """`weights`: the arena order (default: this graph's first-use order).  Passing one canonical
+    order for every shape gives all plans of a model one weight layout, so they can share it."""
+    anc = ancestors(graph)
+    sizes = {b: 0 for b in Buf}
+    for w in weights if weights is not None else weight_order(graph):
+        t = graph.tensors.setdefault(w.name, Tensor(w.name, w.buf, w.rows, w.cols, w.role, w.parts, w.data))
+        t.offset = _align(sizes[t.buf])
+        sizes[t.buf] = t.offset + t.numel
     for t in graph.tensors.values():
         if t.role == "cache":
             t.offset = sizes[Buf.C]

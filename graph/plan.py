@@ -82,7 +82,7 @@ class Plan:
             "io": {k: asdict(v) for k, v in self.io.items()}, "passes": self.passes, "estimate": self.estimate,
             "options": self.options,
         }
-        return json.dumps(d, sort_keys=True)
+        return json.dumps(d)
 
     @classmethod
     def from_json(cls, text: str, verify: bool = True) -> "Plan":

@@ -28,7 +28,7 @@ class Region:
 
 @dataclass
 class TilingOptions:
-    tile_bytes: int = 64 * 1024  # weight bytes one task streams
+    tile_bytes: int = 256 * 1024  # weight bytes one task streams
     row_align: int = 16  # weight rows per task are a multiple of this (or all rows)
     act_rows: int = 16  # activation rows per task for row-parallel ops
     attn_heads: int = 0  # query heads per attention task (0: all for MLA, one KV group for GQA)

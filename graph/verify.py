@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from .footprint import READ_ONLY, Access, footprint, overlaps
+from .footprint import READ_ONLY, Access, declared_disjoint, footprint, overlaps
 from .isa import Buf, decode
 
 
@@ -88,7 +88,7 @@ def verify_plan(plan, check_hazards: bool = True) -> dict:
             groups[t.signal][a.buf].append((i, a))
     checked = 0
     if check_hazards:
-        hb = _HappensBefore(clocks, worker_of, pos)
+        hb = _HappensBefore(clocks, worker_of, pos, signallers)
         checked = _check_hazards(groups, signallers, hb, name)
     return {"tasks": n, "counters": C, "hazard_pairs_checked": checked}
 
@@ -131,26 +131,35 @@ def _vector_clocks(order, preds, n, workers, worker_of, pos) -> np.ndarray:
 
 
 class _HappensBefore:
-    def __init__(self, clocks, worker_of, pos):
+    def __init__(self, clocks, worker_of, pos, signallers):
         self.clocks, self.worker, self.pos = clocks, np.asarray(worker_of), np.asarray(pos)
+        W = clocks.shape[1]
+        # per group: the last queue position it occupies on each worker, and the earliest
+        # clock among its tasks (what every one of its tasks is known to come after)
+        self.last: dict[int, np.ndarray] = {}
+        self.floor: dict[int, np.ndarray] = {}
+        for g, members in signallers.items():
+            members = np.asarray(members)
+            last = np.full(W, -1, dtype=np.int64)
+            np.maximum.at(last, self.worker[members], self.pos[members])
+            self.last[g] = last
+            self.floor[g] = clocks[members].min(axis=0)
 
     def task(self, a: int, b: int) -> bool:
         return self.pos[a] <= self.clocks[b][self.worker[a]]
 
-    def group(self, first: list[int], then: list[int]) -> bool:
-        """Every task of `first` happens before every task of `then`."""
-        last = np.full(self.clocks.shape[1], -1, dtype=np.int64)
-        np.maximum.at(last, self.worker[first], self.pos[first])
+    def group(self, first: int, then: int) -> bool:
+        """Every task of group `first` happens before every task of group `then`."""
+        last = self.last[first]
         used = last >= 0
-        return bool((self.clocks[np.asarray(then)][:, used] >= last[used]).all())
+        return bool((self.floor[then][used] >= last[used]).all())
 
 
 def _conflict(i: int, a: Access, j: int, b: Access, hb: _HappensBefore, name) -> bool:
     """Raise if the two accesses race; returns whether the pair needed a check."""
     if i == j or not (a.write or b.write):
         return False
-    if a.exclusive is not None and b.exclusive is not None and a.exclusive[0] == b.exclusive[0] \
-            and a.exclusive != b.exclusive:
+    if declared_disjoint(a, b):
         return False
     if overlaps(a, b) and not (hb.task(i, j) or hb.task(j, i)):
         kind = "write-after-write" if a.write and b.write else "read/write"
@@ -214,8 +223,7 @@ def _check_hazards(groups, signallers, hb: _HappensBefore, name) -> int:
                 if gx != gy:
                     pair = (min(gx, gy), max(gx, gy))
                     if pair not in ordered:
-                        tx, ty = signallers[gx], signallers[gy]
-                        ordered[pair] = hb.group(tx, ty) or hb.group(ty, tx)
+                        ordered[pair] = hb.group(gx, gy) or hb.group(gy, gx)
                     if ordered[pair]:
                         continue
                 for i, a in members[kx]:

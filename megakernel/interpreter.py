@@ -36,10 +36,10 @@ class StepResult:
 
 
 class Interpreter:
-    def __init__(self, plan: Plan, weights: dict[str, torch.Tensor], device: torch.device | str = "cpu",
-                 dtype: torch.dtype | None = None):
+    def __init__(self, plan: Plan, weights: dict[str, torch.Tensor] | None, device: torch.device | str = "cpu",
+                 dtype: torch.dtype | None = None, share: Memory | None = None):
         self.plan = plan
-        self.mem = Memory(plan, weights, device, dtype)
+        self.mem = Memory(plan, weights, device, dtype, share)
         self.tasks = [decode(w) for w in plan.words]
         self.counters = [0] * plan.num_counters
         self.epoch = 0

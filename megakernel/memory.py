@@ -16,19 +16,33 @@ from model.weights import resolve_shared
 
 
 class Memory:
-    def __init__(self, plan: Plan, weights: dict[str, torch.Tensor], device: torch.device | str = "cpu",
-                 dtype: torch.dtype | None = None):
+    """Buffers for one plan.  `share` reuses another Memory's weights and cache (plans of one
+    model for other T have the same weight layout and cache shape; this is checked)."""
+
+    def __init__(self, plan: Plan, weights: dict[str, torch.Tensor] | None, device: torch.device | str = "cpu",
+                 dtype: torch.dtype | None = None, share: "Memory | None" = None):
         cfg = ModelConfig.from_hf_dict(plan.config)
-        w = resolve_shared(cfg, weights)
+        self.cfg, self.shape, self.io = cfg, plan.shape, plan.io
         self.device = torch.device(device)
-        self.dtype = dtype or next(t.dtype for k, t in w.items() if k == "model.embed_tokens.weight")
         sizes = plan.buffers
+        acts = {
+            Buf.A: torch.full((max(1, sizes["A"]),), float("nan"), dtype=torch.float32, device=self.device),
+            Buf.I: torch.full((max(1, sizes["I"]),), -7, dtype=torch.int32, device=self.device),
+        }
+        if share is not None:
+            if share.layout != _layout(plan):
+                raise ValueError("plans do not share a weight layout and cache shape; cannot share buffers")
+            self.dtype, self.layout = share.dtype, share.layout
+            self.bufs = {**{b: share.bufs[b] for b in (Buf.W, Buf.WF, Buf.C)}, **acts}
+            return
+        w = resolve_shared(cfg, weights)
+        self.dtype = dtype or w["model.embed_tokens.weight"].dtype
+        self.layout = _layout(plan)
         self.bufs: dict[int, torch.Tensor] = {
             Buf.W: torch.zeros(max(1, sizes["W"]), dtype=self.dtype, device=self.device),
             Buf.WF: torch.zeros(max(1, sizes["WF"]), dtype=torch.float32, device=self.device),
-            Buf.A: torch.full((max(1, sizes["A"]),), float("nan"), dtype=torch.float32, device=self.device),
-            Buf.I: torch.full((max(1, sizes["I"]),), -7, dtype=torch.int32, device=self.device),
             Buf.C: torch.zeros(max(1, sizes["C"]), dtype=self.dtype, device=self.device),
+            **acts,
         }
         for slot in plan.weights:
             arena = self.bufs[slot.buf]
@@ -40,9 +54,6 @@ class Memory:
         for const in plan.consts:
             data = torch.tensor(const["data"], dtype=torch.float32)
             self.bufs[Buf.WF][const["offset"]: const["offset"] + data.numel()] = data
-        self.cfg = cfg
-        self.shape = plan.shape
-        self.io = plan.io
 
     # ---- typed access --------------------------------------------------------
     def mat(self, task: Decoded, key: str, rows: int, cols: int, row0: int = 0, col0: int = 0,
@@ -68,3 +79,9 @@ class Memory:
         s, cfg = self.shape, self.cfg
         n = cfg.num_layers_total * s["B"] * s["max_len"] * cfg.cache_width
         return self.bufs[Buf.C][:n].view(cfg.num_layers_total, s["B"], s["max_len"], cfg.cache_width)
+
+
+def _layout(plan: Plan) -> tuple:
+    return (tuple((w.name, w.buf, w.offset) for w in plan.weights),
+            tuple((c["name"], c["offset"]) for c in plan.consts),
+            plan.buffers["W"], plan.buffers["WF"], plan.buffers["C"], plan.shape["B"], plan.shape["max_len"])

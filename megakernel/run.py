@@ -1,7 +1,8 @@
 """Command line: ``python -m megakernel.run`` decodes with a model and reports what it did.
 
 With no arguments it runs an embedded default that finishes in seconds: on a
-CPU the tiny MoE model, on a GPU the DeepSeek-V2-Lite shape.  ``--describe``
+CPU the tiny MoE model through the compiled plan and the plan interpreter, on a
+GPU the DeepSeek-V2-Lite shape.  ``--describe``
 prints sizes without allocating weights.
 """
 
@@ -16,10 +17,14 @@ from pathlib import Path
 
 import torch
 
-from model import ConfigError, CheckpointError, ModelConfig, PRESETS, Reference, init_weights, load_checkpoint, preset
-from model.reference import Cache, CacheOverflowError
+from graph.compile import CompileOptions, compile_step
+from graph.lower import StepShape
+from model import ConfigError, CheckpointError, ModelConfig, PRESETS, init_weights, load_checkpoint, preset
+from model.reference import CacheOverflowError
 from model.schema import DTYPES
 from model.stats import describe
+
+from .engine import make_engine
 
 DEFAULT_CPU_MODEL = "tiny-moe"
 DEFAULT_GPU_MODEL = "dsv2-lite"
@@ -41,6 +46,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ctx", type=int, default=4096, help="context length --describe counts cache bytes for")
     p.add_argument("--describe", action="store_true",
                    help="print parameters, active parameters per token and bytes per decode step, allocate nothing")
+    p.add_argument("--backend", choices=["reference", "interpret"], default=None,
+                   help="reference: the unfused PyTorch model; interpret: the compiled plan run by the plan "
+                        "interpreter (default: interpret on a CPU, reference on a GPU)")
+    p.add_argument("--workers", type=int, default=8, help="workers (queues) a plan is scheduled on (default 8)")
+    p.add_argument("--plan", action="store_true", help="print the decode-step plan's description and exit")
+    p.add_argument("--check", action="store_true",
+                   help="run the reference on the same tokens and exit non-zero on a mismatch")
     p.add_argument("--json", metavar="PATH", help="also write machine-readable results to PATH")
     return p.parse_args(argv)
 
@@ -80,60 +92,79 @@ def print_describe(name: str, d: dict) -> None:
                   f"(weights {_fmt_bytes(value['weights'])}, cache {_fmt_bytes(value['cache'])} at ctx {d['context']}{extra})")
 
 
+def plan_summary(plan) -> dict:
+    passes = {p["pass"]: p for p in plan.passes}
+    fusion = passes.get("fusion", {})
+    lowered = passes["lower"]["ops"]
+    return {
+        "ops_before": lowered,
+        "ops_after": fusion.get("ops_after", passes.get("cse", {}).get("ops_after", lowered)),
+        "cse_merged": passes.get("cse", {}).get("merged", 0),
+        "fused": fusion.get("fused", 0),
+        "tasks": plan.num_tasks,
+        "workers": plan.workers,
+        "critical_path_ms_est": plan.estimate["critical_path_ms"],
+        "compile_s": passes["total"]["compile_s"],
+    }
+
+
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     name = args.model or (DEFAULT_GPU_MODEL if device.type == "cuda" else DEFAULT_CPU_MODEL)
+    backend = args.backend or ("reference" if device.type == "cuda" else "interpret")
     cfg, path = resolve_config(name)
     result: dict = {"model": name, "describe": describe(cfg, context=args.ctx)}
     if args.describe:
         print_describe(name, result["describe"])
         return result
-
-    for flag in ("steps", "prompt_len", "batch"):
+    for flag in ("steps", "prompt_len", "batch", "workers"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    max_len = args.prompt_len + args.steps
+    options = CompileOptions(workers=args.workers)
+    if args.plan:
+        plan = compile_step(cfg, StepShape(T=1, B=args.batch, max_len=max_len), options)
+        print(plan.describe())
+        result["plan"] = plan_summary(plan)
+        return result
+
     dtype = DTYPES[args.dtype] if args.dtype else (DTYPES[cfg.dtype] if device.type == "cuda" else torch.float32)
     cfg, weights, source = load_weights(cfg, path, args.seed, device, dtype)
-    ref = Reference(cfg, weights)
+    engine = make_engine(cfg, weights, backend, args.batch, max_len, device, dtype, workers=args.workers,
+                         check=args.check, seed=args.seed, options=options)
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt_len), generator=gen).to(device)
-    cache = Cache.allocate(cfg, args.batch, args.prompt_len + args.steps, dtype, device)
-    lens = torch.zeros(args.batch, dtype=torch.long, device=device)
-
-    def timed(fn):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        out = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return out, time.perf_counter() - t0
-
-    out, prefill_s = timed(lambda: ref.step(prompt, cache, lens))
-    lens += args.prompt_len
-    tokens = out.logits[:, -1].argmax(-1, keepdim=True)
-    generated, step_s = [tokens], []
-    for _ in range(args.steps - 1):
-        out, dt = timed(lambda: ref.step(tokens, cache, lens))
-        lens += 1
-        tokens = out.logits[:, -1].argmax(-1, keepdim=True)
-        generated.append(tokens)
-        step_s.append(dt)
-    generated_tokens = torch.cat(generated, dim=1).cpu()
-    step_ms = statistics.median(step_s) * 1e3 if step_s else float("nan")
+    tokens, prefill_s = engine.generate(prompt, args.steps)
+    steps = engine.step_seconds
+    step_ms = statistics.median(steps) * 1e3 if steps else float("nan")
     result.update(
-        weights=source, device=str(device), dtype=str(dtype).removeprefix("torch."), backend="reference",
+        weights=source, device=str(device), dtype=str(dtype).removeprefix("torch."), backend=backend,
         batch=args.batch, prompt_len=args.prompt_len, steps=args.steps, prefill_ms=prefill_s * 1e3,
-        step_ms_median=step_ms, tokens_per_s=args.batch * 1e3 / step_ms if step_s else None,
-        tokens=generated_tokens.tolist(),
+        step_ms_median=step_ms, tokens_per_s=args.batch * 1e3 / step_ms if steps else None,
+        tokens=tokens.cpu().tolist(),
     )
+    what = {"reference": "unfused PyTorch reference", "interpret": "compiled plan, run by the plan interpreter"}
     print(f"model {name} ({cfg.architecture}) on {device}, {result['dtype']}, {source}")
-    print(f"backend reference (unfused PyTorch): prompt of {args.prompt_len} random tokens x {args.batch} "
+    print(f"backend {backend} ({what[backend]}): prompt of {args.prompt_len} random tokens x {args.batch} "
           f"sequence(s), {args.steps} greedy tokens each")
+    if backend == "interpret":
+        plan = engine.backend.plan(1)
+        result["plan"] = plan_summary(plan)
+        p = result["plan"]
+        print(f"  plan (T=1): {p['ops_before']} ops lowered -> {p['ops_after']} after CSE and fusion, "
+              f"{p['tasks']} tasks on {p['workers']} workers; compiled {len(engine.backend.plans)} plan(s) "
+              f"in {engine.backend.compile_s:.2f} s")
     print(f"  prefill {result['prefill_ms']:.1f} ms; decode step median {step_ms:.2f} ms "
           f"({result['tokens_per_s'] or 0:.1f} tokens/s)")
-    for b, row in enumerate(generated_tokens.tolist()):
+    for b, row in enumerate(result["tokens"]):
         print(f"  sequence {b}: {row}")
+    if engine.check is not None:
+        result["check"] = engine.check.to_dict()
+        c = result["check"]
+        verdict = "PASS" if c["ok"] else "FAIL"
+        print(f"  check against the reference ({c['tokens_compared']} positions): max relative error "
+              f"{c['max_rel_err']:.2e} (tolerance {c['tolerance']:.0e}), tokens equal {c['tokens_equal']}/"
+              f"{c['tokens_compared']} -> {verdict}")
     return result
 
 
@@ -146,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if "check" in result and not result["check"]["ok"]:
+        print("error: the engine's output does not match the reference", file=sys.stderr)
+        return 1
     return 0
 
 

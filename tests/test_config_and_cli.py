@@ -73,8 +73,53 @@ def test_default_run_prints_what_it_did(capsys, tmp_path):
     assert main(["--json", str(tmp_path / "r.json"), "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "tiny-moe" in out and "seeded random weights (seed 0)" in out and "tokens/s" in out
+    assert "plan interpreter" in out
     r = json.loads((tmp_path / "r.json").read_text())
-    assert r["model"] == "tiny-moe" and len(r["tokens"][0]) == r["steps"] == 16
+    assert r["model"] == "tiny-moe" and r["backend"] == "interpret" and len(r["tokens"][0]) == r["steps"] == 16
+    assert set(r["plan"]) >= {"ops_before", "ops_after", "cse_merged", "tasks", "workers", "critical_path_ms_est"}
+
+
+def test_interpreter_and_reference_backends_agree(capsys):
+    runs = {}
+    for backend in ("reference", "interpret"):
+        assert main(["--device", "cpu", "--backend", backend, "--steps", "6", "--batch", "2", "--json", f"/dev/null"]) == 0
+    out = capsys.readouterr().out.split("model tiny-moe")
+    runs = [[line for line in o.splitlines() if line.strip().startswith("sequence")] for o in out[1:]]
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-dense", "tiny-mhc"])
+def test_check_passes_and_is_reported(name, tmp_path, capsys):
+    assert main(["--model", name, "--backend", "interpret", "--check", "--steps", "5", "--batch", "2",
+                 "--json", str(tmp_path / "r.json")]) == 0
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["check"]["ok"] and r["check"]["tokens_match"] and r["check"]["max_rel_err"] <= 1e-5
+    assert "PASS" in capsys.readouterr().out
+
+
+def test_check_fails_on_a_mismatch(monkeypatch, capsys):
+    import megakernel.ops as ops
+    real = ops.REFERENCE["ATTN_COMBINE"]
+
+    def broken(task, mem):
+        real(task, mem)
+        mem.mat(task, "out", 1, 4, row0=task["b"] * task["T"]).mul_(1.5)
+    monkeypatch.setitem(ops.REFERENCE, "ATTN_COMBINE", broken)
+    assert main(["--backend", "interpret", "--check", "--steps", "3"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_check_works_for_a_model_dir(tmp_path):
+    cfg = preset("tiny-moe").replace(num_hidden_layers=2, q_lora_rank=None)
+    save_checkpoint(cfg, init_weights(cfg, seed=5), tmp_path)
+    assert main(["--model", str(tmp_path), "--backend", "interpret", "--check", "--steps", "3"]) == 0
+
+
+def test_plan_flag_prints_the_plan(capsys, tmp_path):
+    assert main(["--model", "dsv2-lite", "--plan", "--workers", "132", "--json", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert "fusion" in out and "tasks:" in out and "critical path" in out
+    assert json.loads((tmp_path / "p.json").read_text())["plan"]["tasks"] > 1000
 
 
 def test_describe_dsv2_lite_allocates_nothing(capsys, monkeypatch):

@@ -10,7 +10,8 @@ def reference(task, mem) -> None:
     v = mem.mat(task, "x", r1 - r0, D, row0=r0).float()
     if task.has("ADD"):
         v = v + mem.mat(task, "d", r1 - r0, D, row0=r0).float()
-        mem.mat(task, "xo", r1 - r0, D, row0=r0).copy_(v)
+        if mem.present(task, "xo"):
+            mem.mat(task, "xo", r1 - r0, D, row0=r0).copy_(v)
     y = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + task["eps"])
     if not task.has("NOWEIGHT"):
         y = y * mem.flat(task, "w", 0, D).float()

@@ -1,0 +1,176 @@
+"""The engine: prefill and greedy decode over a backend, optionally checked step by step against the reference.
+
+Backends run one step of T tokens for B sequences at given cache lengths:
+- `reference`: the unfused PyTorch model (model/reference);
+- `interpret`: compiled plans run by the plan interpreter (one plan per T, all sharing weights and cache).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from graph.compile import CompileOptions, compile_step
+from graph.lower import StepShape
+from graph.plan import Plan
+from model.config import ModelConfig
+from model.reference import Cache, Reference
+
+from .interpreter import Interpreter
+
+
+@dataclass
+class StepLogits:
+    logits: torch.Tensor  # [B, T, V] fp32
+    hidden: torch.Tensor  # [B, T, H]
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def __init__(self, cfg: ModelConfig, weights, batch: int, max_len: int, device, dtype):
+        self.ref = Reference(cfg, weights)
+        self.cache = Cache.allocate(cfg, batch, max_len, dtype, device)
+
+    def run(self, tokens: torch.Tensor, lens: torch.Tensor) -> StepLogits:
+        out = self.ref.step(tokens, self.cache, lens)
+        return StepLogits(out.logits, out.hidden)
+
+    def cache_data(self) -> torch.Tensor:
+        return self.cache.data
+
+
+class InterpreterBackend:
+    name = "interpret"
+
+    def __init__(self, cfg: ModelConfig, weights, batch: int, max_len: int, device, dtype,
+                 options: CompileOptions, order: str = "queue", seed: int = 0):
+        self.cfg, self.weights, self.batch, self.max_len = cfg, weights, batch, max_len
+        self.device, self.dtype, self.options, self.order = device, dtype, options, order
+        self.rng = random.Random(seed)
+        self.plans: dict[int, Plan] = {}
+        self.interpreters: dict[int, Interpreter] = {}
+        self.compile_s = 0.0
+
+    def plan(self, T: int) -> Plan:
+        if T not in self.plans:
+            t0 = time.perf_counter()
+            self.plans[T] = compile_step(self.cfg, StepShape(T=T, B=self.batch, max_len=self.max_len), self.options)
+            self.compile_s += time.perf_counter() - t0
+        return self.plans[T]
+
+    def interpreter(self, T: int) -> Interpreter:
+        if T not in self.interpreters:
+            share = next(iter(self.interpreters.values())).mem if self.interpreters else None
+            self.interpreters[T] = Interpreter(self.plan(T), None if share else self.weights, self.device,
+                                               self.dtype, share=share)
+        return self.interpreters[T]
+
+    def run(self, tokens: torch.Tensor, lens: torch.Tensor) -> StepLogits:
+        out = self.interpreter(tokens.shape[1]).step(tokens, lens, order=self.order, rng=self.rng)
+        return StepLogits(out.logits, out.hidden)
+
+    def cache_data(self) -> torch.Tensor:
+        return next(iter(self.interpreters.values())).cache()
+
+
+@dataclass
+class CheckStats:
+    """The engine's logits against the reference's, fed the same tokens (teacher forcing)."""
+
+    tolerance: float
+    max_rel_err: float = 0.0
+    tokens_compared: int = 0
+    tokens_equal: int = 0
+    mismatches_outside_ties: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.max_rel_err <= self.tolerance and self.mismatches_outside_ties == 0
+
+    def add(self, got: torch.Tensor, want: torch.Tensor) -> None:
+        g, w = got.double(), want.double()
+        self.max_rel_err = max(self.max_rel_err, float((g - w).norm() / w.norm().clamp_min(1e-30)))
+        top2 = w.topk(2, dim=-1).values
+        near_tie = (top2[..., 0] - top2[..., 1]) <= self.tolerance * w.abs().amax(-1).clamp_min(1.0)
+        equal = g.argmax(-1) == w.argmax(-1)
+        self.tokens_compared += equal.numel()
+        self.tokens_equal += int(equal.sum())
+        self.mismatches_outside_ties += int((~equal & ~near_tie).sum())
+
+    def to_dict(self) -> dict:
+        return {"max_rel_err": self.max_rel_err, "tolerance": self.tolerance, "tokens_compared": self.tokens_compared,
+                "tokens_match": self.tokens_equal == self.tokens_compared, "tokens_equal": self.tokens_equal,
+                "mismatches_outside_near_ties": self.mismatches_outside_ties, "ok": self.ok}
+
+
+@dataclass
+class Engine:
+    cfg: ModelConfig
+    backend: object
+    batch: int
+    max_len: int
+    device: torch.device
+    max_chunk: int = 8  # prefill runs in steps of at most this many tokens
+    checker: ReferenceBackend | None = None
+    check: CheckStats | None = None
+    step_seconds: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.lens = torch.zeros(self.batch, dtype=torch.long, device=self.device)
+
+    def _step(self, tokens: torch.Tensor) -> torch.Tensor:
+        if int(self.lens.max()) + tokens.shape[1] > self.max_len:
+            raise ValueError(f"the cache holds {self.max_len} positions; this step would need "
+                             f"{int(self.lens.max()) + tokens.shape[1]}")
+        sync = self.device.type == "cuda"
+        if sync:
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        out = self.backend.run(tokens, self.lens)
+        if sync:
+            torch.cuda.synchronize(self.device)
+        self.step_seconds.append(time.perf_counter() - t0)
+        if self.checker is not None:
+            self.check.add(out.logits, self.checker.run(tokens, self.lens).logits)
+        self.lens = self.lens + tokens.shape[1]
+        return out.logits
+
+    def prefill(self, prompts: torch.Tensor) -> torch.Tensor:
+        """prompts [B, S] -> logits of the last position [B, V]."""
+        logits = None
+        for start in range(0, prompts.shape[1], self.max_chunk):
+            logits = self._step(prompts[:, start:start + self.max_chunk])
+        return logits[:, -1]
+
+    def generate(self, prompts: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float]:
+        """Greedy: returns (tokens [B, new_tokens], prefill seconds)."""
+        t0 = time.perf_counter()
+        last = self.prefill(prompts)
+        prefill_s = time.perf_counter() - t0
+        self.step_seconds.clear()
+        out = [last.argmax(-1, keepdim=True)]
+        for _ in range(new_tokens - 1):
+            out.append(self._step(out[-1])[:, -1].argmax(-1, keepdim=True))
+        return torch.cat(out, dim=1), prefill_s
+
+
+def make_engine(cfg: ModelConfig, weights, backend: str, batch: int, max_len: int, device, dtype,
+                workers: int = 8, check: bool = False, order: str = "queue", seed: int = 0,
+                options: CompileOptions | None = None) -> Engine:
+    device = torch.device(device)
+    if backend == "reference":
+        impl = ReferenceBackend(cfg, weights, batch, max_len, device, dtype)
+    elif backend == "interpret":
+        impl = InterpreterBackend(cfg, weights, batch, max_len, device, dtype,
+                                  options or CompileOptions(workers=workers), order, seed)
+    else:
+        raise ValueError(f"unknown backend {backend!r} (reference, interpret)")
+    engine = Engine(cfg, impl, batch, max_len, device)
+    if check:
+        engine.checker = ReferenceBackend(cfg, weights, batch, max_len, device, dtype)
+        engine.check = CheckStats(tolerance=1e-4 if dtype == torch.float32 else 2e-2)
+    return engine

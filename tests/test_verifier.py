@@ -1,0 +1,132 @@
+"""Mutation tests: the static verifier rejects plans that could deadlock, race or read out of bounds."""
+
+import copy
+
+import numpy as np
+import pytest
+
+import graph.memory
+from graph.compile import CompileOptions, compile_step
+from graph.isa import HEADER, LAYOUTS, decode
+from graph.lower import StepShape
+from graph.verify import PlanError, verify_plan
+from model import preset
+
+
+def _plan(workers=2, scheduler="round_robin", name="tiny-moe"):
+    return compile_step(preset(name), StepShape(T=2, B=2, max_len=16, mtp_passes=1),
+                        CompileOptions(workers=workers, scheduler=scheduler))
+
+
+def _worker_of(plan):
+    out = {}
+    for w in range(plan.workers):
+        for i in plan.queue(w):
+            out[i] = w
+    return out
+
+
+def test_compiled_plans_pass():
+    for name in ("tiny-moe", "tiny-dense", "tiny-mhc"):
+        verify_plan(_plan(name=name, workers=5, scheduler="critical_path"))
+
+
+def test_dropped_dependency_is_a_hazard():
+    plan = _plan()
+    worker, tasks = _worker_of(plan), [decode(w) for w in plan.words]
+    signallers = {}
+    for i, t in enumerate(tasks):
+        signallers.setdefault(t.signal, []).append(i)
+    for i, t in enumerate(tasks):
+        if len(t.waits) != 1:
+            continue
+        c, _ = t.waits[0]
+        producers = signallers[c]
+        prev = i - 1 if i > plan.queue_ptr[worker[i]] else None
+        # the producer runs elsewhere and nothing earlier in this queue comes after it
+        if all(worker[p] != worker[i] for p in producers) and (prev is None or tasks[prev].signal < c):
+            bad = copy.deepcopy(plan)
+            bad.words[i, 3:5] = (-1, 0)
+            with pytest.raises(PlanError, match="hazard"):
+                verify_plan(bad)
+            return
+    pytest.fail("no task to mutate")
+
+
+def test_queue_order_cycle_is_a_deadlock():
+    plan = _plan(workers=1)
+    tasks = [decode(w) for w in plan.words]
+    for i, t in enumerate(tasks):
+        for c, _ in t.waits:
+            producer = next(j for j, u in enumerate(tasks) if u.signal == c)
+            bad = copy.deepcopy(plan)
+            bad.words[[producer, i]] = bad.words[[i, producer]]
+            bad.task_labels[producer], bad.task_labels[i] = bad.task_labels[i], bad.task_labels[producer]
+            with pytest.raises(PlanError, match="deadlock"):
+                verify_plan(bad)
+            return
+
+
+@pytest.mark.parametrize("delta", [1, -1])
+def test_wrong_wait_count(delta):
+    plan = _plan()
+    i = next(i for i in range(plan.num_tasks) if decode(plan.words[i]).waits)
+    bad = copy.deepcopy(plan)
+    bad.words[i, 4] += delta
+    with pytest.raises(PlanError, match=r"to reach \d+ per step but \d+ task\(s\) signal it"):
+        verify_plan(bad)
+
+
+def test_overlapping_live_buffers(monkeypatch):
+    """A memory planner that puts every activation at the start of its buffer must be caught."""
+    def overlapping(segs, size, before, users, base):
+        size = max([size] + [s.size for s in segs])
+        segs[:] = [graph.memory._Segment(base, size, users)]
+        return base, True
+    monkeypatch.setattr(graph.memory, "_place", overlapping)
+    with pytest.raises(PlanError, match="hazard"):
+        _plan(workers=4, scheduler="critical_path")
+
+
+def test_reuse_without_ordering(monkeypatch):
+    """Reusing a block while a reader of the old tensor may still run must be caught."""
+    real = graph.memory._place
+
+    def careless(segs, size, before, users, base):
+        return real(segs, size, -1, users, base)  # pretend every op is an ancestor
+    monkeypatch.setattr(graph.memory, "_place", careless)
+    with pytest.raises(PlanError, match="hazard"):
+        _plan(workers=4, scheduler="critical_path")
+
+
+def test_out_of_bounds_access():
+    plan = _plan()
+    i = next(i for i in range(plan.num_tasks) if decode(plan.words[i]).op.name == "LINEAR")
+    bad = copy.deepcopy(plan)
+    bad.words[i, LAYOUTS["LINEAR"]["out.off"]] = plan.buffers["A"]
+    with pytest.raises(PlanError, match="outside the buffer"):
+        verify_plan(bad)
+
+
+def test_unknown_counter_and_opcode():
+    plan = _plan()
+    bad = copy.deepcopy(plan)
+    bad.words[0, 2] = plan.num_counters + 5
+    with pytest.raises(PlanError, match="signals counter"):
+        verify_plan(bad)
+    bad = copy.deepcopy(plan)
+    bad.words[0, 0] = 99
+    with pytest.raises(ValueError, match="unknown opcode 99"):
+        verify_plan(bad)
+
+
+def test_loaded_plans_are_verified():
+    from graph.plan import Plan
+    plan = _plan()
+    bad = copy.deepcopy(plan)
+    i = next(i for i in range(plan.num_tasks) if decode(plan.words[i]).waits)
+    bad.words[i, 4] += 3
+    with pytest.raises(PlanError):
+        Plan.from_json(bad.to_json())
+    assert np.array_equal(Plan.from_json(plan.to_json()).words, plan.words)
+    assert HEADER == 12
