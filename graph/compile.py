@@ -19,7 +19,7 @@ from .isa import MAX_WAITS, OPCODES, WORDS, Buf, encode
 from .lower import StepShape, lower
 from .memory import ancestors, plan_memory, weight_order
 from .plan import IOSlot, Plan, WeightSlot
-from .schedule import SchedTask, critical_path, round_robin
+from .schedule import SchedTask, blocked, critical_path, round_robin
 from .tiling import Tiler, TilingOptions
 from .verify import verify_plan
 
@@ -27,7 +27,7 @@ from .verify import verify_plan
 @dataclass
 class CompileOptions:
     workers: int = 132
-    scheduler: str = "critical_path"  # critical_path | round_robin
+    scheduler: str = "critical_path"  # critical_path | round_robin | blocked
     cse: bool = True
     fuse: bool = True
     reuse_memory: bool = True
@@ -75,7 +75,7 @@ def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | N
             sched_tasks.append(SchedTask(op.id, secs))
             task_tile.append((op, k))
             total_bytes += tile.weight_bytes + tile.act_bytes
-    scheduler = {"critical_path": critical_path, "round_robin": round_robin}[opts.scheduler]
+    scheduler = {"critical_path": critical_path, "round_robin": round_robin, "blocked": blocked}[opts.scheduler]
     sched = scheduler(sched_tasks, deps, opts.workers, opts.cost.hop_latency)
     passes.append({"pass": "schedule", "scheduler": opts.scheduler, "workers": opts.workers,
                    "critical_path_ms": round(sched.makespan * 1e3, 4), "balance": round(sched.balance, 3)})

@@ -172,7 +172,7 @@ def footprint(task: Decoded) -> list[Access]:
                 out += _flat(task, "lse", row + h0, row + h1, False)
         out += _acc(task, "out", b * T, (b + 1) * T, h0 * dim, h1 * dim, True)
     elif name == "ROUTE":
-        N, E, k, S = f["N"], f["E"], f["k"], f["S"]
+        N, E, k, S = f["N"], f["E"], f["topk"], f["S"]
         score, topk, slots = task.has("SCORE"), task.has("TOPK"), task.has("SLOTS")
         # a stage's output is stored when its operand is present; a stage's input is loaded
         # when no earlier stage of this task produced it
@@ -188,12 +188,12 @@ def footprint(task: Decoded) -> list[Access]:
             if not topk:
                 out += _flat(task, "ids", 0, N * k, False)
     elif name == "EXPERT_LINEAR":
-        N, K, k, S, r0, r1 = f["N"], f["K"], f["k"], f["S"], f["r0"], f["r1"]
+        N, K, k, S, r0, r1 = f["N"], f["K"], f["topk"], f["S"], f["r0"], f["r1"]
         out += _acc(task, "x", 0, N if task.has("GATHER") else N * k, 0, K, False)
         out += _flat(task, "st", 0, 2 * S + S * N * k, False)
         out += _acc(task, "out", 0, N * k, r0, r1, True, exclusive=(task.signal, "slot", f["slot"], f["slot"] + 1))
     elif name == "MOE_COMBINE":
-        r0, r1, H, k = f["r0"], f["r1"], f["H"], f["k"]
+        r0, r1, H, k = f["r0"], f["r1"], f["H"], f["topk"]
         out += _acc(task, "y", r0 * k, r1 * k, 0, H, False, ld=H) + _flat(task, "wts", r0 * k, r1 * k, False)
         if task.has("SHARED"):
             out += _acc(task, "sh", r0, r1, 0, H, False)

@@ -90,14 +90,14 @@ _OPS = [
     # out[b*T + t, h*dim : +dim] = sum_s exp(lse_s - LSE) · o_part_s
     Opcode("ATTN_COMBINE", 10, _f("op+ lse+ out* b T h0 h1 nheads nsplits dim")),
     # SCORE: scores = softmax|sigmoid(logits); TOPK: ids, weights; SLOTS: distinct experts -> slot table
-    # st = [expert of slot s (-1: empty)] * S + [pairs in slot s] * S + [pair ids (token·k + j)] * S·N·k
-    Opcode("ROUTE", 11, _f("lg* sc+ bias+ ids+ wts+ st+ N E k n_group topk_group scale S"),
+    # st = [expert of slot s (-1: empty)] * S + [pairs in slot s] * S + [pair ids (token·topk + j)] * S·N·topk
+    Opcode("ROUTE", 11, _f("lg* sc+ bias+ ids+ wts+ st+ N E topk n_group topk_group scale S"),
            ("SCORE", "TOPK", "SLOTS", "SIGMOID", "NOAUX", "GROUPED", "NORM")),
     # rows of expert slot_expert[slot]'s weights r0..r1 applied to the tokens routed to `slot`
-    Opcode("EXPERT_LINEAR", 12, _f("x* x_ss w+ w2+ w_es out* out_ss st+ N K r0 r1 slot S k"),
+    Opcode("EXPERT_LINEAR", 12, _f("x* w+ w2+ w_es out* st+ N K r0 r1 slot S topk"),
            ("GATHER", "SCATTER", "SILU_MUL")),
-    # out[r] = sum_k wts[r, k] · y[r, k] (+ shared[r]) (+ res[r]) in k order
-    Opcode("MOE_COMBINE", 13, _f("y+ wts+ sh* res* out* H k r0 r1"), ("SHARED", "RES")),
+    # out[r] = sum_j wts[r, j] · y[r·topk + j] (+ shared[r]) (+ res[r]) in j order
+    Opcode("MOE_COMBINE", 13, _f("y+ wts+ sh* res* out* H topk r0 r1"), ("SHARED", "RES")),
     # MIX: mix = rmsnorm(streams) @ fn.T; ACT: raw coefficients; SINK: Sinkhorn; COLLAPSE: sum_j pre_j stream_j
     Opcode("HC_COEFF", 14, _f("st* fn+ base+ scale+ mix+ craw+ coef+ out* n H iters eps hc_eps r0 r1"),
            ("MIX", "ACT", "SINK", "COLLAPSE")),

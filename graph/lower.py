@@ -251,7 +251,7 @@ class _Lowering:
         method = dict(SIGMOID=cfg.scoring_func == "sigmoid", NOAUX=cfg.topk_method == "noaux_tc",
                       GROUPED=cfg.topk_method != "greedy", NORM=cfg.norm_topk_prob and k > 1)
         kinds = tuple(f for f, on in method.items() if on)
-        dims = dict(N=N, E=E, k=k, n_group=cfg.n_group, topk_group=cfg.topk_group, scale=cfg.routed_scaling_factor,
+        dims = dict(N=N, E=E, topk=k, n_group=cfg.n_group, topk_group=cfg.topk_group, scale=cfg.routed_scaling_factor,
                     S=slots)
         self.emit("ROUTE", f"{L}.score", ("SCORE",) + kinds, reads={"lg": logits}, writes={"sc": scores},
                   layer=layer, **dims)
@@ -268,7 +268,7 @@ class _Lowering:
         def expert(label, x, col0, rows, K, flags):
             out = self.act(f"{L}.{label}", pairs, rows)
             self.emit("EXPERT_LINEAR", f"{L}.{label}", flags, reads={"x": x, "w": View(experts, col0), "st": table},
-                      writes={"out": out}, layer=layer, N=N, K=K, rows=rows, S=slots, k=k, w_es=3 * I * H)
+                      writes={"out": out}, layer=layer, N=N, K=K, rows=rows, S=slots, topk=k, w_es=3 * I * H)
             return out
 
         g = expert("expert_gate", h, 0, I, H, ("GATHER",))
@@ -278,7 +278,7 @@ class _Lowering:
         y = expert("expert_down", m, 2 * I * H, H, I, ())
         out = self.act(f"{L}.combine", N, H)
         self.emit("MOE_COMBINE", f"{L}.combine", reads={"y": y, "wts": wts}, writes={"out": out}, layer=layer,
-                  H=H, k=k, rows=N)
+                  H=H, topk=k, rows=N)
         if cfg.n_shared_experts:
             shared = self.mlp(f"{L}.shared", h, p + "shared_experts.", I * cfg.n_shared_experts, layer)
             out = self.ewise("ADD", f"{L}.add_shared", out, shared, H, layer=layer)

@@ -3,7 +3,9 @@
 `critical_path` is list scheduling: tasks become ready when every task of the
 ops they depend on has finished (plus a dependency hop); a free worker takes
 the ready task with the longest remaining path to the end of the step.
-`round_robin` deals tasks in program order and is kept as a baseline.  Both
+`round_robin` deals tasks in program order and is kept as a baseline;
+`blocked` gives each worker a contiguous slice of program order (for sequential
+execution under TRITON_INTERPRET).  Both
 produce queues whose order agrees with the dependencies, so the union of
 queue order and dependency edges is acyclic.
 """
@@ -111,6 +113,16 @@ def round_robin(tasks: list[SchedTask], op_deps: dict[int, set[int]], workers: i
     queues: list[list[int]] = [[] for _ in range(workers)]
     for n, i in enumerate(order):
         queues[n % workers].append(i)
+    makespan, busy = simulate(tasks, op_deps, queues, hop)
+    return Schedule(queues, makespan, busy)
+
+
+def blocked(tasks: list[SchedTask], op_deps: dict[int, set[int]], workers: int, hop: float) -> Schedule:
+    """Contiguous slices of program order: worker w only waits on workers <= w.  Slow on a GPU, but
+    it runs under TRITON_INTERPRET, where programs execute one after another."""
+    order = sorted(range(len(tasks)), key=lambda i: (tasks[i].op, i))
+    size = -(-len(order) // workers)
+    queues = [order[w * size:(w + 1) * size] for w in range(workers)]
     makespan, busy = simulate(tasks, op_deps, queues, hop)
     return Schedule(queues, makespan, busy)
 

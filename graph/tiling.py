@@ -223,7 +223,7 @@ class Tiler:
 
     def tile_expert_linear(self, op):
         a = op.attrs
-        K, rows, S, pairs = a["K"], a["rows"], a["S"], a["N"] * a["k"]
+        K, rows, S, pairs = a["K"], a["rows"], a["S"], a["N"] * a["topk"]
         nweights = 2 if "SILU_MUL" in op.flags else 1
         per = self.weight_rows_per_task(K * self.wbytes * nweights, rows)
         tiles = []
@@ -239,7 +239,7 @@ class Tiler:
 
     def tile_moe_combine(self, op):
         a = op.attrs
-        H, k = a["H"], a["k"]
+        H, k = a["H"], a["topk"]
         tiles = []
         for r0, r1 in _blocks(a["rows"], self.opts.act_rows):
             reads = [self.region(op, "y", r0 * k, r1 * k, 0, H), self.region(op, "wts", r0, r1, 0, k)]

@@ -2,7 +2,8 @@
 
 Backends run one step of T tokens for B sequences at given cache lengths:
 - `reference`: the unfused PyTorch model (model/reference);
-- `interpret`: compiled plans run by the plan interpreter (one plan per T, all sharing weights and cache).
+- `interpret`: compiled plans run by the plan interpreter (one plan per T, all sharing weights and cache);
+- `megakernel`: the same plans run by the persistent kernel, each step one CUDA-graph replay.
 """
 
 from __future__ import annotations
@@ -75,6 +76,34 @@ class InterpreterBackend:
 
     def cache_data(self) -> torch.Tensor:
         return next(iter(self.interpreters.values())).cache()
+
+
+class MegakernelBackend(InterpreterBackend):
+    """Plans run by the persistent kernel, one CUDA graph per T (compiled and captured on first use)."""
+
+    name = "megakernel"
+
+    def __init__(self, *args, graphs: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.graphs = graphs
+        self.kernels: dict = {}
+
+    def kernel(self, T: int):
+        from .runtime import Megakernel
+        if T not in self.kernels:
+            share = next(iter(self.kernels.values())).mem if self.kernels else None
+            mk = Megakernel(self.plan(T), None if share else self.weights, self.device, self.dtype, share=share)
+            if self.graphs and self.device.type == "cuda":
+                mk.capture()
+            self.kernels[T] = mk
+        return self.kernels[T]
+
+    def run(self, tokens: torch.Tensor, lens: torch.Tensor) -> StepLogits:
+        out = self.kernel(tokens.shape[1]).step(tokens, lens)
+        return StepLogits(out.logits, out.hidden)
+
+    def cache_data(self) -> torch.Tensor:
+        return next(iter(self.kernels.values())).cache()
 
 
 @dataclass
@@ -167,8 +196,11 @@ def make_engine(cfg: ModelConfig, weights, backend: str, batch: int, max_len: in
     elif backend == "interpret":
         impl = InterpreterBackend(cfg, weights, batch, max_len, device, dtype,
                                   options or CompileOptions(workers=workers), order, seed)
+    elif backend == "megakernel":
+        impl = MegakernelBackend(cfg, weights, batch, max_len, device, dtype,
+                                 options or CompileOptions(workers=workers), order, seed)
     else:
-        raise ValueError(f"unknown backend {backend!r} (reference, interpret)")
+        raise ValueError(f"unknown backend {backend!r} (reference, interpret, megakernel)")
     engine = Engine(cfg, impl, batch, max_len, device)
     if check:
         engine.checker = ReferenceBackend(cfg, weights, batch, max_len, device, dtype)

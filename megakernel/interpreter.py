@@ -103,14 +103,19 @@ class Interpreter:
                     return
 
     def result(self) -> StepResult:
-        B, T = self.B, self.T
-        view = self.mem.io_view
-        passes = self.plan.shape["mtp_passes"]
-        return StepResult(
-            logits=view("out.logits").clone().view(B, T, -1),
-            tokens=view("out.tokens").clone().view(B, T).long(),
-            hidden=view("out.hidden").clone().view(B, T, -1),
-            mtp_logits=[view(f"out.mtp{i}.logits").clone().view(B, T, -1) for i in range(passes)],
-            mtp_tokens=[view(f"out.mtp{i}.tokens").clone().view(B, T).long() for i in range(passes)],
-            mtp_hidden=[view(f"out.mtp{i}.hidden").clone().view(B, T, -1) for i in range(passes)],
-        )
+        return read_outputs(self.mem, self.plan)
+
+
+def read_outputs(mem: Memory, plan: Plan) -> StepResult:
+    """Copies of a step's outputs from a plan's buffers."""
+    B, T = plan.shape["B"], plan.shape["T"]
+    view = mem.io_view
+    passes = plan.shape["mtp_passes"]
+    return StepResult(
+        logits=view("out.logits").clone().view(B, T, -1),
+        tokens=view("out.tokens").clone().view(B, T).long(),
+        hidden=view("out.hidden").clone().view(B, T, -1),
+        mtp_logits=[view(f"out.mtp{i}.logits").clone().view(B, T, -1) for i in range(passes)],
+        mtp_tokens=[view(f"out.mtp{i}.tokens").clone().view(B, T).long() for i in range(passes)],
+        mtp_hidden=[view(f"out.mtp{i}.hidden").clone().view(B, T, -1) for i in range(passes)],
+    )

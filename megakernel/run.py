@@ -46,10 +46,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ctx", type=int, default=4096, help="context length --describe counts cache bytes for")
     p.add_argument("--describe", action="store_true",
                    help="print parameters, active parameters per token and bytes per decode step, allocate nothing")
-    p.add_argument("--backend", choices=["reference", "interpret"], default=None,
+    p.add_argument("--backend", choices=["reference", "interpret", "megakernel"], default=None,
                    help="reference: the unfused PyTorch model; interpret: the compiled plan run by the plan "
-                        "interpreter (default: interpret on a CPU, reference on a GPU)")
-    p.add_argument("--workers", type=int, default=8, help="workers (queues) a plan is scheduled on (default 8)")
+                        "interpreter; megakernel: the plan run by the persistent GPU kernel in a CUDA graph "
+                        "(default: interpret on a CPU, megakernel on a GPU)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="workers (queues) a plan is scheduled on (default: 8 on a CPU, the GPU's SM count)")
     p.add_argument("--plan", action="store_true", help="print the decode-step plan's description and exit")
     p.add_argument("--check", action="store_true",
                    help="run the reference on the same tokens and exit non-zero on a mismatch")
@@ -111,7 +113,9 @@ def plan_summary(plan) -> dict:
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     name = args.model or (DEFAULT_GPU_MODEL if device.type == "cuda" else DEFAULT_CPU_MODEL)
-    backend = args.backend or ("reference" if device.type == "cuda" else "interpret")
+    backend = args.backend or ("megakernel" if device.type == "cuda" else "interpret")
+    if args.workers is None:
+        args.workers = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
     cfg, path = resolve_config(name)
     result: dict = {"model": name, "describe": describe(cfg, context=args.ctx)}
     if args.describe:
@@ -143,11 +147,12 @@ def run(args: argparse.Namespace) -> dict:
         step_ms_median=step_ms, tokens_per_s=args.batch * 1e3 / step_ms if steps else None,
         tokens=tokens.cpu().tolist(),
     )
-    what = {"reference": "unfused PyTorch reference", "interpret": "compiled plan, run by the plan interpreter"}
+    what = {"reference": "unfused PyTorch reference", "interpret": "compiled plan, run by the plan interpreter",
+            "megakernel": "compiled plan, run by the persistent kernel, one CUDA graph replay per step"}
     print(f"model {name} ({cfg.architecture}) on {device}, {result['dtype']}, {source}")
     print(f"backend {backend} ({what[backend]}): prompt of {args.prompt_len} random tokens x {args.batch} "
           f"sequence(s), {args.steps} greedy tokens each")
-    if backend == "interpret":
+    if backend in ("interpret", "megakernel"):
         plan = engine.backend.plan(1)
         result["plan"] = plan_summary(plan)
         p = result["plan"]

@@ -1,8 +1,14 @@
 import os
 
-import pytest
 import torch
-from hypothesis import HealthCheck, settings
+
+# Without a GPU, Triton task bodies run in Triton's interpreter.  It must be on before
+# anything imports the kernels (transformers imports triton too).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

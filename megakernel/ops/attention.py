@@ -57,3 +57,114 @@ def reference_combine(task, mem) -> None:
             weights = torch.softmax(lse, dim=0)  # exp(lse_s - logsumexp(lse))
             out = (weights[:, None] * parts).sum(0)
             mem.mat(task, "out", 1, dim, row0=b * T + t, col0=h * dim).copy_(out[None])
+
+
+# ---- GPU bodies ---------------------------------------------------------------------------
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from .common import ffld, fld, has, off  # noqa: E402
+from .fields import (ATTENTION_B, ATTENTION_CACHE_OFF, ATTENTION_CL_OFF, ATTENTION_DIM, ATTENTION_FLAGS,  # noqa: E402
+                     ATTENTION_GROUP, ATTENTION_H0, ATTENTION_H1, ATTENTION_KV_HS, ATTENTION_LSE_OFF,
+                     ATTENTION_NHEADS, ATTENTION_NSPLITS, ATTENTION_OP_OFF, ATTENTION_PE_COL0, ATTENTION_PE_HS,
+                     ATTENTION_PE_LD, ATTENTION_PE_OFF, ATTENTION_POS_OFFSET, ATTENTION_Q_COL0, ATTENTION_Q_HS,
+                     ATTENTION_Q_LD, ATTENTION_Q_OFF, ATTENTION_ROPE_DIM, ATTENTION_S, ATTENTION_SCALE, ATTENTION_SPLIT,
+                     ATTENTION_SPLIT_LEN, ATTENTION_T, ATTENTION_V_COL0, ATTENTION_WIDTH, ATTN_COMBINE_B,
+                     ATTN_COMBINE_DIM, ATTN_COMBINE_H0, ATTN_COMBINE_H1, ATTN_COMBINE_LSE_OFF, ATTN_COMBINE_NHEADS,
+                     ATTN_COMBINE_NSPLITS, ATTN_COMBINE_OP_OFF, ATTN_COMBINE_OUT_LD, ATTN_COMBINE_OUT_OFF,
+                     ATTN_COMBINE_T, FLAG_ATTENTION_MLA)
+
+
+@triton.jit
+def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr,
+         DOT_PREC: tl.constexpr):
+    mla = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_MLA)
+    T, S, width, b = fld(word, ATTENTION_T), fld(word, ATTENTION_S), fld(word, ATTENTION_WIDTH), fld(word, ATTENTION_B)
+    h0, h1, nh, ns = fld(word, ATTENTION_H0), fld(word, ATTENTION_H1), fld(word, ATTENTION_NHEADS), fld(word, ATTENTION_NSPLITS)
+    split, split_len = fld(word, ATTENTION_SPLIT), fld(word, ATTENTION_SPLIT_LEN)
+    dim, rope_dim, scale = fld(word, ATTENTION_DIM), fld(word, ATTENTION_ROPE_DIM), ffld(word, ATTENTION_SCALE)
+    q_ptr, q_ld, q_hs, q_col0 = (A + off(word, ATTENTION_Q_OFF), fld(word, ATTENTION_Q_LD), fld(word, ATTENTION_Q_HS),
+                                 fld(word, ATTENTION_Q_COL0))
+    pe_ptr, pe_ld, pe_hs, pe_col0 = (A + off(word, ATTENTION_PE_OFF), fld(word, ATTENTION_PE_LD),
+                                     fld(word, ATTENTION_PE_HS), fld(word, ATTENTION_PE_COL0))
+    cache = C + off(word, ATTENTION_CACHE_OFF) + b.to(tl.int64) * S * width
+    limit = tl.load(I + off(word, ATTENTION_CL_OFF) + b, cache_modifier=".cg") + fld(word, ATTENTION_POS_OFFSET)
+    op_ptr, lse_ptr = A + off(word, ATTENTION_OP_OFF), A + off(word, ATTENTION_LSE_OFF)
+    group = fld(word, ATTENTION_GROUP)
+    k_col = (h0 // group) * fld(word, ATTENTION_KV_HS)  # GQA: one KV head per task
+    v_col = fld(word, ATTENTION_V_COL0) + k_col
+    if mla:
+        k_col = 0
+        v_col = 0
+    j0 = split * split_len
+    j1 = tl.minimum(tl.minimum(j0 + split_len, S), limit + T)  # the last token reads positions <= limit + T - 1
+    heads = h1 - h0
+    d = tl.arange(0, DMAX)
+    dmask = d < dim
+    e = tl.arange(0, RMAX)
+    emask = e < rope_dim
+    for mb in range(0, T * heads, BM):
+        rr = mb + tl.arange(0, BM)
+        rvalid = rr < T * heads
+        t = rr // heads
+        h = h0 + rr % heads
+        q_rows = b * T + t
+        q = tl.load(q_ptr + q_rows[:, None] * q_ld + h[:, None] * q_hs + q_col0 + d[None, :],
+                    mask=rvalid[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
+        pe = tl.load(pe_ptr + q_rows[:, None] * pe_ld + h[:, None] * pe_hs + pe_col0 + e[None, :],
+                     mask=rvalid[:, None] & emask[None, :] & mla, other=0.0, cache_modifier=".cg")
+        m_i = tl.full((BM,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BM,), tl.float32)
+        acc = tl.zeros((BM, DMAX), tl.float32)
+        for jb in range(j0, j1, BJ):
+            js = jb + tl.arange(0, BJ)
+            jmask = js < j1
+            rows = cache + js[:, None].to(tl.int64) * width
+            keys = tl.load(rows + k_col + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
+            s = tl.dot(q.to(keys.dtype), tl.trans(keys), input_precision=DOT_PREC)
+            if mla:
+                kpe = tl.load(rows + dim + e[None, :], mask=jmask[:, None] & emask[None, :], other=0.0)
+                s += tl.dot(pe.to(kpe.dtype), tl.trans(kpe), input_precision=DOT_PREC)
+                values = keys
+            else:
+                values = tl.load(rows + v_col + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
+            ok = rvalid[:, None] & jmask[None, :] & (js[None, :] <= (limit + t)[:, None])
+            s = tl.where(ok, s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values, input_precision=DOT_PREC)
+            m_i = m_new
+        has_keys = l_i > 0
+        o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+        lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        out_rows = ((b * ns + split) * T + t) * nh + h
+        tl.store(op_ptr + out_rows[:, None].to(tl.int64) * dim + d[None, :], o, mask=rvalid[:, None] & dmask[None, :])
+        tl.store(lse_ptr + out_rows, lse, mask=rvalid)
+
+
+@triton.jit
+def combine_body(word, A, BD: tl.constexpr):
+    b, T, nh, ns, dim = (fld(word, ATTN_COMBINE_B), fld(word, ATTN_COMBINE_T), fld(word, ATTN_COMBINE_NHEADS),
+                         fld(word, ATTN_COMBINE_NSPLITS), fld(word, ATTN_COMBINE_DIM))
+    op_ptr, lse_ptr = A + off(word, ATTN_COMBINE_OP_OFF), A + off(word, ATTN_COMBINE_LSE_OFF)
+    o_ptr, o_ld = A + off(word, ATTN_COMBINE_OUT_OFF), fld(word, ATTN_COMBINE_OUT_LD)
+    for t in range(T):
+        for h in range(fld(word, ATTN_COMBINE_H0), fld(word, ATTN_COMBINE_H1)):
+            big = float("-inf")
+            for s in range(ns):
+                big = tl.maximum(big, tl.load(lse_ptr + ((b * ns + s) * T + t) * nh + h, cache_modifier=".cg"))
+            total = 0.0
+            for s in range(ns):
+                total += tl.exp(tl.load(lse_ptr + ((b * ns + s) * T + t) * nh + h, cache_modifier=".cg") - big)
+            for cb in range(0, dim, BD):
+                c = cb + tl.arange(0, BD)
+                m = c < dim
+                acc = tl.zeros((BD,), tl.float32)
+                for s in range(ns):
+                    row = ((b * ns + s) * T + t) * nh + h
+                    w = tl.exp(tl.load(lse_ptr + row, cache_modifier=".cg") - big) / total
+                    acc += w * tl.load(op_ptr + row * dim.to(tl.int64) + c, mask=m, other=0.0, cache_modifier=".cg")
+                tl.store(o_ptr + (b * T + t) * o_ld + h * dim + c, acc, mask=m)

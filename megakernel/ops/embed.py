@@ -12,3 +12,26 @@ def reference(task, mem) -> None:
     rows = table[task["table.off"] + tokens[:, None] * H + torch.arange(H, device=table.device)].float()
     out = mem.mat(task, "out", r1 - r0, H * copies, row0=r0)
     out.copy_(rows.repeat(1, copies))
+
+
+# ---- GPU body -----------------------------------------------------------------------------
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from .common import fld, off  # noqa: E402
+from .fields import EMBED_COPIES, EMBED_H, EMBED_OUT_LD, EMBED_OUT_OFF, EMBED_R0, EMBED_R1, EMBED_TABLE_OFF, EMBED_TOK_OFF  # noqa: E402,E501
+
+
+@triton.jit
+def body(word, W, A, I, BD: tl.constexpr):
+    H, copies = fld(word, EMBED_H), fld(word, EMBED_COPIES)
+    tok_ptr, table = I + off(word, EMBED_TOK_OFF), W + off(word, EMBED_TABLE_OFF)
+    o_ptr, o_ld = A + off(word, EMBED_OUT_OFF), fld(word, EMBED_OUT_LD)
+    for r in range(fld(word, EMBED_R0), fld(word, EMBED_R1)):
+        tok = tl.load(tok_ptr + r, cache_modifier=".cg").to(tl.int64)
+        for cb in range(0, H, BD):
+            c = cb + tl.arange(0, BD)
+            m = c < H
+            v = tl.load(table + tok * H + c, mask=m, other=0.0).to(tl.float32)
+            for j in range(copies):
+                tl.store(o_ptr + r * o_ld + j * H + c, v, mask=m)

@@ -16,3 +16,47 @@ def reference(task, mem) -> None:
         else:
             w = w_buf.as_strided((i_dim, o_dim), (task["w_ld"], 1), base).float()
         mem.mat(task, "out", N, o_dim, col0=h * task["out_hs"]).copy_(x @ w)
+
+
+# ---- GPU body -----------------------------------------------------------------------------
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from .common import fld, has, off  # noqa: E402
+from .fields import (FLAG_HEAD_MATMUL_TRANS, HEAD_MATMUL_FLAGS, HEAD_MATMUL_H0, HEAD_MATMUL_H1,  # noqa: E402
+                     HEAD_MATMUL_IN_DIM, HEAD_MATMUL_N, HEAD_MATMUL_OUT_DIM, HEAD_MATMUL_OUT_HS, HEAD_MATMUL_OUT_LD,
+                     HEAD_MATMUL_OUT_OFF, HEAD_MATMUL_W_HS, HEAD_MATMUL_W_LD, HEAD_MATMUL_W_OFF, HEAD_MATMUL_X_COL0,
+                     HEAD_MATMUL_X_HS, HEAD_MATMUL_X_LD, HEAD_MATMUL_X_OFF)
+
+
+@triton.jit
+def body(word, W, A, BN: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr, DOT_PREC: tl.constexpr):
+    flags, N = fld(word, HEAD_MATMUL_FLAGS), fld(word, HEAD_MATMUL_N)
+    i_dim, o_dim = fld(word, HEAD_MATMUL_IN_DIM), fld(word, HEAD_MATMUL_OUT_DIM)
+    x_ptr, x_ld, x_hs, x_col0 = (A + off(word, HEAD_MATMUL_X_OFF), fld(word, HEAD_MATMUL_X_LD),
+                                 fld(word, HEAD_MATMUL_X_HS), fld(word, HEAD_MATMUL_X_COL0))
+    w_ptr, w_hs, w_ld = W + off(word, HEAD_MATMUL_W_OFF), fld(word, HEAD_MATMUL_W_HS), fld(word, HEAD_MATMUL_W_LD)
+    o_ptr, o_ld, o_hs = A + off(word, HEAD_MATMUL_OUT_OFF), fld(word, HEAD_MATMUL_OUT_LD), fld(word, HEAD_MATMUL_OUT_HS)
+    trans = has(flags, FLAG_HEAD_MATMUL_TRANS)
+    for h in range(fld(word, HEAD_MATMUL_H0), fld(word, HEAD_MATMUL_H1)):
+        w_h = w_ptr + h * w_hs.to(tl.int64)
+        for nb in range(0, N, BN):
+            toks = nb + tl.arange(0, BN)
+            nmask = toks < N
+            for ob in range(0, o_dim, BO):
+                o = ob + tl.arange(0, BO)
+                omask = o < o_dim
+                acc = tl.zeros((BN, BO), tl.float32)
+                for ib in range(0, i_dim, BI):
+                    i = ib + tl.arange(0, BI)
+                    imask = i < i_dim
+                    x = tl.load(x_ptr + toks[:, None] * x_ld + h * x_hs + x_col0 + i[None, :],
+                                mask=nmask[:, None] & imask[None, :], other=0.0, cache_modifier=".cg")
+                    if trans:  # W_h[i, o] at o*ld + i
+                        w_offs = o[None, :] * w_ld + i[:, None]
+                    else:
+                        w_offs = i[:, None] * w_ld + o[None, :]
+                    w = tl.load(w_h + w_offs, mask=imask[:, None] & omask[None, :], other=0.0)
+                    acc = tl.dot(x.to(w.dtype), w, acc, input_precision=DOT_PREC)
+                tl.store(o_ptr + toks[:, None] * o_ld + h * o_hs + o[None, :], acc,
+                         mask=nmask[:, None] & omask[None, :])

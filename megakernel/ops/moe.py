@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 
 def reference_route(task, mem) -> None:
-    N, E, k, S = task["N"], task["E"], task["k"], task["S"]
+    N, E, k, S = task["N"], task["E"], task["topk"], task["S"]
     scores = None
     if task.has("SCORE"):
         logits = mem.mat(task, "lg", N, E).float()
@@ -57,7 +57,7 @@ def reference_route(task, mem) -> None:
 
 def slot_pairs(task, mem, slot: int) -> tuple[int, torch.Tensor]:
     """(expert id or -1, pair ids) of a slot."""
-    S, P = task["S"], task["N"] * task["k"]
+    S, P = task["S"], task["N"] * task["topk"]
     expert = int(mem.flat(task, "st", slot, 1)[0])
     count = int(mem.flat(task, "st", S + slot, 1)[0])
     return expert, mem.flat(task, "st", 2 * S + slot * P, count).long()
@@ -68,7 +68,7 @@ def reference_expert(task, mem) -> None:
     if expert < 0:
         return
     K, r0, r1 = task["K"], task["r0"], task["r1"]
-    rows = pairs // task["k"] if task.has("GATHER") else pairs
+    rows = pairs // task["topk"] if task.has("GATHER") else pairs
     x_all = mem.mat(task, "x", int(rows.max()) + 1, K).float()
     x = x_all[rows]
     base = expert * task["w_es"]
@@ -82,7 +82,7 @@ def reference_expert(task, mem) -> None:
 
 
 def reference_combine(task, mem) -> None:
-    r0, r1, H, k = task["r0"], task["r1"], task["H"], task["k"]
+    r0, r1, H, k = task["r0"], task["r1"], task["H"], task["topk"]
     y = mem.mat(task, "y", (r1 - r0) * k, H, row0=r0 * k, ld=H).float().view(r1 - r0, k, H)
     w = mem.flat(task, "wts", r0 * k, (r1 - r0) * k).view(r1 - r0, k, 1)
     out = torch.zeros(r1 - r0, H, device=mem.device)
@@ -93,3 +93,153 @@ def reference_combine(task, mem) -> None:
     if task.has("RES"):
         out = out + mem.mat(task, "res", r1 - r0, H, row0=r0).float()
     mem.mat(task, "out", r1 - r0, H, row0=r0).copy_(out)
+
+
+# ---- GPU bodies ---------------------------------------------------------------------------
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from .common import ffld, fld, has, off, silu  # noqa: E402
+from .fields import (EXPERT_LINEAR_FLAGS, EXPERT_LINEAR_K, EXPERT_LINEAR_TOPK, EXPERT_LINEAR_N, EXPERT_LINEAR_OUT_LD,  # noqa: E402
+                     EXPERT_LINEAR_OUT_OFF, EXPERT_LINEAR_R0, EXPERT_LINEAR_R1, EXPERT_LINEAR_S, EXPERT_LINEAR_SLOT,
+                     EXPERT_LINEAR_ST_OFF, EXPERT_LINEAR_W2_OFF, EXPERT_LINEAR_W_ES, EXPERT_LINEAR_W_OFF,
+                     EXPERT_LINEAR_X_LD, EXPERT_LINEAR_X_OFF,
+                     FLAG_EXPERT_LINEAR_GATHER, FLAG_EXPERT_LINEAR_SILU_MUL, FLAG_MOE_COMBINE_RES,
+                     FLAG_MOE_COMBINE_SHARED, FLAG_ROUTE_GROUPED, FLAG_ROUTE_NOAUX, FLAG_ROUTE_NORM, FLAG_ROUTE_SCORE,
+                     FLAG_ROUTE_SIGMOID, FLAG_ROUTE_SLOTS, FLAG_ROUTE_TOPK, MOE_COMBINE_FLAGS, MOE_COMBINE_H,
+                     MOE_COMBINE_TOPK, MOE_COMBINE_OUT_LD, MOE_COMBINE_OUT_OFF, MOE_COMBINE_R0, MOE_COMBINE_R1,
+                     MOE_COMBINE_RES_LD, MOE_COMBINE_RES_OFF, MOE_COMBINE_SH_LD, MOE_COMBINE_SH_OFF,
+                     MOE_COMBINE_WTS_OFF, MOE_COMBINE_Y_OFF, ROUTE_BIAS_OFF, ROUTE_E, ROUTE_FLAGS, ROUTE_IDS_OFF,
+                     ROUTE_TOPK, ROUTE_LG_LD, ROUTE_LG_OFF, ROUTE_N, ROUTE_N_GROUP, ROUTE_S, ROUTE_SC_BUF, ROUTE_SC_OFF,
+                     ROUTE_SCALE, ROUTE_ST_OFF, ROUTE_TOPK_GROUP, ROUTE_WTS_OFF)
+from .linear import dot_rows  # noqa: E402
+
+
+@triton.jit
+def route_body(word, WF, A, I, BE: tl.constexpr, BP: tl.constexpr):
+    flags = fld(word, ROUTE_FLAGS)
+    N, E, k, S = fld(word, ROUTE_N), fld(word, ROUTE_E), fld(word, ROUTE_TOPK), fld(word, ROUTE_S)
+    G, keep_groups, scale = fld(word, ROUTE_N_GROUP), fld(word, ROUTE_TOPK_GROUP), ffld(word, ROUTE_SCALE)
+    lg, lg_ld = A + off(word, ROUTE_LG_OFF), fld(word, ROUTE_LG_LD)
+    sc, store_sc = A + off(word, ROUTE_SC_OFF), fld(word, ROUTE_SC_BUF) >= 0
+    bias, ids, wts, st = (WF + off(word, ROUTE_BIAS_OFF), I + off(word, ROUTE_IDS_OFF), A + off(word, ROUTE_WTS_OFF),
+                          I + off(word, ROUTE_ST_OFF))
+    ex = tl.arange(0, BE)
+    emask = ex < E
+    per = E // G
+    for n in range(N):
+        if has(flags, FLAG_ROUTE_SCORE):
+            logits = tl.load(lg + n * lg_ld + ex, mask=emask, other=float("-inf"), cache_modifier=".cg")
+            if has(flags, FLAG_ROUTE_SIGMOID):
+                scores = 1.0 / (1.0 + tl.exp(-logits))
+            else:
+                z = tl.exp(logits - tl.max(logits, axis=0))
+                scores = z / tl.sum(z, axis=0)
+            scores = tl.where(emask, scores, 0.0)
+            if store_sc:
+                tl.store(sc + n * E + ex, scores, mask=emask)
+        else:
+            scores = tl.load(sc + n * E + ex, mask=emask, other=0.0, cache_modifier=".cg")
+        if has(flags, FLAG_ROUTE_TOPK):
+            choice = scores
+            if has(flags, FLAG_ROUTE_NOAUX):
+                choice += tl.load(bias + ex, mask=emask, other=0.0)
+            choice = tl.where(emask, choice, float("-inf"))
+            if has(flags, FLAG_ROUTE_GROUPED):
+                gscore = tl.full((BE,), float("-inf"), tl.float32)  # indexed by group
+                for g in range(G):
+                    in_g = (ex // per == g) & emask
+                    best = tl.max(tl.where(in_g, choice, float("-inf")), axis=0)
+                    if has(flags, FLAG_ROUTE_NOAUX):  # sum of the group's two best
+                        first = tl.argmax(tl.where(in_g, choice, float("-inf")), axis=0, tie_break_left=True)
+                        best += tl.max(tl.where(in_g & (ex != first), choice, float("-inf")), axis=0)
+                    gscore = tl.where(ex == g, best, gscore)
+                kept = tl.zeros((BE,), tl.int1)
+                for _ in range(keep_groups):
+                    g = tl.argmax(gscore, axis=0, tie_break_left=True)
+                    kept = kept | (ex // per == g)
+                    gscore = tl.where(ex == g, float("-inf"), gscore)
+                choice = tl.where(kept & emask, choice, float("-inf"))
+            total = 0.0
+            for j in range(k):
+                best = tl.argmax(choice, axis=0, tie_break_left=True)
+                w = tl.sum(tl.where(ex == best, scores, 0.0), axis=0)
+                tl.store(ids + n * k + j, best.to(tl.int32))
+                tl.store(wts + n * k + j, w)
+                total += w
+                choice = tl.where(ex == best, float("-inf"), choice)
+            denom = total + 1e-20 if has(flags, FLAG_ROUTE_NORM) else 1.0
+            for j in range(k):
+                tl.store(wts + n * k + j, tl.load(wts + n * k + j) / denom * scale)
+    if has(flags, FLAG_ROUTE_SLOTS):
+        tl.debug_barrier()  # ids written above by this program
+        P = N * k
+        slot = 0
+        for e in range(E):
+            count = 0
+            for pb in range(0, P, BP):
+                p = pb + tl.arange(0, BP)
+                hit = (tl.load(ids + p, mask=p < P, other=-1, cache_modifier=".cg") == e) & (p < P)
+                where = count + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+                tl.store(st + 2 * S + slot * P + where, p.to(tl.int32), mask=hit)
+                count += tl.sum(hit.to(tl.int32), axis=0)
+            tl.store(st + slot, e, mask=count > 0)
+            tl.store(st + S + slot, count, mask=count > 0)
+            slot += (count > 0).to(tl.int32)
+        for s in range(slot, S):
+            tl.store(st + s, -1)
+            tl.store(st + S + s, 0)
+
+
+@triton.jit
+def expert_body(word, W, A, I, BN: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr):
+    flags, S, slot = fld(word, EXPERT_LINEAR_FLAGS), fld(word, EXPERT_LINEAR_S), fld(word, EXPERT_LINEAR_SLOT)
+    st = I + off(word, EXPERT_LINEAR_ST_OFF)
+    expert = tl.load(st + slot, cache_modifier=".cg")
+    if expert >= 0:
+        count = tl.load(st + S + slot, cache_modifier=".cg")
+        N, K, kk = fld(word, EXPERT_LINEAR_N), fld(word, EXPERT_LINEAR_K), fld(word, EXPERT_LINEAR_TOPK)
+        P = N * kk
+        r1 = fld(word, EXPERT_LINEAR_R1)
+        base = expert.to(tl.int64) * fld(word, EXPERT_LINEAR_W_ES)
+        w_ptr, w2_ptr = W + off(word, EXPERT_LINEAR_W_OFF) + base, W + off(word, EXPERT_LINEAR_W2_OFF) + base
+        x_ptr, x_ld = A + off(word, EXPERT_LINEAR_X_OFF), fld(word, EXPERT_LINEAR_X_LD)
+        o_ptr, o_ld = A + off(word, EXPERT_LINEAR_OUT_OFF), fld(word, EXPERT_LINEAR_OUT_LD)
+        for rb in range(fld(word, EXPERT_LINEAR_R0), r1, BR):
+            rows = rb + tl.arange(0, BR)
+            rmask = rows < r1
+            for jb in range(0, count, BN):
+                j = jb + tl.arange(0, BN)
+                jmask = j < count
+                pair = tl.load(st + 2 * S + slot * P + j, mask=jmask, other=0, cache_modifier=".cg")
+                xrow = pair // kk if has(flags, FLAG_EXPERT_LINEAR_GATHER) else pair
+                acc = dot_rows(tl.zeros((BN, BR), tl.float32), x_ptr, x_ld, xrow, jmask, w_ptr, rows, rmask, K, BK,
+                               DOT_PREC)
+                if has(flags, FLAG_EXPERT_LINEAR_SILU_MUL):
+                    up = dot_rows(tl.zeros((BN, BR), tl.float32), x_ptr, x_ld, xrow, jmask, w2_ptr, rows, rmask, K,
+                                  BK, DOT_PREC)
+                    acc = silu(acc) * up
+                tl.store(o_ptr + pair[:, None].to(tl.int64) * o_ld + rows[None, :], acc,
+                         mask=jmask[:, None] & rmask[None, :])
+
+
+@triton.jit
+def combine_body(word, A, BD: tl.constexpr):
+    flags, H, k = fld(word, MOE_COMBINE_FLAGS), fld(word, MOE_COMBINE_H), fld(word, MOE_COMBINE_TOPK)
+    y, wts = A + off(word, MOE_COMBINE_Y_OFF), A + off(word, MOE_COMBINE_WTS_OFF)
+    sh, sh_ld = A + off(word, MOE_COMBINE_SH_OFF), fld(word, MOE_COMBINE_SH_LD)
+    res, res_ld = A + off(word, MOE_COMBINE_RES_OFF), fld(word, MOE_COMBINE_RES_LD)
+    o_ptr, o_ld = A + off(word, MOE_COMBINE_OUT_OFF), fld(word, MOE_COMBINE_OUT_LD)
+    for r in range(fld(word, MOE_COMBINE_R0), fld(word, MOE_COMBINE_R1)):
+        for cb in range(0, H, BD):
+            c = cb + tl.arange(0, BD)
+            m = c < H
+            acc = tl.zeros((BD,), tl.float32)
+            for j in range(k):  # fixed order: a token's sum never depends on its neighbours
+                w = tl.load(wts + r * k + j, cache_modifier=".cg")
+                acc += w * tl.load(y + (r * k + j) * H.to(tl.int64) + c, mask=m, other=0.0, cache_modifier=".cg")
+            if has(flags, FLAG_MOE_COMBINE_SHARED):
+                acc += tl.load(sh + r * sh_ld + c, mask=m, other=0.0, cache_modifier=".cg")
+            if has(flags, FLAG_MOE_COMBINE_RES):
+                acc += tl.load(res + r * res_ld + c, mask=m, other=0.0, cache_modifier=".cg")
+            tl.store(o_ptr + r * o_ld + c, acc, mask=m)

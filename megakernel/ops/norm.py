@@ -16,3 +16,46 @@ def reference(task, mem) -> None:
     if not task.has("NOWEIGHT"):
         y = y * mem.flat(task, "w", 0, D).float()
     mem.mat(task, "out", r1 - r0, D, row0=r0).copy_(y)
+
+
+# ---- GPU body -----------------------------------------------------------------------------
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from .common import ffld, fld, has, off  # noqa: E402
+from .fields import (FLAG_RMSNORM_ADD, FLAG_RMSNORM_NOWEIGHT, RMSNORM_D, RMSNORM_D_LD, RMSNORM_D_OFF,  # noqa: E402
+                     RMSNORM_EPS, RMSNORM_FLAGS, RMSNORM_OUT_LD, RMSNORM_OUT_OFF, RMSNORM_R0, RMSNORM_R1, RMSNORM_W_OFF,
+                     RMSNORM_X_LD, RMSNORM_X_OFF, RMSNORM_XO_BUF, RMSNORM_XO_LD, RMSNORM_XO_OFF)
+
+
+@triton.jit
+def body(word, W, A, BD: tl.constexpr):
+    flags, D, eps = fld(word, RMSNORM_FLAGS), fld(word, RMSNORM_D), ffld(word, RMSNORM_EPS)
+    x_ptr, x_ld = A + off(word, RMSNORM_X_OFF), fld(word, RMSNORM_X_LD)
+    d_ptr, d_ld = A + off(word, RMSNORM_D_OFF), fld(word, RMSNORM_D_LD)
+    xo_ptr, xo_ld = A + off(word, RMSNORM_XO_OFF), fld(word, RMSNORM_XO_LD)
+    store_sum = has(flags, FLAG_RMSNORM_ADD) & (fld(word, RMSNORM_XO_BUF) >= 0)
+    w_ptr = W + off(word, RMSNORM_W_OFF)
+    o_ptr, o_ld = A + off(word, RMSNORM_OUT_OFF), fld(word, RMSNORM_OUT_LD)
+    for r in range(fld(word, RMSNORM_R0), fld(word, RMSNORM_R1)):
+        sq = tl.zeros((BD,), tl.float32)
+        for cb in range(0, D, BD):
+            c = cb + tl.arange(0, BD)
+            m = c < D
+            v = tl.load(x_ptr + r * x_ld + c, mask=m, other=0.0, cache_modifier=".cg")
+            if has(flags, FLAG_RMSNORM_ADD):
+                v += tl.load(d_ptr + r * d_ld + c, mask=m, other=0.0, cache_modifier=".cg")
+                if store_sum:
+                    tl.store(xo_ptr + r * xo_ld + c, v, mask=m)
+            sq += v * v
+        inv = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / D + eps)
+        for cb in range(0, D, BD):
+            c = cb + tl.arange(0, BD)
+            m = c < D
+            v = tl.load(x_ptr + r * x_ld + c, mask=m, other=0.0, cache_modifier=".cg")
+            if has(flags, FLAG_RMSNORM_ADD):
+                v += tl.load(d_ptr + r * d_ld + c, mask=m, other=0.0, cache_modifier=".cg")
+            y = v * inv
+            if not has(flags, FLAG_RMSNORM_NOWEIGHT):
+                y = y * tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
+            tl.store(o_ptr + r * o_ld + c, y, mask=m)

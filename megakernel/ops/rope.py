@@ -50,3 +50,75 @@ def reference_cache_write(task, mem) -> None:
     index = task["cache.off"] + ((b * S + pos) * width + task["col0"])[:, None] \
         + torch.arange(task["cols"], device=mem.device)
     cache[index] = src.to(cache.dtype)
+
+
+# ---- GPU bodies ---------------------------------------------------------------------------
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from .common import ffld, fld, has, off  # noqa: E402
+from .fields import (CACHE_WRITE_CACHE_OFF, CACHE_WRITE_CL_OFF, CACHE_WRITE_COL0, CACHE_WRITE_COLS,  # noqa: E402
+                     CACHE_WRITE_POS_OFFSET, CACHE_WRITE_R0, CACHE_WRITE_R1, CACHE_WRITE_S, CACHE_WRITE_SRC_LD,
+                     CACHE_WRITE_SRC_OFF, CACHE_WRITE_T, CACHE_WRITE_WIDTH, FLAG_ROPE_INTERLEAVE, ROPE_FLAGS, ROPE_HALF,
+                     ROPE_HEADS, ROPE_OUT_HS, ROPE_OUT_LD, ROPE_OUT_OFF, ROPE_R0, ROPE_R1, ROPE_TAB_OFF, ROPE_TABLE_CL_OFF,
+                     ROPE_TABLE_F_OFF, ROPE_TABLE_HALF, ROPE_TABLE_OUT_OFF, ROPE_TABLE_POS_OFFSET, ROPE_TABLE_R0,
+                     ROPE_TABLE_R1, ROPE_TABLE_SCALE, ROPE_TABLE_T, ROPE_X_COL0, ROPE_X_HS, ROPE_X_LD, ROPE_X_OFF)
+
+
+@triton.jit
+def table_body(word, WF, A, I, BH: tl.constexpr):
+    T, half, scale = fld(word, ROPE_TABLE_T), fld(word, ROPE_TABLE_HALF), ffld(word, ROPE_TABLE_SCALE)
+    cl, f = I + off(word, ROPE_TABLE_CL_OFF), WF + off(word, ROPE_TABLE_F_OFF)
+    out = A + off(word, ROPE_TABLE_OUT_OFF)
+    pos_offset = fld(word, ROPE_TABLE_POS_OFFSET)
+    for r in range(fld(word, ROPE_TABLE_R0), fld(word, ROPE_TABLE_R1)):
+        pos = (tl.load(cl + r // T, cache_modifier=".cg") + r % T + pos_offset).to(tl.float32)
+        for hb in range(0, half, BH):
+            i = hb + tl.arange(0, BH)
+            m = i < half
+            freq = pos * tl.load(f + i, mask=m, other=0.0)
+            tl.store(out + r * 2 * half + i, tl.cos(freq) * scale, mask=m)
+            tl.store(out + r * 2 * half + half + i, tl.sin(freq) * scale, mask=m)
+
+
+@triton.jit
+def apply_body(word, A, BH: tl.constexpr):
+    flags, half, heads = fld(word, ROPE_FLAGS), fld(word, ROPE_HALF), fld(word, ROPE_HEADS)
+    x_ptr, x_ld, x_hs, x_col0 = A + off(word, ROPE_X_OFF), fld(word, ROPE_X_LD), fld(word, ROPE_X_HS), fld(word, ROPE_X_COL0)
+    o_ptr, o_ld, o_hs = A + off(word, ROPE_OUT_OFF), fld(word, ROPE_OUT_LD), fld(word, ROPE_OUT_HS)
+    tab = A + off(word, ROPE_TAB_OFF)
+    for r in range(fld(word, ROPE_R0), fld(word, ROPE_R1)):
+        for h in range(heads):
+            src = x_ptr + r * x_ld + h * x_hs + x_col0
+            dst = o_ptr + r * o_ld + h * o_hs
+            for hb in range(0, half, BH):
+                i = hb + tl.arange(0, BH)
+                m = i < half
+                cos = tl.load(tab + r * 2 * half + i, mask=m, other=0.0, cache_modifier=".cg")
+                sin = tl.load(tab + r * 2 * half + half + i, mask=m, other=0.0, cache_modifier=".cg")
+                if has(flags, FLAG_ROPE_INTERLEAVE):
+                    p1, p2 = 2 * i, 2 * i + 1
+                else:
+                    p1, p2 = i, i + half
+                x1 = tl.load(src + p1, mask=m, other=0.0, cache_modifier=".cg")
+                x2 = tl.load(src + p2, mask=m, other=0.0, cache_modifier=".cg")
+                tl.store(dst + p1, x1 * cos - x2 * sin, mask=m)
+                tl.store(dst + p2, x2 * cos + x1 * sin, mask=m)
+
+
+@triton.jit
+def cache_write_body(word, A, I, C, BD: tl.constexpr):
+    T, S, width = fld(word, CACHE_WRITE_T), fld(word, CACHE_WRITE_S), fld(word, CACHE_WRITE_WIDTH)
+    col0, cols, pos_offset = fld(word, CACHE_WRITE_COL0), fld(word, CACHE_WRITE_COLS), fld(word, CACHE_WRITE_POS_OFFSET)
+    src, src_ld = A + off(word, CACHE_WRITE_SRC_OFF), fld(word, CACHE_WRITE_SRC_LD)
+    cl, cache = I + off(word, CACHE_WRITE_CL_OFF), C + off(word, CACHE_WRITE_CACHE_OFF)
+    for r in range(fld(word, CACHE_WRITE_R0), fld(word, CACHE_WRITE_R1)):
+        b = r // T
+        pos = tl.load(cl + b, cache_modifier=".cg") + r % T + pos_offset
+        if pos < S:  # the host refuses steps that would not fit; never write past the cache
+            dst = cache + (b.to(tl.int64) * S + pos) * width + col0
+            for cb in range(0, cols, BD):
+                c = cb + tl.arange(0, BD)
+                m = c < cols
+                v = tl.load(src + r * src_ld + c, mask=m, other=0.0, cache_modifier=".cg")
+                tl.store(dst + c, v.to(C.dtype.element_ty), mask=m)

@@ -1,0 +1,261 @@
+"""Host side of the megakernel: buffers, checks before launch, CUDA-graph capture, the watchdog.
+
+One `Megakernel` runs one plan.  Before anything runs: the plan is verified, every
+operand must sit in the buffer its role expects, and the grid must fit on the
+device at once (workers <= SMs × co-resident programs per SM), else a clear error.
+The first launch (JIT compile) happens before capture; then a step is one graph
+replay: copy the step's tokens and cache lengths from pinned staging, launch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from graph.isa import MAX_WAITS, WORDS, Buf, LAYOUTS, decode
+from graph.plan import Plan
+from graph.verify import verify_plan
+
+from .interpreter import StepResult, read_outputs
+from .kernel import COUNTER_STRIDE, ERR_HEADER, ERR_PER_WORKER, megakernel
+from .memory import Memory
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# the buffer each operand role must live in (the kernel indexes these pointers directly)
+OPERAND_BUFFERS = {
+    "EMBED": {"tok": Buf.I, "table": Buf.W, "out": Buf.A},
+    "RMSNORM": {"x": Buf.A, "d": Buf.A, "xo": Buf.A, "w": Buf.W, "out": Buf.A},
+    "LINEAR": {"x": Buf.A, "w": Buf.W, "w2": Buf.W, "res": Buf.A, "out": Buf.A},
+    "EWISE": {"a": Buf.A, "b": Buf.A, "out": Buf.A},
+    "ROPE_TABLE": {"cl": Buf.I, "f": Buf.WF, "out": Buf.A},
+    "ROPE": {"x": Buf.A, "tab": Buf.A, "out": Buf.A},
+    "CACHE_WRITE": {"src": Buf.A, "cache": Buf.C, "cl": Buf.I},
+    "HEAD_MATMUL": {"x": Buf.A, "w": Buf.W, "out": Buf.A},
+    "ATTENTION": {"q": Buf.A, "pe": Buf.A, "cache": Buf.C, "cl": Buf.I, "op": Buf.A, "lse": Buf.A},
+    "ATTN_COMBINE": {"op": Buf.A, "lse": Buf.A, "out": Buf.A},
+    "ROUTE": {"lg": Buf.A, "sc": Buf.A, "bias": Buf.WF, "ids": Buf.I, "wts": Buf.A, "st": Buf.I},
+    "EXPERT_LINEAR": {"x": Buf.A, "w": Buf.W, "w2": Buf.W, "out": Buf.A, "st": Buf.I},
+    "MOE_COMBINE": {"y": Buf.A, "wts": Buf.A, "sh": Buf.A, "res": Buf.A, "out": Buf.A},
+    "HC_COEFF": {"st": Buf.A, "fn": Buf.WF, "base": Buf.WF, "scale": Buf.WF, "mix": Buf.A, "craw": Buf.A,
+                 "coef": Buf.A, "out": Buf.A},
+    "HC_EXPAND": {"st": Buf.A, "sub": Buf.A, "coef": Buf.A, "out": Buf.A},
+    "HC_HEAD": {"st": Buf.A, "fn": Buf.WF, "base": Buf.WF, "scale": Buf.WF, "out": Buf.A},
+    "ARGMAX": {"lg": Buf.A, "pv": Buf.A, "pi": Buf.I, "out": Buf.I},
+}
+
+
+class MegakernelError(RuntimeError):
+    pass
+
+
+class WatchdogError(MegakernelError):
+    """A wait outlived its bound: names the stuck workers, tasks and counters."""
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << max(0, math.ceil(math.log2(max(1, n)))))
+
+
+def check_operand_buffers(plan: Plan) -> None:
+    for i in range(plan.num_tasks):
+        t = decode(plan.words[i])
+        for role, buf in OPERAND_BUFFERS[t.op.name].items():
+            have = t.fields[role + ".buf"]
+            if have >= 0 and have != buf:
+                raise MegakernelError(f"task {i} ({plan.task_labels[i]}): operand {role} is in buffer "
+                                      f"{Buf(have).name}, the kernel reads it from {buf.name}")
+
+
+def block_sizes(plan: Plan, dtype: torch.dtype) -> dict:
+    """Compile-time block sizes fitted to the plan's dimensions."""
+    dmax = rmax = experts = width = 16
+    for i in range(plan.num_tasks):
+        t = decode(plan.words[i])
+        f = t.fields
+        if t.op.name == "ATTENTION":
+            dmax, rmax = max(dmax, _pow2(f["dim"])), max(rmax, _pow2(f["rope_dim"]))
+        elif t.op.name == "ROUTE":
+            experts = max(experts, _pow2(f["E"]))
+        elif t.op.name in ("HC_COEFF", "HC_HEAD", "HC_EXPAND"):
+            width = max(width, _pow2((2 + f["n"]) * f["n"]))
+    return dict(BN=16, BR=64, BK=64, BD=256, BH=32, BM=16, BJ=32, DMAX=dmax, RMAX=rmax, BI=32, BO=64, BE=experts,
+                BP=256, BW=width, DOT_PREC="ieee" if dtype == torch.float32 else "tf32")
+
+
+@dataclass
+class LaunchConfig:
+    num_warps: int = 8
+    num_stages: int = 1  # > 1: Triton pipelines weight loads through shared memory (cp.async)
+    timeout_s: float = 0.25  # longest a task may wait for one counter
+    max_spins: int = 200_000  # bound without a timer (TRITON_INTERPRET)
+    profile: bool = False
+    blocks: dict | None = None  # overrides of block_sizes()
+
+
+class Megakernel:
+    def __init__(self, plan: Plan, weights: dict[str, torch.Tensor] | None, device="cuda",
+                 dtype: torch.dtype | None = None, share: Memory | None = None, config: LaunchConfig | None = None):
+        verify_plan(plan)
+        check_operand_buffers(plan)
+        self.plan, self.config = plan, config or LaunchConfig()
+        self.device = torch.device(device)
+        if self.device.type != "cuda" and not INTERPRET:
+            raise MegakernelError("the megakernel needs a CUDA device (or TRITON_INTERPRET=1 for CPU tests)")
+        self.mem = Memory(plan, weights, self.device, dtype, share)
+        self.words = torch.from_numpy(np.ascontiguousarray(plan.words)).to(self.device)
+        self.queue_ptr = torch.tensor(plan.queue_ptr, dtype=torch.int32, device=self.device)
+        # one spare counter nobody signals: the stall test hook waits on it
+        self.counters = torch.zeros((plan.num_counters + 1) * COUNTER_STRIDE, dtype=torch.int32, device=self.device)
+        self.worker_epoch = torch.zeros(plan.workers, dtype=torch.int32, device=self.device)
+        self.err = torch.zeros(ERR_HEADER + ERR_PER_WORKER * plan.workers, dtype=torch.int32, device=self.device)
+        self.prof = torch.zeros(max(1, plan.num_tasks) * 4 if self.config.profile else 4, dtype=torch.int64,
+                                device=self.device)
+        self.expected = np.zeros(plan.num_counters, dtype=np.int64)
+        for i in range(plan.num_tasks):
+            self.expected[int(plan.words[i, 2])] += 1
+        self.epoch = 0
+        self.blocks = {**block_sizes(plan, self.mem.dtype), **(self.config.blocks or {})}
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.compiled = None
+        pinned = self.device.type == "cuda"
+        B, T = plan.shape["B"], plan.shape["T"]
+        self.stage_tokens = torch.zeros(B * T, 1, dtype=torch.int32, pin_memory=pinned)
+        self.stage_lens = torch.zeros(B, 1, dtype=torch.int32, pin_memory=pinned)
+
+    # ---- launching -------------------------------------------------------------
+    def _args(self):
+        m = self.mem.bufs
+        return (self.words, self.queue_ptr, self.counters, self.worker_epoch, self.err, self.prof,
+                m[Buf.W], m[Buf.WF], m[Buf.A], m[Buf.I], m[Buf.C])
+
+    def _constexprs(self) -> dict:
+        use_timer = self.device.type == "cuda" and not INTERPRET
+        return dict(WORDS=WORDS, MAX_WAITS=MAX_WAITS, TIMEOUT_NS=int(self.config.timeout_s * 1e9),
+                    MAX_SPINS=self.config.max_spins, USE_TIMER=use_timer, PROFILE=self.config.profile and use_timer,
+                    **self.blocks)
+
+    def compile(self):
+        """JIT-compile (never inside graph capture) and refuse grids that cannot all be resident."""
+        if self.compiled is not None or INTERPRET:
+            return self.compiled
+        grid = (self.plan.workers,)
+        self.compiled = megakernel.warmup(*self._args(), **self._constexprs(), grid=grid,
+                                          num_warps=self.config.num_warps, num_stages=self.config.num_stages)
+        self.compiled._init_handles()
+        props = torch.cuda.get_device_properties(self.device)
+        regs = max(1, self.compiled.n_regs) * 32 * self.config.num_warps
+        per_sm = min(props.max_threads_per_multi_processor // (32 * self.config.num_warps),
+                     props.regs_per_multiprocessor // regs,
+                     props.shared_memory_per_multiprocessor // max(1, self.compiled.metadata.shared))
+        if self.plan.workers > props.multi_processor_count * per_sm:
+            raise MegakernelError(f"plan has {self.plan.workers} workers but only {props.multi_processor_count} SMs "
+                                  f"x {per_sm} resident programs fit ({self.compiled.n_regs} registers/thread, "
+                                  f"{self.compiled.metadata.shared} B shared): refusing a launch that could hang")
+        self.resident_per_sm = per_sm
+        return self.compiled
+
+    def launch(self) -> None:
+        self.compile()
+        megakernel[(self.plan.workers,)](*self._args(), **self._constexprs(), num_warps=self.config.num_warps,
+                                         num_stages=self.config.num_stages)
+        self.epoch += 1
+
+    def _stage(self, tokens: torch.Tensor, cache_lens: torch.Tensor) -> None:
+        B, T, S = self.plan.shape["B"], self.plan.shape["T"], self.plan.shape["max_len"]
+        if tuple(tokens.shape) != (B, T):
+            raise ValueError(f"tokens has shape {tuple(tokens.shape)}, the plan was compiled for ({B}, {T})")
+        need = int(cache_lens.max()) + T + self.plan.shape["mtp_passes"]
+        if need > S:
+            raise ValueError(f"the step needs {need} cache positions, the cache holds {S}")
+        self.stage_tokens.copy_(tokens.reshape(-1, 1).to(torch.int32))
+        self.stage_lens.copy_(cache_lens.reshape(-1, 1).to(torch.int32))
+
+    def _inputs_to_device(self) -> None:
+        self.mem.io_view("in.tokens").copy_(self.stage_tokens, non_blocking=True)
+        self.mem.io_view("in.cache_lens").copy_(self.stage_lens, non_blocking=True)
+
+    def capture(self) -> None:
+        """Record input copies + the launch into a CUDA graph (after a warm-up launch)."""
+        self.compile()
+        self._inputs_to_device()
+        self.launch()
+        torch.cuda.synchronize(self.device)
+        self.check_error()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._inputs_to_device()
+            megakernel[(self.plan.workers,)](*self._args(), **self._constexprs(), num_warps=self.config.num_warps,
+                                             num_stages=self.config.num_stages)
+
+    def step(self, tokens: torch.Tensor, cache_lens: torch.Tensor, sync: bool = True) -> StepResult | None:
+        self._stage(tokens, cache_lens)
+        if self.graph is not None:
+            self.graph.replay()
+            self.epoch += 1
+        else:
+            self._inputs_to_device()
+            self.launch()
+        if not sync:
+            return None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.check_error()
+        return self.result()
+
+    def result(self) -> StepResult:
+        return read_outputs(self.mem, self.plan)
+
+    @property
+    def B(self) -> int:
+        return self.plan.shape["B"]
+
+    @property
+    def T(self) -> int:
+        return self.plan.shape["T"]
+
+    def cache(self) -> torch.Tensor:
+        return self.mem.cache()
+
+    # ---- watchdog ----------------------------------------------------------------
+    def check_error(self) -> None:
+        err = self.err.cpu().numpy()
+        if err[0] == 0:
+            return
+        lines = []
+        for w in range(self.plan.workers):
+            reason, task, counter, seen, target = err[ERR_HEADER + ERR_PER_WORKER * w: ERR_HEADER + ERR_PER_WORKER * (w + 1)]
+            if reason:
+                what = "timed out" if reason == 1 else "stopped"
+                label = self.plan.task_labels[task] if 0 <= task < self.plan.num_tasks else "?"
+                counter_label = (self.plan.counter_labels[counter] if 0 <= counter < self.plan.num_counters
+                                 else "the stall test counter")
+                lines.append(f"worker {w} {what} at task {task} ({label}) waiting for counter {counter} "
+                             f"({counter_label}) to reach {target}, saw {seen}")
+        lines.sort(key=lambda s: "stopped" in s)
+        self.repair()
+        bound = f"{self.config.timeout_s} s" if self._constexprs()["USE_TIMER"] else f"{self.config.max_spins} polls"
+        raise WatchdogError(f"megakernel watchdog: a wait exceeded {bound} in step {self.epoch}; "
+                            + "; ".join(lines[:6]) + (f"; and {len(lines) - 6} more" if len(lines) > 6 else ""))
+
+    def repair(self) -> None:
+        """Make the counters consistent with a completed step so the next step can run."""
+        c = torch.from_numpy(self.expected * self.epoch).to(torch.int32)
+        view = self.counters[: self.plan.num_counters * COUNTER_STRIDE].view(-1, COUNTER_STRIDE)
+        view[:, 0] = c.to(self.device)
+        self.err.zero_()
+
+    def inject_stall(self, task: int) -> callable:
+        """Test hook: make `task` wait on a counter nobody signals; returns a function that undoes it."""
+        original = self.words[task].clone()
+        slot = 3 + 2 * (MAX_WAITS - 1)
+        self.words[task, slot] = self.plan.num_counters
+        self.words[task, slot + 1] = 1
+
+        def undo():
+            self.words[task] = original
+        return undo

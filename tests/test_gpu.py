@@ -1,0 +1,151 @@
+"""Layer 4 (GPU): the megakernel against the plan interpreter and the reference, batch invariance,
+launches per step, the watchdog and the co-residency check.  Run on a GPU with `pytest -m gpu`."""
+
+import pytest
+import torch
+
+from graph.compile import CompileOptions, compile_step
+from graph.lower import StepShape
+from model import TINY_PRESETS, Cache, Reference, init_weights, preset
+
+from .conftest import rel_err
+
+pytestmark = pytest.mark.gpu
+BF16_TOL = 1e-2
+
+
+def _setup(name, T=2, B=2, max_len=64, workers=16, passes=0, layers=None, seed=0):
+    from megakernel.runtime import Megakernel
+    cfg = preset(name)
+    if layers is not None:
+        cfg = cfg.replace(num_hidden_layers=layers)
+    w = init_weights(cfg, seed=seed, device="cuda", dtype=torch.bfloat16)
+    plan = compile_step(cfg, StepShape(T=T, B=B, max_len=max_len, mtp_passes=passes), CompileOptions(workers=workers))
+    mk = Megakernel(plan, w, "cuda", torch.bfloat16)
+    return cfg, w, plan, mk
+
+
+def _random_cache(mk, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk.cache().copy_(torch.randn(mk.cache().shape, device="cuda", generator=g))
+
+
+@pytest.mark.parametrize("name", TINY_PRESETS)
+def test_tiny_megakernel_equals_interpreter(name):
+    from megakernel.interpreter import Interpreter
+    cfg, w, plan, mk = _setup(name, passes=1 if preset(name).num_nextn_predict_layers else 0)
+    _random_cache(mk)
+    interp = Interpreter(plan, None, "cuda", share=mk.mem)
+    saved = mk.cache().clone()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 2), device="cuda")
+    lens = torch.tensor([0, 17], device="cuda")
+    want = interp.step(tokens, lens)
+    mk.cache().copy_(saved)
+    mk.capture()
+    got = mk.step(tokens, lens)
+    assert rel_err(got.logits, want.logits) <= BF16_TOL
+    for a, b in zip(got.mtp_logits, want.mtp_logits):
+        assert rel_err(a, b) <= BF16_TOL
+
+
+@pytest.mark.parametrize("name", ["llama-1b", "dsv2-lite"])
+def test_large_megakernel_equals_interpreter(name):
+    from megakernel.interpreter import Interpreter
+    cfg, w, plan, mk = _setup(name, T=1, B=1, max_len=256, workers=torch.cuda.get_device_properties(0).multi_processor_count,
+                              layers=4 if name == "dsv2-lite" else None)
+    _random_cache(mk)
+    interp = Interpreter(plan, None, "cuda", share=mk.mem)
+    saved = mk.cache().clone()
+    tokens = torch.randint(0, cfg.vocab_size, (1, 1), device="cuda")
+    lens = torch.tensor([200], device="cuda")
+    want = interp.step(tokens, lens)
+    mk.cache().copy_(saved)
+    got = mk.step(tokens, lens)
+    assert rel_err(got.logits, want.logits) <= BF16_TOL
+
+
+def _near_tie(logits, tol=BF16_TOL):
+    top = logits.float().topk(2, dim=-1).values
+    return (top[..., 0] - top[..., 1]) <= tol * top[..., 0].abs().clamp_min(1.0)
+
+
+@pytest.mark.parametrize("name", TINY_PRESETS)
+def test_teacher_forced_greedy_64_steps(name):
+    cfg, w, plan, mk = _setup(name, T=1, B=2, max_len=80)
+    mk.capture()
+    ref = Reference(cfg, w)
+    cache = Cache.allocate(cfg, 2, 80, torch.bfloat16, "cuda")
+    tokens = torch.randint(0, cfg.vocab_size, (2, 1), device="cuda")
+    lens = torch.zeros(2, dtype=torch.long, device="cuda")
+    mismatches = 0
+    for _ in range(64):
+        got = mk.step(tokens, lens)
+        want = ref.step(tokens, cache, lens).logits
+        differ = got.tokens != want.argmax(-1)
+        mismatches += int((differ & ~_near_tie(want)).sum())
+        tokens = want.argmax(-1)  # teacher forcing: both consume the reference's token
+        lens = lens + 1
+    assert mismatches == 0
+
+
+@pytest.mark.parametrize("name", TINY_PRESETS)
+def test_batch_invariance_and_run_to_run(name):
+    """Sequence 0's logits are bit-identical alone, beside another sequence, and inside a longer step."""
+    from megakernel.runtime import Megakernel
+    cfg = preset(name)
+    w = init_weights(cfg, seed=1, device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    prefix = torch.randn(cfg.num_layers_total, 1, 32, cfg.cache_width, device="cuda", generator=g)
+    tok = torch.randint(0, cfg.vocab_size, (1, 3), device="cuda", generator=g)
+
+    def run(T, B):
+        plan = compile_step(cfg, StepShape(T=T, B=B, max_len=32, attn_split=8), CompileOptions(workers=8))
+        mk = Megakernel(plan, w, "cuda", torch.bfloat16)
+        mk.cache()[:, :1].copy_(prefix)
+        if B > 1:
+            mk.cache()[:, 1:].copy_(torch.randn_like(mk.cache()[:, 1:]))
+        toks = tok[:, :T].repeat(B, 1)
+        if B > 1:
+            toks[1:] = torch.randint(0, cfg.vocab_size, toks[1:].shape, device="cuda")
+        return mk.step(toks, torch.tensor([5] * B, device="cuda")).logits[0, 0]
+
+    alone = run(1, 1)
+    assert torch.equal(alone, run(1, 1))  # run to run
+    assert torch.equal(alone, run(1, 3))  # beside neighbours
+    assert torch.equal(alone, run(3, 1))  # first token of a 3-token step
+
+
+@pytest.mark.parametrize("name", ["tiny-moe", "llama-1b"])
+def test_one_graph_replay_is_at_most_three_launches(name):
+    from megakernel.profiler import count_launches
+    cfg, w, plan, mk = _setup(name, T=1, B=1, max_len=64, layers=2 if name == "llama-1b" else None)
+    mk.capture()
+    counts = count_launches(mk.graph.replay, steps=5)
+    assert counts["kernels_per_step"] == 1 and counts["launches_per_step"] <= 3
+
+
+def test_watchdog_error_within_a_second_then_recovers():
+    import time
+    from megakernel.runtime import WatchdogError
+    cfg, w, plan, mk = _setup("tiny-moe")
+    mk.capture()
+    tokens = torch.zeros(2, 2, dtype=torch.long, device="cuda")
+    lens = torch.tensor([0, 0], device="cuda")
+    good = mk.step(tokens, lens).logits
+    undo = mk.inject_stall(plan.num_tasks // 2)
+    t0 = time.perf_counter()
+    with pytest.raises(WatchdogError, match="timed out"):
+        mk.step(tokens, lens)
+    assert time.perf_counter() - t0 < 1.0
+    undo()
+    assert torch.equal(mk.step(tokens, lens).logits, good)
+
+
+def test_refuses_more_workers_than_fit():
+    from megakernel.runtime import Megakernel, MegakernelError
+    cfg = preset("tiny-dense")
+    w = init_weights(cfg, device="cuda", dtype=torch.bfloat16)
+    too_many = torch.cuda.get_device_properties(0).multi_processor_count * 64
+    plan = compile_step(cfg, StepShape(T=1, B=1, max_len=8), CompileOptions(workers=too_many))
+    with pytest.raises(MegakernelError, match="refusing a launch that could hang"):
+        Megakernel(plan, w, "cuda", torch.bfloat16).compile()

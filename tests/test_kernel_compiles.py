@@ -1,0 +1,35 @@
+"""The persistent kernel compiles for Hopper (sm_90) on a CPU: frontend, layouts and ptxas errors
+show up here, before any GPU time is spent."""
+
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from megakernel.kernel import megakernel
+from graph.isa import WORDS, MAX_WAITS
+sig = {"words": "*i32", "queue_ptr": "*i32", "counters": "*i32", "worker_epoch": "*i32", "err": "*i32",
+       "prof": "*i64", "W": "*bf16", "WF": "*fp32", "A": "*fp32", "I": "*i32", "C": "*bf16"}
+const = dict(WORDS=WORDS, MAX_WAITS=MAX_WAITS, TIMEOUT_NS=250_000_000, MAX_SPINS=1000, USE_TIMER=True, PROFILE=True,
+             BN=16, BR=64, BK=64, BD=256, BH=32, BM=16, BJ=32, DMAX=512, RMAX=64, BI=32, BO=64, BE=256, BP=256,
+             BW=32, DOT_PREC="tf32")
+sig.update({k: "constexpr" for k in const})
+k = triton.compile(ASTSource(fn=megakernel, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 8, "num_stages": 1})
+assert "atom.global.gpu.release" in k.asm["ptx"] and "ld.global.gpu.acquire" in k.asm["ptx"]
+print("shared", k.metadata.shared)
+"""
+
+
+@pytest.mark.slow
+def test_megakernel_compiles_for_sm90():
+    env = {"PATH": "/usr/bin:/bin"}
+    import os
+    env.update({k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "shared" in out.stdout

@@ -1,0 +1,75 @@
+"""Layer 3: the Triton task bodies, run by the persistent kernel under TRITON_INTERPRET=1 on a CPU,
+equal the plan interpreter.  Programs run one after another there, so plans use one worker or the
+`blocked` schedule (each worker only waits on earlier workers)."""
+
+import os
+
+import pytest
+import torch
+
+from graph.compile import CompileOptions, compile_step
+from graph.lower import StepShape
+from graph.tiling import TilingOptions
+from megakernel.interpreter import Interpreter
+from model import TINY_PRESETS, init_weights, preset
+
+from .conftest import rel_err
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton interpreter only")
+
+
+def _pair(name, workers=1, scheduler="critical_path", fuse=True, T=2, B=2, passes=1, tiling=None):
+    from megakernel.runtime import LaunchConfig, Megakernel
+    cfg = preset(name)
+    w = init_weights(cfg, seed=3)
+    shape = StepShape(T=T, B=B, max_len=16, mtp_passes=passes if cfg.num_nextn_predict_layers else 0, attn_split=4)
+    plan = compile_step(cfg, shape, CompileOptions(workers=workers, scheduler=scheduler, fuse=fuse,
+                                                   tiling=tiling or TilingOptions()))
+    interp = Interpreter(plan, w)
+    mk = Megakernel(plan, w, device="cpu", config=LaunchConfig(max_spins=2000))
+    cache = torch.randn(interp.cache().shape, generator=torch.Generator().manual_seed(0))
+    interp.cache().copy_(cache)
+    mk.cache().copy_(cache)
+    return cfg, plan, interp, mk
+
+
+def _compare(cfg, interp, mk, lens):
+    tokens = torch.randint(0, cfg.vocab_size, (interp.B, interp.T), generator=torch.Generator().manual_seed(1))
+    want, got = interp.step(tokens, lens), mk.step(tokens, lens)
+    assert rel_err(got.logits, want.logits) <= 1e-5
+    assert torch.equal(got.tokens, want.tokens)
+    for a, b in zip(got.mtp_logits, want.mtp_logits):
+        assert rel_err(a, b) <= 1e-5
+    assert rel_err(mk.cache(), interp.cache()) <= 1e-5
+
+
+@pytest.mark.parametrize("name", TINY_PRESETS)
+def test_kernel_equals_interpreter_one_worker(name):
+    cfg, plan, interp, mk = _pair(name)
+    _compare(cfg, interp, mk, torch.tensor([0, 9]))
+
+
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-mhc"])
+def test_kernel_unfused_blocked_workers(name):
+    """Every unfused opcode too, spread over workers that only wait on earlier ones, in small tiles."""
+    cfg, plan, interp, mk = _pair(name, workers=3, scheduler="blocked", fuse=False, T=3, B=1,
+                                  tiling=TilingOptions(tile_bytes=2048, act_rows=2, row_align=4))
+    assert plan.workers == 3 and "EWISE" in plan.opcode_counts()
+    _compare(cfg, interp, mk, torch.tensor([5]))
+
+
+def test_two_steps_reuse_counters_without_reset():
+    cfg, plan, interp, mk = _pair("tiny-dense", passes=0)
+    for lens in (torch.tensor([0, 3]), torch.tensor([2, 5])):
+        _compare(cfg, interp, mk, lens)
+    assert mk.epoch == 2 and int(mk.worker_epoch[0]) == 2
+
+
+def test_watchdog_reports_a_stalled_counter_and_recovers():
+    from megakernel.runtime import WatchdogError
+    cfg, plan, interp, mk = _pair("tiny-dense", passes=0)
+    undo = mk.inject_stall(5)
+    with pytest.raises(WatchdogError, match=r"worker 0 timed out at task 5 .*\(the stall test counter\) to reach 1, saw 0"):
+        mk.step(torch.zeros(2, 2, dtype=torch.long), torch.tensor([0, 0]))
+    undo()
+    _compare(cfg, interp, mk, torch.tensor([1, 1]))

@@ -1,0 +1,207 @@
+"""Side-by-side decode-step timing on one GPU, with the floor measured in the same run.
+
+    python tools/bench.py [--models llama-1b dsv2-lite] [--T 1 6] [--ctx 4096] [--out DIR]
+
+For each model and T: the unfused reference (eager), the megakernel (one CUDA
+graph replay per step) with launches per step measured by the profiler, its
+agreement with the plan interpreter on the same step, and the floor = bytes the
+step must read (weights of the experts the step routes to, plus the cache) ÷
+streaming read bandwidth measured here.  Prints a table, writes JSON (and, with
+--profile, a Perfetto trace and per-op table per model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from graph.compile import CompileOptions, compile_step
+from graph.lower import StepShape
+from megakernel.interpreter import Interpreter
+from megakernel.profiler import count_launches, task_trace
+from megakernel.runtime import LaunchConfig, Megakernel
+from model import Cache, Reference, init_weights, preset
+from model.stats import step_bytes
+
+
+def read_bandwidth(gib: float = 4.0) -> float:
+    """Streaming read, bytes/s: a sum over a buffer far larger than L2."""
+    x = torch.randn(int(gib * 2**30 / 4), device="cuda")
+    for _ in range(3):
+        x.sum()
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        x.sum()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del x
+    return x_bytes(gib) / statistics.median(times)
+
+
+def x_bytes(gib: float) -> float:
+    return int(gib * 2**30 / 4) * 4
+
+
+def time_ms(fn, iters: int = 30, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path, profile: bool,
+                variants=()) -> dict:
+    cfg = preset(name)
+    row: dict = {"model": name, "T": T, "ctx": ctx}
+    dtype = torch.bfloat16
+    t0 = time.perf_counter()
+    weights = init_weights(cfg, seed=0, device="cuda", dtype=dtype)
+    row["init_s"] = round(time.perf_counter() - t0, 1)
+    max_len = ctx + T
+    t0 = time.perf_counter()
+    plan = compile_step(cfg, StepShape(T=T, B=1, max_len=max_len), CompileOptions(workers=workers))
+    row["compile_s"] = round(time.perf_counter() - t0, 1)
+    row["tasks"] = plan.num_tasks
+    row["est_ms"] = plan.estimate["critical_path_ms"]
+    bytes_needed = step_bytes(cfg, T, 1, ctx).total
+    row["floor_ms"] = bytes_needed / bw * 1e3
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (1, T), device="cuda", generator=gen)
+    lens = torch.tensor([ctx - 1], device="cuda")
+
+    # reference, eager
+    ref = Reference(cfg, weights)
+    cache = Cache.allocate(cfg, 1, max_len, dtype, "cuda")
+    cache.data.normal_(generator=gen)
+    row["eager_ms"] = time_ms(lambda: ref.step(tokens, cache, lens), iters=5, warmup=2)
+
+    # megakernel
+    t0 = time.perf_counter()
+    mk = Megakernel(plan, weights, "cuda", dtype)
+    mk.cache().copy_(cache.data)
+    mk.capture()
+    row["jit_capture_s"] = round(time.perf_counter() - t0, 1)
+    row["registers"] = mk.compiled.n_regs
+    row["spills"] = mk.compiled.n_spills
+    first = mk.step(tokens, lens)
+    ref_out = ref.step(tokens, cache, lens)
+    row["rel_err_vs_reference"] = rel_err(first.logits, ref_out.logits)
+    row["token_vs_reference"] = bool(torch.equal(first.tokens, ref_out.logits.argmax(-1)))
+
+    def replay():
+        mk.graph.replay()
+    row["megakernel_ms"] = time_ms(replay, iters=50, warmup=10)
+    mk.epoch += 60
+    torch.cuda.synchronize()
+    mk.check_error()
+    row.update(count_launches(replay, steps=5))
+    mk.epoch += 5
+    row["x_floor"] = row["megakernel_ms"] / row["floor_ms"]
+    row["achieved_TBps"] = bytes_needed / (row["megakernel_ms"] / 1e3) / 1e12
+
+    # the plan interpreter on the same step (same cache contents), for the bf16 tolerance check
+    interp = Interpreter(plan, None, "cuda", share=mk.mem)
+    interp.cache().copy_(cache.data)
+    mk_cache = mk.cache().clone()
+    got = interp.step(tokens, lens)
+    mk.cache().copy_(mk_cache)
+    again = mk.step(tokens, lens)
+    row["rel_err_vs_interpreter"] = rel_err(again.logits, got.logits)
+    row["run_to_run_bitexact"] = bool(torch.equal(again.logits, first.logits))
+
+    row["variants"] = []
+    for stages, bk, br in variants:
+        try:
+            vk = Megakernel(plan, None, "cuda", share=mk.mem,
+                            config=LaunchConfig(num_stages=stages, blocks={"BK": bk, "BR": br}))
+            vk.capture()
+            out_v = vk.step(tokens, lens)
+            ms = time_ms(vk.graph.replay, iters=50, warmup=10)
+            row["variants"].append({"num_stages": stages, "BK": bk, "BR": br, "ms": ms, "regs": vk.compiled.n_regs,
+                                    "spills": vk.compiled.n_spills,
+                                    "rel_err_vs_main": rel_err(out_v.logits, first.logits)})
+            del vk
+        except Exception as e:
+            row["variants"].append({"num_stages": stages, "BK": bk, "BR": br, "error": repr(e)[:300]})
+
+    if profile:
+        pk = Megakernel(plan, None, "cuda", share=mk.mem, config=LaunchConfig(profile=True))
+        pk.step(tokens, lens)
+        pk.step(tokens, lens)
+        table = task_trace(pk, out / f"trace_{name}_T{T}.json")
+        row["profiled_step_us"] = table["step_us"]
+        ops = sorted(table["ops"].items(), key=lambda kv: -kv[1]["busy_us"])
+        row["top_ops"] = [(k, v["tasks"], round(v["busy_us"], 1), round(v["wait_us"], 1)) for k, v in ops[:12]]
+    del mk, weights, ref, cache
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--models", nargs="*", default=["llama-1b", "dsv2-lite"])
+    p.add_argument("--T", nargs="*", type=int, default=[1])
+    p.add_argument("--ctx", type=int, default=4096)
+    p.add_argument("--workers", type=int, default=0, help="default: the GPU's SM count")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--variants", nargs="*", default=[], metavar="STAGES:BK:BR",
+                   help="also time these launch variants, e.g. 3:64:64")
+    p.add_argument("--out", default=".")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    props = torch.cuda.get_device_properties(0)
+    workers = args.workers or props.multi_processor_count
+    bw = read_bandwidth()
+    result = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+              "read_TBps": bw / 1e12, "rows": []}
+    print(f"{props.name}: streaming read {bw / 1e12:.2f} TB/s", flush=True)
+    for name in args.models:
+        for T in args.T:
+            try:
+                variants = [tuple(int(x) for x in v.split(":")) for v in args.variants]
+                row = bench_model(name, T, args.ctx, bw, workers, out, args.profile, variants)
+            except Exception as e:  # keep going: one failure should not hide the other rows
+                traceback.print_exc()
+                row = {"model": name, "T": T, "error": repr(e)}
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            (out / "bench.json").write_text(json.dumps(result, indent=2))
+    print(f"\n{'model':<11}{'T':>3}{'floor ms':>10}{'eager ms':>10}{'mk ms':>9}{'x floor':>9}{'TB/s':>7}"
+          f"{'launch':>8}{'err vs ref':>12}")
+    for r in result["rows"]:
+        if "error" in r:
+            print(f"{r['model']:<11}{r['T']:>3}  error: {r['error'][:80]}")
+            continue
+        print(f"{r['model']:<11}{r['T']:>3}{r['floor_ms']:>10.3f}{r['eager_ms']:>10.2f}{r['megakernel_ms']:>9.3f}"
+              f"{r['x_floor']:>9.2f}{r['achieved_TBps']:>7.2f}{r['launches_per_step']:>8.1f}"
+              f"{r['rel_err_vs_reference']:>12.2e}")
+        for v in r.get("variants", []):
+            print(f"{'':<14}variant stages={v['num_stages']} BK={v['BK']} BR={v['BR']}: "
+                  + (f"{v['ms']:.3f} ms" if "ms" in v else v["error"][:60]))
+
+
+if __name__ == "__main__":
+    main()
