@@ -15,7 +15,7 @@ from .cost import CostModel
 from .fusion import RULES, fuse
 from .cse import cse
 from .ir import Graph, Op
-from .isa import MAX_WAITS, OPCODES, WORDS, Buf, encode
+from .isa import MAX_WAITS, OPCODES, WORDS, encode
 from .lower import StepShape, lower
 from .memory import ancestors, plan_memory, weight_order
 from .plan import IOSlot, Plan, WeightSlot

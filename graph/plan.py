@@ -118,7 +118,7 @@ class Plan:
         counts = self.opcode_counts()
         lines.append("  " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])))
         est = self.estimate
-        lines.append(f"buffers: " + ", ".join(f"{k} {v:,} elements" for k, v in self.buffers.items()))
+        lines.append("buffers: " + ", ".join(f"{k} {v:,} elements" for k, v in self.buffers.items()))
         lines.append(f"estimate ({est['scheduler']}): critical path {est['critical_path_ms']:.3f} ms, "
                      f"work {est['work_ms']:.3f} ms over {self.workers} workers, balance {est['balance']:.2f}, "
                      f"bytes {est['bytes'] / 1e6:.2f} MB")

@@ -9,7 +9,6 @@ construction (each (token, k) pair belongs to exactly one expert slot).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from .ir import Graph, Op, Tensor

@@ -203,6 +203,12 @@ def make_engine(cfg: ModelConfig, weights, backend: str, batch: int, max_len: in
         raise ValueError(f"unknown backend {backend!r} (reference, interpret, megakernel)")
     engine = Engine(cfg, impl, batch, max_len, device)
     if check:
-        engine.checker = ReferenceBackend(cfg, weights, batch, max_len, device, dtype)
-        engine.check = CheckStats(tolerance=1e-4 if dtype == torch.float32 else 2e-2)
+        # the plain model on the same weights, computed in fp32 where it fits: a bf16 reference
+        # rounds activations after every op and is itself ~3e-2 from the truth on llama-1b
+        size = sum(t.numel() for t in weights.values())
+        roomy = device.type != "cuda" or 4 * size < 0.6 * torch.cuda.mem_get_info(device)[0]
+        ref_dtype = torch.float32 if roomy else dtype
+        ref_weights = weights if ref_dtype == dtype else {k: v.float() for k, v in weights.items()}
+        engine.checker = ReferenceBackend(cfg, ref_weights, batch, max_len, device, ref_dtype)
+        engine.check = CheckStats(tolerance=1e-4 if dtype == torch.float32 else (2e-2 if roomy else 5e-2))
     return engine

@@ -51,7 +51,6 @@ def task_trace(kernel, path: str | Path, png: bool = True) -> dict:
     plan = kernel.plan
     stamps = kernel.prof.view(-1, 4).cpu().numpy()
     t0 = stamps[:, 0][stamps[:, 0] > 0].min()
-    words = plan.words
     events, per_op = [], defaultdict(lambda: {"tasks": 0, "busy_us": 0.0, "wait_us": 0.0})
     for w in range(plan.workers):
         for i in plan.queue(w):

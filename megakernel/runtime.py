@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from graph.isa import MAX_WAITS, WORDS, Buf, LAYOUTS, decode
+from graph.isa import MAX_WAITS, WORDS, Buf, decode
 from graph.plan import Plan
 from graph.verify import verify_plan
 
@@ -83,8 +83,9 @@ def block_sizes(plan: Plan, dtype: torch.dtype) -> dict:
             experts = max(experts, _pow2(f["E"]))
         elif t.op.name in ("HC_COEFF", "HC_HEAD", "HC_EXPAND"):
             width = max(width, _pow2((2 + f["n"]) * f["n"]))
-    return dict(BN=16, BR=64, BK=64, BD=256, BH=32, BM=16, BJ=32, DMAX=dmax, RMAX=rmax, BI=32, BO=64, BE=experts,
-                BP=256, BW=width, DOT_PREC="ieee" if dtype == torch.float32 else "tf32")
+    # bf16 weights: activations enter the tensor cores as a bf16 (high, low) pair, ~16 mantissa bits
+    return dict(BR=8, KC=2048, STAGES=2, BD=256, BH=32, BM=16, BJ=32, DMAX=dmax, RMAX=rmax, BI=64, BO=128,
+                BE=experts, BP=256, BW=width, BHC=max(1, 4096 // dmax), DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2")
 
 
 @dataclass
@@ -180,12 +181,9 @@ class Megakernel:
         self.mem.io_view("in.cache_lens").copy_(self.stage_lens, non_blocking=True)
 
     def capture(self) -> None:
-        """Record input copies + the launch into a CUDA graph (after a warm-up launch)."""
+        """Record input copies + the launch into a CUDA graph.  Compiling happens before (warmup
+        compiles without launching), and capture itself runs nothing: no step's state is touched."""
         self.compile()
-        self._inputs_to_device()
-        self.launch()
-        torch.cuda.synchronize(self.device)
-        self.check_error()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self._inputs_to_device()

@@ -82,7 +82,7 @@ def test_default_run_prints_what_it_did(capsys, tmp_path):
 def test_interpreter_and_reference_backends_agree(capsys):
     runs = {}
     for backend in ("reference", "interpret"):
-        assert main(["--device", "cpu", "--backend", backend, "--steps", "6", "--batch", "2", "--json", f"/dev/null"]) == 0
+        assert main(["--device", "cpu", "--backend", backend, "--steps", "6", "--batch", "2", "--json", "/dev/null"]) == 0
     out = capsys.readouterr().out.split("model tiny-moe")
     runs = [[line for line in o.splitlines() if line.strip().startswith("sequence")] for o in out[1:]]
     assert runs[0] == runs[1]

@@ -15,8 +15,8 @@ from graph.isa import WORDS, MAX_WAITS
 sig = {"words": "*i32", "queue_ptr": "*i32", "counters": "*i32", "worker_epoch": "*i32", "err": "*i32",
        "prof": "*i64", "W": "*bf16", "WF": "*fp32", "A": "*fp32", "I": "*i32", "C": "*bf16"}
 const = dict(WORDS=WORDS, MAX_WAITS=MAX_WAITS, TIMEOUT_NS=250_000_000, MAX_SPINS=1000, USE_TIMER=True, PROFILE=True,
-             BN=16, BR=64, BK=64, BD=256, BH=32, BM=16, BJ=32, DMAX=512, RMAX=64, BI=32, BO=64, BE=256, BP=256,
-             BW=32, DOT_PREC="tf32")
+             BR=8, KC=2048, STAGES=2, BD=256, BH=32, BM=16, BJ=32, DMAX=512, RMAX=64, BI=128, BO=128, BE=256, BP=256,
+             BW=32, BHC=8, DOT_PREC="tf32")
 sig.update({k: "constexpr" for k in const})
 k = triton.compile(ASTSource(fn=megakernel, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 8, "num_stages": 1})

@@ -135,16 +135,16 @@ def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path,
     for stages, bk, br in variants:
         try:
             vk = Megakernel(plan, None, "cuda", share=mk.mem,
-                            config=LaunchConfig(num_stages=stages, blocks={"BK": bk, "BR": br}))
+                            config=LaunchConfig(blocks={"STAGES": stages, "KC": bk, "BR": br}))
             vk.capture()
             out_v = vk.step(tokens, lens)
             ms = time_ms(vk.graph.replay, iters=50, warmup=10)
-            row["variants"].append({"num_stages": stages, "BK": bk, "BR": br, "ms": ms, "regs": vk.compiled.n_regs,
+            row["variants"].append({"STAGES": stages, "KC": bk, "BR": br, "ms": ms, "regs": vk.compiled.n_regs,
                                     "spills": vk.compiled.n_spills,
                                     "rel_err_vs_main": rel_err(out_v.logits, first.logits)})
             del vk
         except Exception as e:
-            row["variants"].append({"num_stages": stages, "BK": bk, "BR": br, "error": repr(e)[:300]})
+            row["variants"].append({"STAGES": stages, "KC": bk, "BR": br, "error": repr(e)[:300]})
 
     if profile:
         pk = Megakernel(plan, None, "cuda", share=mk.mem, config=LaunchConfig(profile=True))
@@ -154,8 +154,6 @@ def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path,
         row["profiled_step_us"] = table["step_us"]
         ops = sorted(table["ops"].items(), key=lambda kv: -kv[1]["busy_us"])
         row["top_ops"] = [(k, v["tasks"], round(v["busy_us"], 1), round(v["wait_us"], 1)) for k, v in ops[:12]]
-    del mk, weights, ref, cache
-    torch.cuda.empty_cache()
     return row
 
 
@@ -166,7 +164,7 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--workers", type=int, default=0, help="default: the GPU's SM count")
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--variants", nargs="*", default=[], metavar="STAGES:BK:BR",
+    p.add_argument("--variants", nargs="*", default=[], metavar="STAGES:KC:BR",
                    help="also time these launch variants, e.g. 3:64:64")
     p.add_argument("--out", default=".")
     args = p.parse_args()
@@ -187,6 +185,7 @@ def main() -> None:
                 traceback.print_exc()
                 row = {"model": name, "T": T, "error": repr(e)}
             result["rows"].append(row)
+            torch.cuda.empty_cache()
             print(json.dumps(row), flush=True)
             (out / "bench.json").write_text(json.dumps(result, indent=2))
     print(f"\n{'model':<11}{'T':>3}{'floor ms':>10}{'eager ms':>10}{'mk ms':>9}{'x floor':>9}{'TB/s':>7}"
@@ -199,7 +198,7 @@ def main() -> None:
               f"{r['x_floor']:>9.2f}{r['achieved_TBps']:>7.2f}{r['launches_per_step']:>8.1f}"
               f"{r['rel_err_vs_reference']:>12.2e}")
         for v in r.get("variants", []):
-            print(f"{'':<14}variant stages={v['num_stages']} BK={v['BK']} BR={v['BR']}: "
+            print(f"{'':<14}variant STAGES={v['STAGES']} KC={v['KC']} BR={v['BR']}: "
                   + (f"{v['ms']:.3f} ms" if "ms" in v else v["error"][:60]))
 
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-import torch
+import triton
+import triton.language as tl
+
+from .common import fld, has, off
+from .fields import (ARGMAX_C0, ARGMAX_C1, ARGMAX_FLAGS, ARGMAX_LG_LD, ARGMAX_LG_OFF, ARGMAX_N, ARGMAX_NPARTS,
+                     ARGMAX_OUT_OFF, ARGMAX_PART, ARGMAX_PI_OFF, ARGMAX_PV_OFF, FLAG_ARGMAX_FINAL, FLAG_ARGMAX_PARTIAL)
 
 
 def reference(task, mem) -> None:
@@ -25,15 +30,7 @@ def reference(task, mem) -> None:
     mem.flat(task, "out", 0, N).copy_(pi.gather(1, best[:, None])[:, 0])
 
 
-# ---- GPU body -----------------------------------------------------------------------------
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from .common import fld, has, off  # noqa: E402
-from .fields import (ARGMAX_C0, ARGMAX_C1, ARGMAX_FLAGS, ARGMAX_LG_LD, ARGMAX_LG_OFF, ARGMAX_N, ARGMAX_NPARTS,  # noqa: E402
-                     ARGMAX_OUT_OFF, ARGMAX_PART, ARGMAX_PI_OFF, ARGMAX_PV_OFF, FLAG_ARGMAX_FINAL, FLAG_ARGMAX_PARTIAL)
-
-
+# ---- GPU body ----------------------------------------------------------------------------
 @triton.jit
 def body(word, A, I, BD: tl.constexpr):
     flags, N, nparts, part = fld(word, ARGMAX_FLAGS), fld(word, ARGMAX_N), fld(word, ARGMAX_NPARTS), fld(word, ARGMAX_PART)

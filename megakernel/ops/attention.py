@@ -9,6 +9,19 @@ position writes lse = -inf and zeros.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from .common import ffld, fld, has, mma, off
+from .fields import (ATTENTION_B, ATTENTION_CACHE_OFF, ATTENTION_CL_OFF, ATTENTION_DIM, ATTENTION_FLAGS,
+                     ATTENTION_GROUP, ATTENTION_H0, ATTENTION_H1, ATTENTION_KV_HS, ATTENTION_LSE_OFF,
+                     ATTENTION_NHEADS, ATTENTION_NSPLITS, ATTENTION_OP_OFF, ATTENTION_PE_COL0, ATTENTION_PE_HS,
+                     ATTENTION_PE_LD, ATTENTION_PE_OFF, ATTENTION_POS_OFFSET, ATTENTION_Q_COL0, ATTENTION_Q_HS,
+                     ATTENTION_Q_LD, ATTENTION_Q_OFF, ATTENTION_ROPE_DIM, ATTENTION_S, ATTENTION_SCALE, ATTENTION_SPLIT,
+                     ATTENTION_SPLIT_LEN, ATTENTION_T, ATTENTION_V_COL0, ATTENTION_WIDTH, ATTN_COMBINE_B,
+                     ATTN_COMBINE_DIM, ATTN_COMBINE_H0, ATTN_COMBINE_H1, ATTN_COMBINE_LSE_OFF, ATTN_COMBINE_NHEADS,
+                     ATTN_COMBINE_NSPLITS, ATTN_COMBINE_OP_OFF, ATTN_COMBINE_OUT_LD, ATTN_COMBINE_OUT_OFF,
+                     ATTN_COMBINE_T, FLAG_ATTENTION_MLA)
 
 
 def reference(task, mem) -> None:
@@ -59,25 +72,10 @@ def reference_combine(task, mem) -> None:
             mem.mat(task, "out", 1, dim, row0=b * T + t, col0=h * dim).copy_(out[None])
 
 
-# ---- GPU bodies ---------------------------------------------------------------------------
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from .common import ffld, fld, has, off  # noqa: E402
-from .fields import (ATTENTION_B, ATTENTION_CACHE_OFF, ATTENTION_CL_OFF, ATTENTION_DIM, ATTENTION_FLAGS,  # noqa: E402
-                     ATTENTION_GROUP, ATTENTION_H0, ATTENTION_H1, ATTENTION_KV_HS, ATTENTION_LSE_OFF,
-                     ATTENTION_NHEADS, ATTENTION_NSPLITS, ATTENTION_OP_OFF, ATTENTION_PE_COL0, ATTENTION_PE_HS,
-                     ATTENTION_PE_LD, ATTENTION_PE_OFF, ATTENTION_POS_OFFSET, ATTENTION_Q_COL0, ATTENTION_Q_HS,
-                     ATTENTION_Q_LD, ATTENTION_Q_OFF, ATTENTION_ROPE_DIM, ATTENTION_S, ATTENTION_SCALE, ATTENTION_SPLIT,
-                     ATTENTION_SPLIT_LEN, ATTENTION_T, ATTENTION_V_COL0, ATTENTION_WIDTH, ATTN_COMBINE_B,
-                     ATTN_COMBINE_DIM, ATTN_COMBINE_H0, ATTN_COMBINE_H1, ATTN_COMBINE_LSE_OFF, ATTN_COMBINE_NHEADS,
-                     ATTN_COMBINE_NSPLITS, ATTN_COMBINE_OP_OFF, ATTN_COMBINE_OUT_LD, ATTN_COMBINE_OUT_OFF,
-                     ATTN_COMBINE_T, FLAG_ATTENTION_MLA)
-
-
+# ---- GPU body ----------------------------------------------------------------------------
 @triton.jit
 def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr,
-         DOT_PREC: tl.constexpr):
+         STAGES: tl.constexpr, DOT_PREC: tl.constexpr):
     mla = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_MLA)
     T, S, width, b = fld(word, ATTENTION_T), fld(word, ATTENTION_S), fld(word, ATTENTION_WIDTH), fld(word, ATTENTION_B)
     h0, h1, nh, ns = fld(word, ATTENTION_H0), fld(word, ATTENTION_H1), fld(word, ATTENTION_NHEADS), fld(word, ATTENTION_NSPLITS)
@@ -116,15 +114,15 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
         m_i = tl.full((BM,), float("-inf"), tl.float32)
         l_i = tl.zeros((BM,), tl.float32)
         acc = tl.zeros((BM, DMAX), tl.float32)
-        for jb in range(j0, j1, BJ):
+        for jb in tl.range(j0, j1, BJ, num_stages=STAGES):
             js = jb + tl.arange(0, BJ)
             jmask = js < j1
             rows = cache + js[:, None].to(tl.int64) * width
             keys = tl.load(rows + k_col + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
-            s = tl.dot(q.to(keys.dtype), tl.trans(keys), input_precision=DOT_PREC)
+            s = mma(q, tl.trans(keys), tl.zeros((BM, BJ), tl.float32), DOT_PREC)
             if mla:
                 kpe = tl.load(rows + dim + e[None, :], mask=jmask[:, None] & emask[None, :], other=0.0)
-                s += tl.dot(pe.to(kpe.dtype), tl.trans(kpe), input_precision=DOT_PREC)
+                s = mma(pe, tl.trans(kpe), s, DOT_PREC)
                 values = keys
             else:
                 values = tl.load(rows + v_col + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
@@ -135,7 +133,7 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values, input_precision=DOT_PREC)
+            acc = mma(p, values, acc * alpha[:, None], DOT_PREC)
             m_i = m_new
         has_keys = l_i > 0
         o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -146,25 +144,34 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
 
 
 @triton.jit
-def combine_body(word, A, BD: tl.constexpr):
+def combine_body(word, A, BHC: tl.constexpr, DMAX: tl.constexpr):
+    """All heads of a token at once: out[h, :] = sum_s exp(lse[s, h] - LSE[h]) o[s, h, :]."""
     b, T, nh, ns, dim = (fld(word, ATTN_COMBINE_B), fld(word, ATTN_COMBINE_T), fld(word, ATTN_COMBINE_NHEADS),
                          fld(word, ATTN_COMBINE_NSPLITS), fld(word, ATTN_COMBINE_DIM))
+    h0, h1 = fld(word, ATTN_COMBINE_H0), fld(word, ATTN_COMBINE_H1)
     op_ptr, lse_ptr = A + off(word, ATTN_COMBINE_OP_OFF), A + off(word, ATTN_COMBINE_LSE_OFF)
     o_ptr, o_ld = A + off(word, ATTN_COMBINE_OUT_OFF), fld(word, ATTN_COMBINE_OUT_LD)
+    d = tl.arange(0, DMAX)
+    dmask = d < dim
     for t in range(T):
-        for h in range(fld(word, ATTN_COMBINE_H0), fld(word, ATTN_COMBINE_H1)):
-            big = float("-inf")
+        for hb in range(h0, h1, BHC):
+            h = hb + tl.arange(0, BHC)
+            hmask = h < h1
+            big = tl.full((BHC,), float("-inf"), tl.float32)
             for s in range(ns):
-                big = tl.maximum(big, tl.load(lse_ptr + ((b * ns + s) * T + t) * nh + h, cache_modifier=".cg"))
-            total = 0.0
+                lse = tl.load(lse_ptr + ((b * ns + s) * T + t) * nh + h, mask=hmask, other=float("-inf"),
+                              cache_modifier=".cg")
+                big = tl.maximum(big, lse)
+            safe = tl.where(big == float("-inf"), 0.0, big)
+            total = tl.zeros((BHC,), tl.float32)
+            acc = tl.zeros((BHC, DMAX), tl.float32)
             for s in range(ns):
-                total += tl.exp(tl.load(lse_ptr + ((b * ns + s) * T + t) * nh + h, cache_modifier=".cg") - big)
-            for cb in range(0, dim, BD):
-                c = cb + tl.arange(0, BD)
-                m = c < dim
-                acc = tl.zeros((BD,), tl.float32)
-                for s in range(ns):
-                    row = ((b * ns + s) * T + t) * nh + h
-                    w = tl.exp(tl.load(lse_ptr + row, cache_modifier=".cg") - big) / total
-                    acc += w * tl.load(op_ptr + row * dim.to(tl.int64) + c, mask=m, other=0.0, cache_modifier=".cg")
-                tl.store(o_ptr + (b * T + t) * o_ld + h * dim + c, acc, mask=m)
+                rows = ((b * ns + s) * T + t) * nh + h
+                wgt = tl.exp(tl.load(lse_ptr + rows, mask=hmask, other=float("-inf"), cache_modifier=".cg") - safe)
+                total += wgt
+                part = tl.load(op_ptr + rows[:, None].to(tl.int64) * dim + d[None, :],
+                               mask=hmask[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
+                acc += wgt[:, None] * part
+            acc = acc / tl.where(total > 0, total, 1.0)[:, None]
+            tl.store(o_ptr + (b * T + t) * o_ld + h[:, None] * dim + d[None, :], acc,
+                     mask=hmask[:, None] & dmask[None, :])

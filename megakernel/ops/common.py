@@ -1,9 +1,11 @@
-"""Triton helpers shared by the task bodies: reading fields of a task word."""
+"""Triton helpers shared by the task bodies: task-word fields, the bounded dependency wait, MMA."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .fields import WORD_WAITS
 
 
 @triton.jit
@@ -34,3 +36,70 @@ def has(flags, BIT: tl.constexpr):
 @triton.jit
 def silu(x):
     return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def mma(a, b, acc, DOT_PREC: tl.constexpr):
+    """acc + a @ b with b in the weights' dtype.  DOT_PREC 'bf16x2': fp32 `a` is split into bf16
+    high and low parts (two MMAs), so activations keep ~16 mantissa bits; 'ieee': fp32 weights."""
+    if DOT_PREC == "bf16x2":
+        hi = a.to(b.dtype)
+        lo = (a - hi.to(tl.float32)).to(b.dtype)
+        acc = tl.dot(hi, b, acc)
+        return tl.dot(lo, b, acc)
+    else:
+        return tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
+def now_ns(USE_TIMER: tl.constexpr):
+    if USE_TIMER:
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    else:
+        return tl.zeros((), tl.int64)
+
+
+@triton.jit
+def sm_id(USE_TIMER: tl.constexpr):
+    if USE_TIMER:
+        return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return tl.zeros((), tl.int32)
+
+
+@triton.jit
+def wait_task(word, t, counters, epoch, err, pid, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr,
+              MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr):
+    """1 when every wait of the task holds, 0 when this worker must stop (timeout, or another failed)."""
+    ok = 1
+    for i in tl.static_range(MAX_WAITS):
+        c = tl.load(word + WORD_WAITS + 2 * i)
+        if (c >= 0) & (ok == 1):
+            target = epoch * tl.load(word + WORD_WAITS + 2 * i + 1)
+            ptr = counters + c.to(tl.int64) * 32
+            seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+            start = now_ns(USE_TIMER)
+            spins = 0
+            reason = 0
+            while (seen < target) & (reason == 0):
+                seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+                spins += 1
+                if spins % 32 == 0:
+                    if tl.atomic_add(err, 0, sem="acquire", scope="gpu") != 0:
+                        reason = 2  # another worker failed
+                    elif USE_TIMER:
+                        if now_ns(USE_TIMER) - start > TIMEOUT_NS:
+                            reason = 1
+                    elif spins > MAX_SPINS:
+                        reason = 1
+            if reason != 0:
+                ok = 0
+                state = err + 4 + pid * 5
+                tl.store(state, reason)
+                tl.store(state + 1, t)
+                tl.store(state + 2, c)
+                tl.store(state + 3, seen)
+                tl.store(state + 4, target)
+                if reason == 1:
+                    tl.atomic_xchg(err, 1, sem="release", scope="gpu")
+    return ok

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .common import fld, has, off, silu
+from .fields import (EWISE_A_LD, EWISE_A_OFF, EWISE_B_LD, EWISE_B_OFF, EWISE_COLS, EWISE_FLAGS,
+                     EWISE_OUT_LD, EWISE_OUT_OFF, EWISE_R0, EWISE_R1, FLAG_EWISE_ADD, FLAG_EWISE_MUL, FLAG_EWISE_SILU)
 
 
 def reference(task, mem) -> None:
@@ -19,15 +25,7 @@ def reference(task, mem) -> None:
     mem.mat(task, "out", r1 - r0, cols, row0=r0).copy_(y)
 
 
-# ---- GPU body -----------------------------------------------------------------------------
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from .common import fld, has, off, silu  # noqa: E402
-from .fields import (EWISE_A_LD, EWISE_A_OFF, EWISE_B_LD, EWISE_B_OFF, EWISE_COLS, EWISE_FLAGS,  # noqa: E402
-                     EWISE_OUT_LD, EWISE_OUT_OFF, EWISE_R0, EWISE_R1, FLAG_EWISE_ADD, FLAG_EWISE_MUL, FLAG_EWISE_SILU)
-
-
+# ---- GPU body ----------------------------------------------------------------------------
 @triton.jit
 def body(word, A, BD: tl.constexpr):
     flags, cols = fld(word, EWISE_FLAGS), fld(word, EWISE_COLS)

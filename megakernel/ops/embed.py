@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from .common import fld, off
+from .fields import EMBED_COPIES, EMBED_H, EMBED_OUT_LD, EMBED_OUT_OFF, EMBED_R0, EMBED_R1, EMBED_TABLE_OFF, EMBED_TOK_OFF
 
 
 def reference(task, mem) -> None:
@@ -14,14 +19,7 @@ def reference(task, mem) -> None:
     out.copy_(rows.repeat(1, copies))
 
 
-# ---- GPU body -----------------------------------------------------------------------------
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from .common import fld, off  # noqa: E402
-from .fields import EMBED_COPIES, EMBED_H, EMBED_OUT_LD, EMBED_OUT_OFF, EMBED_R0, EMBED_R1, EMBED_TABLE_OFF, EMBED_TOK_OFF  # noqa: E402,E501
-
-
+# ---- GPU body ----------------------------------------------------------------------------
 @triton.jit
 def body(word, W, A, I, BD: tl.constexpr):
     H, copies = fld(word, EMBED_H), fld(word, EMBED_COPIES)

@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .common import fld, has, off, silu
+from .fields import (FLAG_LINEAR_RES, FLAG_LINEAR_SILU_MUL, LINEAR_FLAGS, LINEAR_K, LINEAR_N, LINEAR_OUT_LD,
+                     LINEAR_OUT_OFF, LINEAR_R0, LINEAR_R1, LINEAR_RES_LD, LINEAR_RES_OFF, LINEAR_W2_OFF, LINEAR_W_OFF,
+                     LINEAR_X_LD, LINEAR_X_OFF)
 
 
 def reference(task, mem) -> None:
@@ -17,51 +24,77 @@ def reference(task, mem) -> None:
     mem.mat(task, "out", N, r1 - r0, col0=r0).copy_(y)
 
 
-# ---- GPU body -----------------------------------------------------------------------------
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from .common import fld, has, off, silu  # noqa: E402
-from .fields import (FLAG_LINEAR_RES, FLAG_LINEAR_SILU_MUL, LINEAR_FLAGS, LINEAR_K, LINEAR_N, LINEAR_OUT_LD,  # noqa: E402
-                     LINEAR_OUT_OFF, LINEAR_R0, LINEAR_R1, LINEAR_RES_LD, LINEAR_RES_OFF, LINEAR_W2_OFF, LINEAR_W_OFF,
-                     LINEAR_X_LD, LINEAR_X_OFF)
+# ---- GPU body ----------------------------------------------------------------------------
+@triton.jit
+def weight_rows(w_ptr, rows, rmask, K, kb, on, KC: tl.constexpr):
+    """[BR, KC] of weights: rows `rows`, columns kb..kb+KC (nothing is read where `on` is false)."""
+    ks = kb + tl.arange(0, KC)
+    return tl.load(w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :],
+                   mask=rmask[:, None] & (ks[None, :] < K) & on, other=0.0)
 
 
 @triton.jit
-def dot_rows(acc, x_ptr, x_ld, toks, nmask, w_ptr, rows, rmask, K, BK: tl.constexpr, DOT_PREC: tl.constexpr):
-    """acc[BN, BR] += x[toks, :K] @ w[rows, :K].T, K in chunks of BK (fixed order: batch invariant)."""
-    for kb in range(0, K, BK):
-        ks = kb + tl.arange(0, BK)
-        kmask = ks < K
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        x = tl.load(x_ptr + toks[:, None].to(tl.int64) * x_ld + ks[None, :], mask=nmask[:, None] & kmask[None, :],
-                    other=0.0, cache_modifier=".cg")
-        acc = tl.dot(x.to(w.dtype), tl.trans(w), acc, input_precision=DOT_PREC)
+def gemv_rows(x_ptr, x_ld, xrow, w_ptr, w2_ptr, two, rows, rmask, K, w, w2, KC: tl.constexpr):
+    """One token: x[xrow] @ W[rows].T on CUDA cores, fp32 products and sums, K in chunks of KC in a
+    fixed order (the result never depends on other tokens: batch invariant).  w, w2: chunk 0,
+    already requested.  A chunk is a whole-row tile (e.g. 16 x 2048 bf16 = 64 KB): few, large loads."""
+    acc = tl.zeros((rows.shape[0],), tl.float32)
+    acc2 = tl.zeros((rows.shape[0],), tl.float32)
+    for kb in range(0, K, KC):
+        if kb > 0:
+            w = weight_rows(w_ptr, rows, rmask, K, kb, True, KC)
+            w2 = weight_rows(w2_ptr, rows, rmask, K, kb, two, KC)
+        ks = kb + tl.arange(0, KC)
+        x = tl.load(x_ptr + xrow.to(tl.int64) * x_ld + ks, mask=ks < K, other=0.0, cache_modifier=".cg")
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        acc2 += tl.sum(w2.to(tl.float32) * x[None, :], axis=1)
+    if two:
+        acc = silu(acc) * acc2
     return acc
 
 
 @triton.jit
-def body(word, W, A, BN: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr):
-    flags = fld(word, LINEAR_FLAGS)
-    N, K = fld(word, LINEAR_N), fld(word, LINEAR_K)
-    r0, r1 = fld(word, LINEAR_R0), fld(word, LINEAR_R1)
-    x_ptr, x_ld = A + off(word, LINEAR_X_OFF), fld(word, LINEAR_X_LD)
-    w_ptr, w2_ptr = W + off(word, LINEAR_W_OFF), W + off(word, LINEAR_W2_OFF)
-    out_ptr, out_ld = A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD)
-    res_ptr, res_ld = A + off(word, LINEAR_RES_OFF), fld(word, LINEAR_RES_LD)
+def stream_rows(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, orows_ptr, res_ptr, res_ld, use_res,
+                w_ptr, w2_ptr, two, r0, r1, K, w, w2, BR: tl.constexpr, KC: tl.constexpr):
+    """out[orow(n), r0:r1] = f(x[xrow(n)] @ W[r0:r1].T) for n < n_rows.  Rows come from a list
+    (xrows_ptr != 0: row = list[n] // xrows_div, out row = list[n]) or are n itself.  w, w2: the
+    first chunk of the first row block, already requested."""
     for rb in range(r0, r1, BR):
         rows = rb + tl.arange(0, BR)
         rmask = rows < r1
-        for nb in range(0, N, BN):
-            toks = nb + tl.arange(0, BN)
-            nmask = toks < N
-            acc = dot_rows(tl.zeros((BN, BR), tl.float32), x_ptr, x_ld, toks, nmask, w_ptr, rows, rmask, K, BK, DOT_PREC)
-            if has(flags, FLAG_LINEAR_SILU_MUL):
-                up = dot_rows(tl.zeros((BN, BR), tl.float32), x_ptr, x_ld, toks, nmask, w2_ptr, rows, rmask, K, BK,
-                              DOT_PREC)
-                acc = silu(acc) * up
-            mask = nmask[:, None] & rmask[None, :]
-            if has(flags, FLAG_LINEAR_RES):
-                acc += tl.load(res_ptr + toks[:, None] * res_ld + rows[None, :], mask=mask, other=0.0,
-                               cache_modifier=".cg")
-            tl.store(out_ptr + toks[:, None] * out_ld + rows[None, :], acc, mask=mask)
+        for n in range(n_rows):
+            if (rb > r0) | (n > 0):  # the first block's first chunk was requested early
+                w = weight_rows(w_ptr, rows, rmask, K, 0, True, KC)
+                w2 = weight_rows(w2_ptr, rows, rmask, K, 0, two, KC)
+            xrow = n
+            orow = n
+            if xrows_div > 0:
+                pair = tl.load(xrows_ptr + n, cache_modifier=".cg")
+                xrow = pair // xrows_div
+                orow = pair
+            y = gemv_rows(x_ptr, x_ld, xrow, w_ptr, w2_ptr, two, rows, rmask, K, w, w2, KC)
+            if use_res:
+                y += tl.load(res_ptr + orow * res_ld + rows, mask=rmask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + orow.to(tl.int64) * out_ld + rows, y, mask=rmask)
+
+
+@triton.jit
+def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr):
+    """A LINEAR task's first weight chunk, requested before its dependency wait: weights never
+    depend on activations."""
+    two = has(fld(word, LINEAR_FLAGS), FLAG_LINEAR_SILU_MUL)
+    K, r0, r1 = fld(word, LINEAR_K), fld(word, LINEAR_R0), fld(word, LINEAR_R1)
+    rows = r0 + tl.arange(0, BR)
+    w = weight_rows(W + off(word, LINEAR_W_OFF), rows, rows < r1, K, 0, True, KC)
+    w2 = weight_rows(W + off(word, LINEAR_W2_OFF), rows, rows < r1, K, 0, two, KC)
+    return w, w2
+
+
+@triton.jit
+def body(word, W, A, w, w2, BR: tl.constexpr, KC: tl.constexpr):
+    flags = fld(word, LINEAR_FLAGS)
+    stream_rows(A + off(word, LINEAR_X_OFF), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
+                A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A, A + off(word, LINEAR_RES_OFF),
+                fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), W + off(word, LINEAR_W_OFF),
+                W + off(word, LINEAR_W2_OFF), has(flags, FLAG_LINEAR_SILU_MUL), fld(word, LINEAR_R0),
+                fld(word, LINEAR_R1), fld(word, LINEAR_K), w, w2, BR, KC)

@@ -10,6 +10,23 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .common import ffld, fld, has, off
+from .fields import (EXPERT_LINEAR_FLAGS, EXPERT_LINEAR_K, EXPERT_LINEAR_TOPK, EXPERT_LINEAR_N, EXPERT_LINEAR_OUT_LD,
+                     EXPERT_LINEAR_OUT_OFF, EXPERT_LINEAR_R0, EXPERT_LINEAR_R1, EXPERT_LINEAR_S, EXPERT_LINEAR_SLOT,
+                     EXPERT_LINEAR_ST_OFF, EXPERT_LINEAR_W2_OFF, EXPERT_LINEAR_W_ES, EXPERT_LINEAR_W_OFF,
+                     EXPERT_LINEAR_X_LD, EXPERT_LINEAR_X_OFF,
+                     FLAG_EXPERT_LINEAR_GATHER, FLAG_EXPERT_LINEAR_SILU_MUL, FLAG_MOE_COMBINE_RES,
+                     FLAG_MOE_COMBINE_SHARED, FLAG_ROUTE_GROUPED, FLAG_ROUTE_NOAUX, FLAG_ROUTE_NORM, FLAG_ROUTE_SCORE,
+                     FLAG_ROUTE_SIGMOID, FLAG_ROUTE_SLOTS, FLAG_ROUTE_TOPK, MOE_COMBINE_FLAGS, MOE_COMBINE_H,
+                     MOE_COMBINE_TOPK, MOE_COMBINE_OUT_LD, MOE_COMBINE_OUT_OFF, MOE_COMBINE_R0, MOE_COMBINE_R1,
+                     MOE_COMBINE_RES_LD, MOE_COMBINE_RES_OFF, MOE_COMBINE_SH_LD, MOE_COMBINE_SH_OFF,
+                     MOE_COMBINE_WTS_OFF, MOE_COMBINE_Y_OFF, ROUTE_BIAS_OFF, ROUTE_E, ROUTE_FLAGS, ROUTE_IDS_OFF,
+                     ROUTE_TOPK, ROUTE_LG_LD, ROUTE_LG_OFF, ROUTE_N, ROUTE_N_GROUP, ROUTE_S, ROUTE_SC_BUF, ROUTE_SC_OFF,
+                     ROUTE_SCALE, ROUTE_ST_OFF, ROUTE_TOPK_GROUP, ROUTE_WTS_OFF)
+from .linear import stream_rows, weight_rows
 
 
 def reference_route(task, mem) -> None:
@@ -95,26 +112,7 @@ def reference_combine(task, mem) -> None:
     mem.mat(task, "out", r1 - r0, H, row0=r0).copy_(out)
 
 
-# ---- GPU bodies ---------------------------------------------------------------------------
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from .common import ffld, fld, has, off, silu  # noqa: E402
-from .fields import (EXPERT_LINEAR_FLAGS, EXPERT_LINEAR_K, EXPERT_LINEAR_TOPK, EXPERT_LINEAR_N, EXPERT_LINEAR_OUT_LD,  # noqa: E402
-                     EXPERT_LINEAR_OUT_OFF, EXPERT_LINEAR_R0, EXPERT_LINEAR_R1, EXPERT_LINEAR_S, EXPERT_LINEAR_SLOT,
-                     EXPERT_LINEAR_ST_OFF, EXPERT_LINEAR_W2_OFF, EXPERT_LINEAR_W_ES, EXPERT_LINEAR_W_OFF,
-                     EXPERT_LINEAR_X_LD, EXPERT_LINEAR_X_OFF,
-                     FLAG_EXPERT_LINEAR_GATHER, FLAG_EXPERT_LINEAR_SILU_MUL, FLAG_MOE_COMBINE_RES,
-                     FLAG_MOE_COMBINE_SHARED, FLAG_ROUTE_GROUPED, FLAG_ROUTE_NOAUX, FLAG_ROUTE_NORM, FLAG_ROUTE_SCORE,
-                     FLAG_ROUTE_SIGMOID, FLAG_ROUTE_SLOTS, FLAG_ROUTE_TOPK, MOE_COMBINE_FLAGS, MOE_COMBINE_H,
-                     MOE_COMBINE_TOPK, MOE_COMBINE_OUT_LD, MOE_COMBINE_OUT_OFF, MOE_COMBINE_R0, MOE_COMBINE_R1,
-                     MOE_COMBINE_RES_LD, MOE_COMBINE_RES_OFF, MOE_COMBINE_SH_LD, MOE_COMBINE_SH_OFF,
-                     MOE_COMBINE_WTS_OFF, MOE_COMBINE_Y_OFF, ROUTE_BIAS_OFF, ROUTE_E, ROUTE_FLAGS, ROUTE_IDS_OFF,
-                     ROUTE_TOPK, ROUTE_LG_LD, ROUTE_LG_OFF, ROUTE_N, ROUTE_N_GROUP, ROUTE_S, ROUTE_SC_BUF, ROUTE_SC_OFF,
-                     ROUTE_SCALE, ROUTE_ST_OFF, ROUTE_TOPK_GROUP, ROUTE_WTS_OFF)
-from .linear import dot_rows  # noqa: E402
-
-
+# ---- GPU body ----------------------------------------------------------------------------
 @triton.jit
 def route_body(word, WF, A, I, BE: tl.constexpr, BP: tl.constexpr):
     flags = fld(word, ROUTE_FLAGS)
@@ -192,35 +190,25 @@ def route_body(word, WF, A, I, BE: tl.constexpr, BP: tl.constexpr):
 
 
 @triton.jit
-def expert_body(word, W, A, I, BN: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr):
+def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr):
     flags, S, slot = fld(word, EXPERT_LINEAR_FLAGS), fld(word, EXPERT_LINEAR_S), fld(word, EXPERT_LINEAR_SLOT)
     st = I + off(word, EXPERT_LINEAR_ST_OFF)
     expert = tl.load(st + slot, cache_modifier=".cg")
-    if expert >= 0:
+    if expert >= 0:  # an empty slot does nothing (it still signals)
         count = tl.load(st + S + slot, cache_modifier=".cg")
         N, K, kk = fld(word, EXPERT_LINEAR_N), fld(word, EXPERT_LINEAR_K), fld(word, EXPERT_LINEAR_TOPK)
-        P = N * kk
-        r1 = fld(word, EXPERT_LINEAR_R1)
+        r0, r1 = fld(word, EXPERT_LINEAR_R0), fld(word, EXPERT_LINEAR_R1)
+        two = has(flags, FLAG_EXPERT_LINEAR_SILU_MUL)
         base = expert.to(tl.int64) * fld(word, EXPERT_LINEAR_W_ES)
         w_ptr, w2_ptr = W + off(word, EXPERT_LINEAR_W_OFF) + base, W + off(word, EXPERT_LINEAR_W2_OFF) + base
-        x_ptr, x_ld = A + off(word, EXPERT_LINEAR_X_OFF), fld(word, EXPERT_LINEAR_X_LD)
+        rows = r0 + tl.arange(0, BR)
+        w = weight_rows(w_ptr, rows, rows < r1, K, 0, True, KC)
+        w2 = weight_rows(w2_ptr, rows, rows < r1, K, 0, two, KC)
+        pairs = st + 2 * S + slot * (N * kk)
+        div = tl.where(has(flags, FLAG_EXPERT_LINEAR_GATHER), kk, 1)  # gate/up read token rows, down pair rows
         o_ptr, o_ld = A + off(word, EXPERT_LINEAR_OUT_OFF), fld(word, EXPERT_LINEAR_OUT_LD)
-        for rb in range(fld(word, EXPERT_LINEAR_R0), r1, BR):
-            rows = rb + tl.arange(0, BR)
-            rmask = rows < r1
-            for jb in range(0, count, BN):
-                j = jb + tl.arange(0, BN)
-                jmask = j < count
-                pair = tl.load(st + 2 * S + slot * P + j, mask=jmask, other=0, cache_modifier=".cg")
-                xrow = pair // kk if has(flags, FLAG_EXPERT_LINEAR_GATHER) else pair
-                acc = dot_rows(tl.zeros((BN, BR), tl.float32), x_ptr, x_ld, xrow, jmask, w_ptr, rows, rmask, K, BK,
-                               DOT_PREC)
-                if has(flags, FLAG_EXPERT_LINEAR_SILU_MUL):
-                    up = dot_rows(tl.zeros((BN, BR), tl.float32), x_ptr, x_ld, xrow, jmask, w2_ptr, rows, rmask, K,
-                                  BK, DOT_PREC)
-                    acc = silu(acc) * up
-                tl.store(o_ptr + pair[:, None].to(tl.int64) * o_ld + rows[None, :], acc,
-                         mask=jmask[:, None] & rmask[None, :])
+        stream_rows(A + off(word, EXPERT_LINEAR_X_OFF), fld(word, EXPERT_LINEAR_X_LD), pairs, div, count, o_ptr, o_ld,
+                    pairs, o_ptr, o_ld, False, w_ptr, w2_ptr, two, r0, r1, K, w, w2, BR, KC)
 
 
 @triton.jit

@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from .common import ffld, fld, has, off
+from .fields import (FLAG_RMSNORM_ADD, FLAG_RMSNORM_NOWEIGHT, RMSNORM_D, RMSNORM_D_LD, RMSNORM_D_OFF,
+                     RMSNORM_EPS, RMSNORM_FLAGS, RMSNORM_OUT_LD, RMSNORM_OUT_OFF, RMSNORM_R0, RMSNORM_R1, RMSNORM_W_OFF,
+                     RMSNORM_X_LD, RMSNORM_X_OFF, RMSNORM_XO_BUF, RMSNORM_XO_LD, RMSNORM_XO_OFF)
 
 
 def reference(task, mem) -> None:
@@ -18,16 +25,7 @@ def reference(task, mem) -> None:
     mem.mat(task, "out", r1 - r0, D, row0=r0).copy_(y)
 
 
-# ---- GPU body -----------------------------------------------------------------------------
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from .common import ffld, fld, has, off  # noqa: E402
-from .fields import (FLAG_RMSNORM_ADD, FLAG_RMSNORM_NOWEIGHT, RMSNORM_D, RMSNORM_D_LD, RMSNORM_D_OFF,  # noqa: E402
-                     RMSNORM_EPS, RMSNORM_FLAGS, RMSNORM_OUT_LD, RMSNORM_OUT_OFF, RMSNORM_R0, RMSNORM_R1, RMSNORM_W_OFF,
-                     RMSNORM_X_LD, RMSNORM_X_OFF, RMSNORM_XO_BUF, RMSNORM_XO_LD, RMSNORM_XO_OFF)
-
-
+# ---- GPU body ----------------------------------------------------------------------------
 @triton.jit
 def body(word, W, A, BD: tl.constexpr):
     flags, D, eps = fld(word, RMSNORM_FLAGS), fld(word, RMSNORM_D), ffld(word, RMSNORM_EPS)

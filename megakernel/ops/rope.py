@@ -7,6 +7,16 @@ cache_lens[b] + t + pos_offset (pos_offset > 0 for MTP draft passes).
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from .common import ffld, fld, has, off
+from .fields import (CACHE_WRITE_CACHE_OFF, CACHE_WRITE_CL_OFF, CACHE_WRITE_COL0, CACHE_WRITE_COLS,
+                     CACHE_WRITE_POS_OFFSET, CACHE_WRITE_R0, CACHE_WRITE_R1, CACHE_WRITE_S, CACHE_WRITE_SRC_LD,
+                     CACHE_WRITE_SRC_OFF, CACHE_WRITE_T, CACHE_WRITE_WIDTH, FLAG_ROPE_INTERLEAVE, ROPE_FLAGS, ROPE_HALF,
+                     ROPE_HEADS, ROPE_OUT_HS, ROPE_OUT_LD, ROPE_OUT_OFF, ROPE_R0, ROPE_R1, ROPE_TAB_OFF, ROPE_TABLE_CL_OFF,
+                     ROPE_TABLE_F_OFF, ROPE_TABLE_HALF, ROPE_TABLE_OUT_OFF, ROPE_TABLE_POS_OFFSET, ROPE_TABLE_R0,
+                     ROPE_TABLE_R1, ROPE_TABLE_SCALE, ROPE_TABLE_T, ROPE_X_COL0, ROPE_X_HS, ROPE_X_LD, ROPE_X_OFF)
 
 
 def positions(task, mem, r0: int, r1: int) -> torch.Tensor:
@@ -52,19 +62,7 @@ def reference_cache_write(task, mem) -> None:
     cache[index] = src.to(cache.dtype)
 
 
-# ---- GPU bodies ---------------------------------------------------------------------------
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from .common import ffld, fld, has, off  # noqa: E402
-from .fields import (CACHE_WRITE_CACHE_OFF, CACHE_WRITE_CL_OFF, CACHE_WRITE_COL0, CACHE_WRITE_COLS,  # noqa: E402
-                     CACHE_WRITE_POS_OFFSET, CACHE_WRITE_R0, CACHE_WRITE_R1, CACHE_WRITE_S, CACHE_WRITE_SRC_LD,
-                     CACHE_WRITE_SRC_OFF, CACHE_WRITE_T, CACHE_WRITE_WIDTH, FLAG_ROPE_INTERLEAVE, ROPE_FLAGS, ROPE_HALF,
-                     ROPE_HEADS, ROPE_OUT_HS, ROPE_OUT_LD, ROPE_OUT_OFF, ROPE_R0, ROPE_R1, ROPE_TAB_OFF, ROPE_TABLE_CL_OFF,
-                     ROPE_TABLE_F_OFF, ROPE_TABLE_HALF, ROPE_TABLE_OUT_OFF, ROPE_TABLE_POS_OFFSET, ROPE_TABLE_R0,
-                     ROPE_TABLE_R1, ROPE_TABLE_SCALE, ROPE_TABLE_T, ROPE_X_COL0, ROPE_X_HS, ROPE_X_LD, ROPE_X_OFF)
-
-
+# ---- GPU body ----------------------------------------------------------------------------
 @triton.jit
 def table_body(word, WF, A, I, BH: tl.constexpr):
     T, half, scale = fld(word, ROPE_TABLE_T), fld(word, ROPE_TABLE_HALF), ffld(word, ROPE_TABLE_SCALE)

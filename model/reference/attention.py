@@ -76,8 +76,7 @@ def mla_attention(cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, x: 
     latent cache, as a decode kernel runs it); absorbed=False expands per-head keys and
     values from the latent (as HF and training code do).  Both give the same result."""
     B, T, _ = x.shape
-    nh, nope, rope, vd, r = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
-                             cfg.v_head_dim, cfg.kv_lora_rank)
+    nh, nope, vd, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     a = prefix + "self_attn."
     q = mla_query(cfg, w, a, x)
     q_nope, q_pe = q[..., :nope], q[..., nope:]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from .layers import linear, swiglu_mlp
+from .layers import swiglu_mlp
 
 
 def route(cfg: ModelConfig, logits: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
