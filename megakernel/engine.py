@@ -63,6 +63,11 @@ class InterpreterBackend:
             self.compile_s += time.perf_counter() - t0
         return self.plans[T]
 
+    def warm(self, shapes: list[int]) -> None:
+        """Compile (and, for the megakernel, capture) every T that will run, before timing."""
+        for T in shapes:
+            self.interpreter(T)
+
     def interpreter(self, T: int) -> Interpreter:
         if T not in self.interpreters:
             share = next(iter(self.interpreters.values())).mem if self.interpreters else None
@@ -97,6 +102,10 @@ class MegakernelBackend(InterpreterBackend):
                 mk.capture()
             self.kernels[T] = mk
         return self.kernels[T]
+
+    def warm(self, shapes: list[int]) -> None:
+        for T in shapes:
+            self.kernel(T)
 
     def run(self, tokens: torch.Tensor, lens: torch.Tensor) -> StepLogits:
         out = self.kernel(tokens.shape[1]).step(tokens, lens)
@@ -167,6 +176,17 @@ class Engine:
             self.check.add(out.logits, self.checker.run(tokens, self.lens).logits)
         self.lens = self.lens + tokens.shape[1]
         return out.logits
+
+    def chunks(self, prompt_len: int) -> list[int]:
+        """The step sizes T that prefilling a prompt and decoding after it will use."""
+        return sorted({min(self.max_chunk, prompt_len - s) for s in range(0, prompt_len, self.max_chunk)} | {1})
+
+    def warm(self, prompt_len: int) -> float:
+        """Compile/capture everything the run needs; returns the seconds it took."""
+        t0 = time.perf_counter()
+        if hasattr(self.backend, "warm"):
+            self.backend.warm(self.chunks(prompt_len))
+        return time.perf_counter() - t0
 
     def prefill(self, prompts: torch.Tensor) -> torch.Tensor:
         """prompts [B, S] -> logits of the last position [B, V]."""

@@ -137,12 +137,13 @@ def run(args: argparse.Namespace) -> dict:
                          check=args.check, seed=args.seed, options=options)
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt_len), generator=gen).to(device)
+    setup_s = engine.warm(args.prompt_len)
     tokens, prefill_s = engine.generate(prompt, args.steps)
     steps = engine.step_seconds
     step_ms = statistics.median(steps) * 1e3 if steps else float("nan")
     result.update(
         weights=source, device=str(device), dtype=str(dtype).removeprefix("torch."), backend=backend,
-        batch=args.batch, prompt_len=args.prompt_len, steps=args.steps, prefill_ms=prefill_s * 1e3,
+        batch=args.batch, prompt_len=args.prompt_len, steps=args.steps, setup_s=setup_s, prefill_ms=prefill_s * 1e3,
         step_ms_median=step_ms, tokens_per_s=args.batch * 1e3 / step_ms if steps else None,
         tokens=tokens.cpu().tolist(),
     )
@@ -156,9 +157,10 @@ def run(args: argparse.Namespace) -> dict:
         result["plan"] = plan_summary(plan)
         p = result["plan"]
         print(f"  plan (T=1): {p['ops_before']} ops lowered -> {p['ops_after']} after CSE and fusion, "
-              f"{p['tasks']} tasks on {p['workers']} workers; compiled {len(engine.backend.plans)} plan(s) "
+              f"{p['tasks']} tasks on {p['workers']} workers; {len(engine.backend.plans)} plan(s) compiled "
               f"in {engine.backend.compile_s:.2f} s")
-    print(f"  prefill {result['prefill_ms']:.1f} ms; decode step median {step_ms:.2f} ms "
+    print(f"  setup (compile plans, JIT, capture) {setup_s:.1f} s; prefill {result['prefill_ms']:.1f} ms; "
+          f"decode step median {step_ms:.2f} ms "
           f"({result['tokens_per_s'] or 0:.1f} tokens/s)")
     for b, row in enumerate(result["tokens"]):
         print(f"  sequence {b}: {row}")
