@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from model.reference.mhc import sinkhorn  # the opcode's Sinkhorn is the model's, by definition
+
 from .common import ffld, fld, has, off
 from .fields import (FLAG_HC_COEFF_ACT, FLAG_HC_COEFF_COLLAPSE, FLAG_HC_COEFF_MIX, FLAG_HC_COEFF_SINK,
                      HC_COEFF_BASE_OFF, HC_COEFF_COEF_BUF, HC_COEFF_COEF_OFF, HC_COEFF_CRAW_BUF, HC_COEFF_CRAW_OFF,
@@ -23,14 +25,6 @@ from .fields import (FLAG_HC_COEFF_ACT, FLAG_HC_COEFF_COLLAPSE, FLAG_HC_COEFF_MI
 
 def _normed(streams: torch.Tensor, eps: float) -> torch.Tensor:
     return streams * torch.rsqrt(streams.square().mean(-1, keepdim=True) + eps)
-
-
-def sinkhorn(m: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    m = m / (m.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        m = m / (m.sum(dim=-1, keepdim=True) + eps)
-        m = m / (m.sum(dim=-2, keepdim=True) + eps)
-    return m
 
 
 def reference_coeff(task, mem) -> None:
