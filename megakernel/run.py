@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plan", action="store_true", help="print the decode-step plan's description and exit")
     p.add_argument("--check", action="store_true",
                    help="run the reference on the same tokens and exit non-zero on a mismatch")
+    p.add_argument("--profile", metavar="PATH",
+                   help="megakernel backend: profile one more decode step and write PATH (Perfetto/Chrome trace, "
+                        "one track per worker), PATH with .png (timeline) and a per-op table into --json")
     p.add_argument("--json", metavar="PATH", help="also write machine-readable results to PATH")
     return p.parse_args(argv)
 
@@ -107,6 +110,24 @@ def plan_summary(plan) -> dict:
         "critical_path_ms_est": plan.estimate["critical_path_ms"],
         "compile_s": passes["total"]["compile_s"],
     }
+
+
+def measure_megakernel(engine, profile_path: str | None) -> dict:
+    """Launches per step counted by the profiler on the decode graph; optionally a task timeline."""
+    from .profiler import count_launches, task_trace
+    from .runtime import LaunchConfig, Megakernel
+    kernel = engine.backend.kernel(1)
+    out = count_launches(kernel.graph.replay, steps=3)
+    kernel.epoch += 3  # the replays above were steps too (same tokens and positions)
+    if profile_path:
+        prof = Megakernel(kernel.plan, None, engine.device, share=kernel.mem, config=LaunchConfig(profile=True))
+        lens = engine.lens - 1
+        tokens = kernel.mem.io_view("in.tokens").view(kernel.B, kernel.T).long().clone()
+        prof.step(tokens, lens)
+        table = task_trace(prof, profile_path)
+        out["profile"] = {"trace": profile_path, "step_us": table["step_us"],
+                          "ops": {k: v for k, v in sorted(table["ops"].items(), key=lambda kv: -kv[1]["busy_us"])}}
+    return out
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -164,6 +185,13 @@ def run(args: argparse.Namespace) -> dict:
           f"({result['tokens_per_s'] or 0:.1f} tokens/s)")
     for b, row in enumerate(result["tokens"]):
         print(f"  sequence {b}: {row}")
+    if backend == "megakernel" and device.type == "cuda":
+        result.update(measure_megakernel(engine, args.profile))
+        print(f"  launches per step (measured): {result['launches_per_step']:.0f} "
+              f"({result['kernels_per_step']:.0f} kernel, {result['memcpy_per_step']:.0f} input copies)")
+        if args.profile:
+            print(f"  profile: {args.profile} (Perfetto), {Path(args.profile).with_suffix('.png')}; "
+                  f"profiled step {result['profile']['step_us']:.0f} µs")
     if engine.check is not None:
         result["check"] = engine.check.to_dict()
         c = result["check"]

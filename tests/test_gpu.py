@@ -150,3 +150,16 @@ def test_refuses_more_workers_than_fit():
     plan = compile_step(cfg, StepShape(T=1, B=1, max_len=8), CompileOptions(workers=too_many))
     with pytest.raises(MegakernelError, match="refusing a launch that could hang"):
         Megakernel(plan, w, "cuda", torch.bfloat16).compile()
+
+
+def test_cli_megakernel_reports_launches_and_profile(tmp_path):
+    import json
+    from megakernel.run import main
+    trace = tmp_path / "trace.json"
+    assert main(["--model", "tiny-moe", "--backend", "megakernel", "--steps", "4", "--check", "--profile", str(trace),
+                 "--json", str(tmp_path / "r.json")]) == 0
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["kernels_per_step"] == 1 and r["launches_per_step"] <= 3
+    assert r["check"]["ok"] and trace.exists() and r["profile"]["ops"]
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("ph") == "X" for e in events)

@@ -9,18 +9,62 @@ import torch
 import triton
 import triton.language as tl
 
-from model.reference.mhc import sinkhorn  # the opcode's Sinkhorn is the model's, by definition
+from model.reference.mhc import (
+    sinkhorn,  # the opcode's Sinkhorn is the model's, by definition
+)
 
 from .common import ffld, fld, has, off
-from .fields import (FLAG_HC_COEFF_ACT, FLAG_HC_COEFF_COLLAPSE, FLAG_HC_COEFF_MIX, FLAG_HC_COEFF_SINK,
-                     HC_COEFF_BASE_OFF, HC_COEFF_COEF_BUF, HC_COEFF_COEF_OFF, HC_COEFF_CRAW_BUF, HC_COEFF_CRAW_OFF,
-                     HC_COEFF_EPS, HC_COEFF_FLAGS, HC_COEFF_FN_OFF, HC_COEFF_H, HC_COEFF_HC_EPS, HC_COEFF_ITERS,
-                     HC_COEFF_MIX_BUF, HC_COEFF_MIX_OFF, HC_COEFF_N, HC_COEFF_OUT_LD, HC_COEFF_OUT_OFF, HC_COEFF_R0,
-                     HC_COEFF_R1, HC_COEFF_SCALE_OFF, HC_COEFF_ST_LD, HC_COEFF_ST_OFF, HC_EXPAND_COEF_OFF, HC_EXPAND_H,
-                     HC_EXPAND_N, HC_EXPAND_OUT_LD, HC_EXPAND_OUT_OFF, HC_EXPAND_R0, HC_EXPAND_R1, HC_EXPAND_ST_LD,
-                     HC_EXPAND_ST_OFF, HC_EXPAND_SUB_LD, HC_EXPAND_SUB_OFF, HC_HEAD_BASE_OFF, HC_HEAD_EPS,
-                     HC_HEAD_FN_OFF, HC_HEAD_H, HC_HEAD_HC_EPS, HC_HEAD_N, HC_HEAD_OUT_LD, HC_HEAD_OUT_OFF, HC_HEAD_R0,
-                     HC_HEAD_R1, HC_HEAD_SCALE_OFF, HC_HEAD_ST_LD, HC_HEAD_ST_OFF)
+from .fields import (
+    FLAG_HC_COEFF_ACT,
+    FLAG_HC_COEFF_COLLAPSE,
+    FLAG_HC_COEFF_MIX,
+    FLAG_HC_COEFF_SINK,
+    HC_COEFF_BASE_OFF,
+    HC_COEFF_COEF_BUF,
+    HC_COEFF_COEF_OFF,
+    HC_COEFF_CRAW_BUF,
+    HC_COEFF_CRAW_OFF,
+    HC_COEFF_EPS,
+    HC_COEFF_FLAGS,
+    HC_COEFF_FN_OFF,
+    HC_COEFF_H,
+    HC_COEFF_HC_EPS,
+    HC_COEFF_ITERS,
+    HC_COEFF_MIX_BUF,
+    HC_COEFF_MIX_OFF,
+    HC_COEFF_N,
+    HC_COEFF_OUT_LD,
+    HC_COEFF_OUT_OFF,
+    HC_COEFF_R0,
+    HC_COEFF_R1,
+    HC_COEFF_SCALE_OFF,
+    HC_COEFF_ST_LD,
+    HC_COEFF_ST_OFF,
+    HC_EXPAND_COEF_OFF,
+    HC_EXPAND_H,
+    HC_EXPAND_N,
+    HC_EXPAND_OUT_LD,
+    HC_EXPAND_OUT_OFF,
+    HC_EXPAND_R0,
+    HC_EXPAND_R1,
+    HC_EXPAND_ST_LD,
+    HC_EXPAND_ST_OFF,
+    HC_EXPAND_SUB_LD,
+    HC_EXPAND_SUB_OFF,
+    HC_HEAD_BASE_OFF,
+    HC_HEAD_EPS,
+    HC_HEAD_FN_OFF,
+    HC_HEAD_H,
+    HC_HEAD_HC_EPS,
+    HC_HEAD_N,
+    HC_HEAD_OUT_LD,
+    HC_HEAD_OUT_OFF,
+    HC_HEAD_R0,
+    HC_HEAD_R1,
+    HC_HEAD_SCALE_OFF,
+    HC_HEAD_ST_LD,
+    HC_HEAD_ST_OFF,
+)
 
 
 def _normed(streams: torch.Tensor, eps: float) -> torch.Tensor:
