@@ -36,7 +36,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                BH: tl.constexpr,
                BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr, BI: tl.constexpr,
                BO: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr, BW: tl.constexpr, BHC: tl.constexpr,
-               DOT_PREC: tl.constexpr):
+               ALIGN: tl.constexpr, DOT_PREC: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
     end = tl.load(queue_ptr + pid + 1)
@@ -49,25 +49,25 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
         t_begin = now_ns(USE_TIMER)
         op = tl.load(word)
         if op == OP_LINEAR:  # request the first weights, then wait, then stream the rest
-            w, w2 = linear.prefetch(word, W, BR, KC)
+            w, w2 = linear.prefetch(word, W, BR, KC, ALIGN)
             ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
             t_ready = now_ns(USE_TIMER)
             if ok == 1:
-                linear.body(word, W, A, w, w2, BR, KC)
+                linear.body(word, W, A, w, w2, BR, KC, ALIGN)
         else:
             ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
             t_ready = now_ns(USE_TIMER)
         if (ok == 1) & (op != OP_LINEAR):
             if op == OP_EXPERT_LINEAR:
-                moe.expert_body(word, W, A, I, BR, KC)
+                moe.expert_body(word, W, A, I, BR, KC, ALIGN)
             elif op == OP_RMSNORM:
                 norm.body(word, W, A, BD)
             elif op == OP_ATTENTION:
-                attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, DOT_PREC)
+                attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC)
             elif op == OP_ATTN_COMBINE:
                 attention.combine_body(word, A, BHC, DMAX)
             elif op == OP_HEAD_MATMUL:
-                head_matmul.body(word, W, A, BI, BO)
+                head_matmul.body(word, W, A, BI, BO, ALIGN)
             elif op == OP_ROPE:
                 rope.apply_body(word, A, BH)
             elif op == OP_CACHE_WRITE:

@@ -71,6 +71,31 @@ def check_operand_buffers(plan: Plan) -> None:
                                       f"{Buf(have).name}, the kernel reads it from {buf.name}")
 
 
+# fields whose values the kernel may assume are multiples of ALIGN (vector loads need it)
+ALIGNED_FIELDS = {
+    "LINEAR": ("K", "w.off", "w2.off", "x.off", "x.ld"),
+    "EXPERT_LINEAR": ("K", "w.off", "w2.off", "w_es", "x.off", "x.ld"),
+    "HEAD_MATMUL": ("w.off", "w_hs", "w_ld", "x.ld", "x_hs", "x_col0", "x.off"),
+    "ATTENTION": ("width", "cache.off", "dim", "q.off", "q.ld", "q_hs", "kv_hs", "v_col0"),
+}
+
+
+def alignment(plan: Plan) -> int:
+    """The largest power of two (<= 8 elements) dividing every ALIGNED_FIELDS value of the plan."""
+    g = 0
+    for i in range(plan.num_tasks):
+        t = decode(plan.words[i])
+        for name in ALIGNED_FIELDS.get(t.op.name, ()):
+            key = name.split(".")[0]
+            if "." in name and t.fields.get(key + ".buf", 0) < 0:
+                continue
+            g = math.gcd(g, int(t.fields[name]))
+    align = 1
+    while align < 8 and g % (2 * align) == 0:
+        align *= 2
+    return align
+
+
 def block_sizes(plan: Plan, dtype: torch.dtype) -> dict:
     """Compile-time block sizes fitted to the plan's dimensions."""
     dmax = rmax = experts = width = 16
@@ -85,7 +110,7 @@ def block_sizes(plan: Plan, dtype: torch.dtype) -> dict:
             width = max(width, _pow2((2 + f["n"]) * f["n"]))
     # bf16 weights: activations enter the tensor cores as a bf16 (high, low) pair, ~16 mantissa bits
     return dict(BR=8, KC=2048, STAGES=2, BD=256, BH=32, BM=16, BJ=32, DMAX=dmax, RMAX=rmax, BI=64, BO=128,
-                BE=experts, BP=256, BW=width, BHC=max(1, 4096 // dmax), DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2")
+                BE=experts, BP=256, BW=width, BHC=max(1, 4096 // dmax), ALIGN=alignment(plan), DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2")
 
 
 @dataclass

@@ -180,3 +180,22 @@ def test_bf16_reference_tracks_fp32(name):
     a = f32.step(tokens, Cache.allocate(cfg, 1, 8, torch.float32), _zeros(1)).logits
     b = b16.step(tokens, Cache.allocate(cfg, 1, 8, torch.bfloat16), _zeros(1)).logits
     assert torch.isfinite(b).all() and rel_err(b, a) <= 5e-2
+
+
+@pytest.mark.parametrize("name", TINY_PRESETS)
+def test_static_step_equals_reference(name):
+    """The capture-friendly step the benchmarks time computes what the reference computes."""
+    from model.reference.static import StaticStep
+    cfg = preset(name)
+    w = init_weights(cfg, seed=9)
+    ref, static = Reference(cfg, w), StaticStep(cfg, w, batch=2, T=3, max_len=16)
+    cache = Cache.allocate(cfg, 2, 16)
+    noise = torch.randn(cache.data.shape, generator=torch.Generator().manual_seed(0))
+    cache.data.copy_(noise)
+    static.cache.data.copy_(noise)
+    lens = torch.tensor([0, 6])
+    for _ in range(2):
+        tokens = torch.randint(0, cfg.vocab_size, (2, 3))
+        assert rel_err(static(tokens, lens), ref.step(tokens, cache, lens).logits) <= 1e-5
+        lens = lens + 3
+    assert rel_err(static.cache.data, cache.data) <= 1e-5

@@ -2,11 +2,13 @@
 
     python tools/bench.py [--models llama-1b dsv2-lite] [--T 1 6] [--ctx 4096] [--out DIR]
 
-For each model and T: the unfused reference (eager), the megakernel (one CUDA
-graph replay per step) with launches per step measured by the profiler, its
-agreement with the plan interpreter on the same step, and the floor = bytes the
-step must read (weights of the experts the step routes to, plus the cache) ÷
-streaming read bandwidth measured here.  Prints a table, writes JSON (and, with
+For each model and T: plain PyTorch (model/reference/static.py: the reference
+step with fixed shapes) in eager mode, eager + CUDA graph and torch.compile +
+CUDA graph; the megakernel (one CUDA graph replay per step); kernels per step
+for each, counted by the profiler; the megakernel's agreement with the plan
+interpreter on the same step; and the floor = bytes the step must read (weights
+of the experts the step routes to, plus the cache) ÷ streaming read bandwidth
+measured here.  Prints a table, writes JSON (and, with
 --profile, a Perfetto trace and per-op table per model).
 """
 
@@ -71,8 +73,36 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def plain_pytorch(cfg, weights, tokens, lens, max_len, cache_data, kinds) -> dict:
+    """The static reference step: eager, eager + CUDA graph, torch.compile + CUDA graph."""
+    from model.reference.static import StaticStep
+    row: dict = {}
+    step = StaticStep(cfg, weights, tokens.shape[0], tokens.shape[1], max_len, "cuda")
+    step.cache.data.copy_(cache_data)
+    if "eager" in kinds:
+        row["eager_ms"] = time_ms(lambda: step(tokens, lens), iters=10, warmup=3)
+        row["eager_kernels"] = count_launches(lambda: step(tokens, lens), steps=2)["kernels_per_step"]
+    for kind in ("graph", "compile"):
+        if kind not in kinds:
+            continue
+        try:
+            fn = step.__call__ if kind == "graph" else torch.compile(step.__call__)
+            for _ in range(3):  # compile and warm up outside capture
+                fn(tokens, lens)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn(tokens, lens)
+            row[f"{kind}_ms"] = time_ms(graph.replay, iters=30, warmup=5)
+            row[f"{kind}_kernels"] = count_launches(graph.replay, steps=2)["kernels_per_step"]
+        except Exception as e:  # report, keep going
+            row[f"{kind}_error"] = repr(e)[:300]
+    torch._dynamo.reset()  # let the compiled graphs (and the stacked experts they hold) go
+    return row
+
+
 def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path, profile: bool,
-                variants=()) -> dict:
+                variants=(), baselines=("eager", "graph", "compile")) -> dict:
     cfg = preset(name)
     row: dict = {"model": name, "T": T, "ctx": ctx}
     dtype = torch.bfloat16
@@ -91,11 +121,11 @@ def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path,
     tokens = torch.randint(0, cfg.vocab_size, (1, T), device="cuda", generator=gen)
     lens = torch.tensor([ctx - 1], device="cuda")
 
-    # reference, eager
     ref = Reference(cfg, weights)
     cache = Cache.allocate(cfg, 1, max_len, dtype, "cuda")
     cache.data.normal_(generator=gen)
-    row["eager_ms"] = time_ms(lambda: ref.step(tokens, cache, lens), iters=5, warmup=2)
+    if baselines:
+        row.update(plain_pytorch(cfg, weights, tokens, lens, max_len, cache.data, baselines))
 
     # megakernel
     t0 = time.perf_counter()
@@ -164,6 +194,8 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--workers", type=int, default=0, help="default: the GPU's SM count")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--baselines", nargs="*", default=["eager", "graph", "compile"],
+                   choices=["eager", "graph", "compile"], help="plain-PyTorch baselines to time (default: all)")
     p.add_argument("--variants", nargs="*", default=[], metavar="STAGES:KC:BR",
                    help="also time these launch variants, e.g. 3:64:64")
     p.add_argument("--out", default=".")
@@ -180,7 +212,7 @@ def main() -> None:
         for T in args.T:
             try:
                 variants = [tuple(int(x) for x in v.split(":")) for v in args.variants]
-                row = bench_model(name, T, args.ctx, bw, workers, out, args.profile, variants)
+                row = bench_model(name, T, args.ctx, bw, workers, out, args.profile, variants, args.baselines)
             except Exception as e:  # keep going: one failure should not hide the other rows
                 traceback.print_exc()
                 row = {"model": name, "T": T, "error": repr(e)}
@@ -188,15 +220,21 @@ def main() -> None:
             torch.cuda.empty_cache()
             print(json.dumps(row), flush=True)
             (out / "bench.json").write_text(json.dumps(result, indent=2))
-    print(f"\n{'model':<11}{'T':>3}{'floor ms':>10}{'eager ms':>10}{'mk ms':>9}{'x floor':>9}{'TB/s':>7}"
-          f"{'launch':>8}{'err vs ref':>12}")
+    print(f"\n{'model':<11}{'T':>3}{'floor ms':>10}{'eager':>9}{'graph':>9}{'compile':>9}{'mk ms':>9}"
+          f"{'x floor':>9}{'vs compile':>11}{'TB/s':>7}{'launch':>8}")
     for r in result["rows"]:
         if "error" in r:
             print(f"{r['model']:<11}{r['T']:>3}  error: {r['error'][:80]}")
             continue
-        print(f"{r['model']:<11}{r['T']:>3}{r['floor_ms']:>10.3f}{r['eager_ms']:>10.2f}{r['megakernel_ms']:>9.3f}"
-              f"{r['x_floor']:>9.2f}{r['achieved_TBps']:>7.2f}{r['launches_per_step']:>8.1f}"
-              f"{r['rel_err_vs_reference']:>12.2e}")
+        def ms(key):
+            return f"{r[key]:>9.3f}" if key in r else f"{'-':>9}"
+        speedup = f"{r['compile_ms'] / r['megakernel_ms']:>10.2f}x" if "compile_ms" in r else f"{'-':>11}"
+        print(f"{r['model']:<11}{r['T']:>3}{r['floor_ms']:>10.3f}{ms('eager_ms')}{ms('graph_ms')}{ms('compile_ms')}"
+              f"{r['megakernel_ms']:>9.3f}{r['x_floor']:>9.2f}{speedup}{r['achieved_TBps']:>7.2f}"
+              f"{r['launches_per_step']:>8.1f}")
+        kernels = {k: r[k] for k in ("eager_kernels", "graph_kernels", "compile_kernels") if k in r}
+        if kernels:
+            print(f"{'':<14}kernels per step: {kernels}, megakernel {r['kernels_per_step']:.0f}")
         for v in r.get("variants", []):
             print(f"{'':<14}variant STAGES={v['STAGES']} KC={v['KC']} BR={v['BR']}: "
                   + (f"{v['ms']:.3f} ms" if "ms" in v else v["error"][:60]))

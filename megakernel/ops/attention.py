@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import ffld, fld, has, mma, off
+from .common import aligned, ffld, fld, has, mma, off
 from .fields import (ATTENTION_B, ATTENTION_CACHE_OFF, ATTENTION_CL_OFF, ATTENTION_DIM, ATTENTION_FLAGS,
                      ATTENTION_GROUP, ATTENTION_H0, ATTENTION_H1, ATTENTION_KV_HS, ATTENTION_LSE_OFF,
                      ATTENTION_NHEADS, ATTENTION_NSPLITS, ATTENTION_OP_OFF, ATTENTION_PE_COL0, ATTENTION_PE_HS,
@@ -75,22 +75,24 @@ def reference_combine(task, mem) -> None:
 # ---- GPU body ----------------------------------------------------------------------------
 @triton.jit
 def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr,
-         STAGES: tl.constexpr, DOT_PREC: tl.constexpr):
+         STAGES: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr):
     mla = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_MLA)
-    T, S, width, b = fld(word, ATTENTION_T), fld(word, ATTENTION_S), fld(word, ATTENTION_WIDTH), fld(word, ATTENTION_B)
+    T, S, b = fld(word, ATTENTION_T), fld(word, ATTENTION_S), fld(word, ATTENTION_B)
+    width = aligned(fld(word, ATTENTION_WIDTH), ALIGN)
     h0, h1, nh, ns = fld(word, ATTENTION_H0), fld(word, ATTENTION_H1), fld(word, ATTENTION_NHEADS), fld(word, ATTENTION_NSPLITS)
     split, split_len = fld(word, ATTENTION_SPLIT), fld(word, ATTENTION_SPLIT_LEN)
-    dim, rope_dim, scale = fld(word, ATTENTION_DIM), fld(word, ATTENTION_ROPE_DIM), ffld(word, ATTENTION_SCALE)
+    dim, scale = aligned(fld(word, ATTENTION_DIM), ALIGN), ffld(word, ATTENTION_SCALE)
+    rope_dim = fld(word, ATTENTION_ROPE_DIM)
     q_ptr, q_ld, q_hs, q_col0 = (A + off(word, ATTENTION_Q_OFF), fld(word, ATTENTION_Q_LD), fld(word, ATTENTION_Q_HS),
                                  fld(word, ATTENTION_Q_COL0))
     pe_ptr, pe_ld, pe_hs, pe_col0 = (A + off(word, ATTENTION_PE_OFF), fld(word, ATTENTION_PE_LD),
                                      fld(word, ATTENTION_PE_HS), fld(word, ATTENTION_PE_COL0))
-    cache = C + off(word, ATTENTION_CACHE_OFF) + b.to(tl.int64) * S * width
+    cache = C + aligned(off(word, ATTENTION_CACHE_OFF), ALIGN) + b.to(tl.int64) * S * width
     limit = tl.load(I + off(word, ATTENTION_CL_OFF) + b, cache_modifier=".cg") + fld(word, ATTENTION_POS_OFFSET)
     op_ptr, lse_ptr = A + off(word, ATTENTION_OP_OFF), A + off(word, ATTENTION_LSE_OFF)
     group = fld(word, ATTENTION_GROUP)
-    k_col = (h0 // group) * fld(word, ATTENTION_KV_HS)  # GQA: one KV head per task
-    v_col = fld(word, ATTENTION_V_COL0) + k_col
+    k_col = (h0 // group) * aligned(fld(word, ATTENTION_KV_HS), ALIGN)  # GQA: one KV head per task
+    v_col = aligned(fld(word, ATTENTION_V_COL0), ALIGN) + k_col
     if mla:
         k_col = 0
         v_col = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import fld, has, off
+from .common import aligned, fld, has, off
 from .fields import (FLAG_HEAD_MATMUL_TRANS, HEAD_MATMUL_FLAGS, HEAD_MATMUL_H0, HEAD_MATMUL_H1,
                      HEAD_MATMUL_IN_DIM, HEAD_MATMUL_N, HEAD_MATMUL_OUT_DIM, HEAD_MATMUL_OUT_HS, HEAD_MATMUL_OUT_LD,
                      HEAD_MATMUL_OUT_OFF, HEAD_MATMUL_W_HS, HEAD_MATMUL_W_LD, HEAD_MATMUL_W_OFF, HEAD_MATMUL_X_COL0,
@@ -27,14 +27,15 @@ def reference(task, mem) -> None:
 
 # ---- GPU body ----------------------------------------------------------------------------
 @triton.jit
-def body(word, W, A, BI: tl.constexpr, BO: tl.constexpr):
+def body(word, W, A, BI: tl.constexpr, BO: tl.constexpr, ALIGN: tl.constexpr):
     """Per head and token, a GEMV on CUDA cores over whole [BI, BO] weight tiles (fp32 sums in a
     fixed order: batch invariant)."""
     flags, N = fld(word, HEAD_MATMUL_FLAGS), fld(word, HEAD_MATMUL_N)
     i_dim, o_dim = fld(word, HEAD_MATMUL_IN_DIM), fld(word, HEAD_MATMUL_OUT_DIM)
     x_ptr, x_ld, x_hs, x_col0 = (A + off(word, HEAD_MATMUL_X_OFF), fld(word, HEAD_MATMUL_X_LD),
                                  fld(word, HEAD_MATMUL_X_HS), fld(word, HEAD_MATMUL_X_COL0))
-    w_ptr, w_hs, w_ld = W + off(word, HEAD_MATMUL_W_OFF), fld(word, HEAD_MATMUL_W_HS), fld(word, HEAD_MATMUL_W_LD)
+    w_ptr = W + aligned(off(word, HEAD_MATMUL_W_OFF), ALIGN)
+    w_hs, w_ld = aligned(fld(word, HEAD_MATMUL_W_HS), ALIGN), aligned(fld(word, HEAD_MATMUL_W_LD), ALIGN)
     o_ptr, o_ld, o_hs = A + off(word, HEAD_MATMUL_OUT_OFF), fld(word, HEAD_MATMUL_OUT_LD), fld(word, HEAD_MATMUL_OUT_HS)
     trans = has(flags, FLAG_HEAD_MATMUL_TRANS)
     for h in range(fld(word, HEAD_MATMUL_H0), fld(word, HEAD_MATMUL_H1)):

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .common import fld, has, off, silu
+from .common import aligned, fld, has, off, silu
 from .fields import (FLAG_LINEAR_RES, FLAG_LINEAR_SILU_MUL, LINEAR_FLAGS, LINEAR_K, LINEAR_N, LINEAR_OUT_LD,
                      LINEAR_OUT_OFF, LINEAR_R0, LINEAR_R1, LINEAR_RES_LD, LINEAR_RES_OFF, LINEAR_W2_OFF, LINEAR_W_OFF,
                      LINEAR_X_LD, LINEAR_X_OFF)
@@ -26,15 +26,17 @@ def reference(task, mem) -> None:
 
 # ---- GPU body ----------------------------------------------------------------------------
 @triton.jit
-def weight_rows(w_ptr, rows, rmask, K, kb, on, KC: tl.constexpr):
-    """[BR, KC] of weights: rows `rows`, columns kb..kb+KC (nothing is read where `on` is false)."""
-    ks = kb + tl.arange(0, KC)
+def weight_rows(w_ptr, rows, rmask, K, kb, on, KC: tl.constexpr, ALIGN: tl.constexpr):
+    """[BR, KC] of weights: rows `rows`, columns kb..kb+KC (nothing is read where `on` is false).
+    K and the base are multiples of ALIGN (checked on the host), so rows load as 16-byte vectors."""
+    K = aligned(K, ALIGN)
+    ks = tl.max_contiguous(tl.multiple_of(kb + tl.arange(0, KC), ALIGN), KC)
     return tl.load(w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :],
                    mask=rmask[:, None] & (ks[None, :] < K) & on, other=0.0)
 
 
 @triton.jit
-def gemv_rows(x_ptr, x_ld, xrow, w_ptr, w2_ptr, two, rows, rmask, K, w, w2, KC: tl.constexpr):
+def gemv_rows(x_ptr, x_ld, xrow, w_ptr, w2_ptr, two, rows, rmask, K, w, w2, KC: tl.constexpr, ALIGN: tl.constexpr):
     """One token: x[xrow] @ W[rows].T on CUDA cores, fp32 products and sums, K in chunks of KC in a
     fixed order (the result never depends on other tokens: batch invariant).  w, w2: chunk 0,
     already requested.  A chunk is a whole-row tile (e.g. 16 x 2048 bf16 = 64 KB): few, large loads."""
@@ -42,10 +44,11 @@ def gemv_rows(x_ptr, x_ld, xrow, w_ptr, w2_ptr, two, rows, rmask, K, w, w2, KC: 
     acc2 = tl.zeros((rows.shape[0],), tl.float32)
     for kb in range(0, K, KC):
         if kb > 0:
-            w = weight_rows(w_ptr, rows, rmask, K, kb, True, KC)
-            w2 = weight_rows(w2_ptr, rows, rmask, K, kb, two, KC)
-        ks = kb + tl.arange(0, KC)
-        x = tl.load(x_ptr + xrow.to(tl.int64) * x_ld + ks, mask=ks < K, other=0.0, cache_modifier=".cg")
+            w = weight_rows(w_ptr, rows, rmask, K, kb, True, KC, ALIGN)
+            w2 = weight_rows(w2_ptr, rows, rmask, K, kb, two, KC, ALIGN)
+        ks = tl.max_contiguous(tl.multiple_of(kb + tl.arange(0, KC), ALIGN), KC)
+        x_row = xrow.to(tl.int64) * aligned(x_ld, ALIGN)
+        x = tl.load(x_ptr + x_row + ks, mask=ks < K, other=0.0, cache_modifier=".cg")
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         acc2 += tl.sum(w2.to(tl.float32) * x[None, :], axis=1)
     if two:
@@ -55,7 +58,7 @@ def gemv_rows(x_ptr, x_ld, xrow, w_ptr, w2_ptr, two, rows, rmask, K, w, w2, KC: 
 
 @triton.jit
 def stream_rows(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, orows_ptr, res_ptr, res_ld, use_res,
-                w_ptr, w2_ptr, two, r0, r1, K, w, w2, BR: tl.constexpr, KC: tl.constexpr):
+                w_ptr, w2_ptr, two, r0, r1, K, w, w2, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
     """out[orow(n), r0:r1] = f(x[xrow(n)] @ W[r0:r1].T) for n < n_rows.  Rows come from a list
     (xrows_ptr != 0: row = list[n] // xrows_div, out row = list[n]) or are n itself.  w, w2: the
     first chunk of the first row block, already requested."""
@@ -64,37 +67,42 @@ def stream_rows(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, orow
         rmask = rows < r1
         for n in range(n_rows):
             if (rb > r0) | (n > 0):  # the first block's first chunk was requested early
-                w = weight_rows(w_ptr, rows, rmask, K, 0, True, KC)
-                w2 = weight_rows(w2_ptr, rows, rmask, K, 0, two, KC)
+                w = weight_rows(w_ptr, rows, rmask, K, 0, True, KC, ALIGN)
+                w2 = weight_rows(w2_ptr, rows, rmask, K, 0, two, KC, ALIGN)
             xrow = n
             orow = n
             if xrows_div > 0:
                 pair = tl.load(xrows_ptr + n, cache_modifier=".cg")
                 xrow = pair // xrows_div
                 orow = pair
-            y = gemv_rows(x_ptr, x_ld, xrow, w_ptr, w2_ptr, two, rows, rmask, K, w, w2, KC)
+            y = gemv_rows(x_ptr, x_ld, xrow, w_ptr, w2_ptr, two, rows, rmask, K, w, w2, KC, ALIGN)
             if use_res:
                 y += tl.load(res_ptr + orow * res_ld + rows, mask=rmask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + orow.to(tl.int64) * out_ld + rows, y, mask=rmask)
 
 
 @triton.jit
-def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr):
+def aligned_base(base, word, IDX: tl.constexpr, ALIGN: tl.constexpr):
+    return base + aligned(off(word, IDX), ALIGN)
+
+
+@triton.jit
+def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
     """A LINEAR task's first weight chunk, requested before its dependency wait: weights never
     depend on activations."""
     two = has(fld(word, LINEAR_FLAGS), FLAG_LINEAR_SILU_MUL)
     K, r0, r1 = fld(word, LINEAR_K), fld(word, LINEAR_R0), fld(word, LINEAR_R1)
     rows = r0 + tl.arange(0, BR)
-    w = weight_rows(W + off(word, LINEAR_W_OFF), rows, rows < r1, K, 0, True, KC)
-    w2 = weight_rows(W + off(word, LINEAR_W2_OFF), rows, rows < r1, K, 0, two, KC)
+    w = weight_rows(aligned_base(W, word, LINEAR_W_OFF, ALIGN), rows, rows < r1, K, 0, True, KC, ALIGN)
+    w2 = weight_rows(aligned_base(W, word, LINEAR_W2_OFF, ALIGN), rows, rows < r1, K, 0, two, KC, ALIGN)
     return w, w2
 
 
 @triton.jit
-def body(word, W, A, w, w2, BR: tl.constexpr, KC: tl.constexpr):
+def body(word, W, A, w, w2, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
     flags = fld(word, LINEAR_FLAGS)
-    stream_rows(A + off(word, LINEAR_X_OFF), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
+    stream_rows(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
                 A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A, A + off(word, LINEAR_RES_OFF),
-                fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), W + off(word, LINEAR_W_OFF),
-                W + off(word, LINEAR_W2_OFF), has(flags, FLAG_LINEAR_SILU_MUL), fld(word, LINEAR_R0),
-                fld(word, LINEAR_R1), fld(word, LINEAR_K), w, w2, BR, KC)
+                fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), aligned_base(W, word, LINEAR_W_OFF, ALIGN),
+                aligned_base(W, word, LINEAR_W2_OFF, ALIGN), has(flags, FLAG_LINEAR_SILU_MUL), fld(word, LINEAR_R0),
+                fld(word, LINEAR_R1), fld(word, LINEAR_K), w, w2, BR, KC, ALIGN)
