@@ -96,7 +96,7 @@ def footprint(task: Decoded) -> list[Access]:
     out: list[Access] = []
     if name == "EMBED":
         r0, r1 = f["r0"], f["r1"]
-        out += _flat(task, "tok", r0, r1, False)
+        out += _acc(task, "tok", r0, r1, 0, 1, False)
         out += _acc(task, "out", r0, r1, 0, f["H"] * f["copies"], True)
     elif name == "RMSNORM":
         r0, r1, D = f["r0"], f["r1"], f["D"]
@@ -232,7 +232,19 @@ def footprint(task: Decoded) -> list[Access]:
         else:
             out += _acc(task, "pv", 0, N, 0, nparts, False, ld=nparts) + _acc(task, "pi", 0, N, 0, nparts, False, ld=nparts)
         if final:
-            out += _flat(task, "out", 0, N, True)
+            out += _acc(task, "out", 0, N, 0, 1, True)
+    elif name == "ACCEPT":
+        T, b0, b1 = f["T"], f["b0"], f["b1"]
+        out += _flat(task, "tok", b0 * T, b1 * T, False) + _flat(task, "tgt", b0 * T, b1 * T, False)
+        out += _flat(task, "cl", b0, b1, False) + _flat(task, "follow", b0, b1, False)
+        for key in ("acc", "base", "lens"):
+            out += _flat(task, key, b0, b1, True)
+        out += _flat(task, "emit", b0 * T, b1 * T, True) + _flat(task, "mtp", b0 * T, b1 * T, True)
+        out += _acc(task, "next", b0, b1, 0, 1, True)
+    elif name == "GATHER":
+        T, b0, b1, cols = f["T"], f["b0"], f["b1"], f["cols"]
+        out += _acc(task, "src", b0 * T, b1 * T, 0, cols, False)  # the row chosen at run time
+        out += _flat(task, "idx", b0, b1, False) + _acc(task, "out", b0, b1, 0, cols, True)
     else:
         raise ValueError(f"no footprint for opcode {name}")
     return [a for a in out if not a.empty]

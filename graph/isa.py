@@ -66,8 +66,8 @@ def _f(spec: str) -> tuple[str, ...]:
 
 
 _OPS = [
-    # out[r, c*H:(c+1)*H] = table[tok[r]] for each of `copies` (mHC streams) — rows r0..r1
-    Opcode("EMBED", 1, _f("tok+ table+ out* H copies r0 r1")),
+    # out[r, c*H:(c+1)*H] = table[tok[r·ld]] for each of `copies` (mHC streams) — rows r0..r1
+    Opcode("EMBED", 1, _f("tok* table+ out* H copies r0 r1")),
     # v = x[r] (+ d[r] with ADD, v also stored to xo); out[r] = v * rsqrt(mean(v²) + eps) * w
     Opcode("RMSNORM", 2, _f("x* d* xo* w+ out* D r0 r1 eps"), ("ADD", "NOWEIGHT")),
     # out[:, r0:r1] = x[:N, :K] @ W[r0:r1].T (+ res with RES); SILU_MUL: silu(x@W.T) * (x@W2.T)
@@ -105,8 +105,15 @@ _OPS = [
     Opcode("HC_EXPAND", 15, _f("st* sub* coef+ out* n H r0 r1")),
     # out[r] = sum_j (sigmoid(rmsnorm(st[r]) @ fn.T · scale + base) + hc_eps)_j · st[r, j]
     Opcode("HC_HEAD", 16, _f("st* fn+ base+ scale+ out* n H eps hc_eps r0 r1")),
-    # PARTIAL: (max, first argmax) of logits[:, c0:c1] -> pv/pi[row*nparts + part]; FINAL: out[row]
-    Opcode("ARGMAX", 17, _f("lg* N c0 c1 pv+ pi+ part nparts out+"), ("PARTIAL", "FINAL")),
+    # PARTIAL: (max, first argmax) of logits[:, c0:c1] -> pv/pi[row*nparts + part]; FINAL: out[row·ld]
+    Opcode("ARGMAX", 17, _f("lg* N c0 c1 pv+ pi+ part nparts out*"), ("PARTIAL", "FINAL")),
+    # speculative acceptance for sequences b0..b1 of a T-token step (tokens x, d_1..d_{T-1}; targets y):
+    # GREEDY: a = longest prefix with d_{i+1} == y_i; ALL (prefill): a = T-1.  Writes accepted[b] = a,
+    # emitted[b, :] = d_1..d_a, y_a, -1..., next[b·nld] = y_a, base[b] = cl[b] + a, lens[b] = base + 1,
+    # mtp[b·T + i] = (i < a ? d_{i+1} : y_a), or follow[b] for i = T-1 in ALL mode when follow[b] >= 0
+    Opcode("ACCEPT", 18, _f("tok+ tgt+ cl+ follow+ acc+ emit+ next* base+ lens+ mtp+ T b0 b1"), ("GREEDY", "ALL")),
+    # out[b, :cols] = src[b·T + idx[b], :cols] for b in b0..b1 (fp32, or int32 with INT)
+    Opcode("GATHER", 19, _f("src* idx+ out* T cols b0 b1"), ("INT",)),
 ]
 
 OPCODES: dict[str, Opcode] = {op.name: op for op in _OPS}

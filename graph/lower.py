@@ -29,6 +29,8 @@ class StepShape:
     max_len: int = 4096
     mtp_passes: int = 0
     attn_split: int = 0  # cache positions per attention task; 0 = chosen from max_len
+    speculative: bool = False  # verify T tokens, accept on the device, draft T-1 with the MTP head
+    accept: str = "greedy"  # greedy | all (prefill: every input token is given)
 
     @property
     def N(self) -> int:
@@ -42,16 +44,22 @@ class StepShape:
 
 class _Lowering:
     def __init__(self, cfg: ModelConfig, shape: StepShape, vocab_block: int = 4096):
-        if shape.T < 1 or shape.B < 1 or shape.max_len < shape.T + shape.mtp_passes:
+        if shape.T < 1 or shape.B < 1 or shape.max_len < 2 * shape.T * shape.speculative + shape.T + shape.mtp_passes:
             raise ValueError(f"bad step shape {shape}: need T, B >= 1 and max_len >= T + mtp_passes")
         if shape.mtp_passes and not cfg.num_nextn_predict_layers:
             raise ValueError("mtp_passes > 0 needs a model with MTP layers (num_nextn_predict_layers > 0)")
+        if shape.speculative and shape.mtp_passes:
+            raise ValueError("a speculative step drafts T-1 tokens itself; mtp_passes must be 0")
+        if shape.accept not in ("greedy", "all"):
+            raise ValueError(f"accept must be 'greedy' or 'all', got {shape.accept!r}")
         self.cfg, self.shape, self.g, self.vocab_block = cfg, shape, Graph(), vocab_block
-        self.N = shape.N
+        # the rows being lowered: T tokens per sequence at positions cl[b] + t (+ an op's pos_offset)
+        self.T, self.N = shape.T, shape.N
         self.specs: dict[str, TensorSpec] = {s.name: s for s in tensor_specs(cfg)}
         self.names: dict[str, int] = {}
         self.tokens = self._io("in.tokens", self.N, "input")
         self.cache_lens = self._io("in.cache_lens", shape.B, "input")
+        self.cl = self.cache_lens
         self.caches = [
             self.g.add_tensor(Tensor(f"cache.L{layer}", Buf.C, shape.B * shape.max_len, cfg.cache_width, role="cache"))
             for layer in range(cfg.num_layers_total)
@@ -155,8 +163,8 @@ class _Lowering:
         const, scale = self.rope_const(layer)
         half = self.cfg.rope_for_layer(layer).dim // 2
         out = self.act(f"L{layer}.rope_table", self.N, 2 * half)
-        self.emit("ROPE_TABLE", f"L{layer}.rope_table", reads={"cl": self.cache_lens, "f": const},
-                  writes={"out": out}, layer=layer, T=self.shape.T, half=half, scale=scale,
+        self.emit("ROPE_TABLE", f"L{layer}.rope_table", reads={"cl": self.cl, "f": const},
+                  writes={"out": out}, layer=layer, T=self.T, half=half, scale=scale,
                   pos_offset=pos_offset, rows=self.N)
         return out
 
@@ -169,28 +177,28 @@ class _Lowering:
 
     def cache_write(self, label, src, layer, col0, cols, pos_offset):
         s = self.shape
-        self.emit("CACHE_WRITE", label, reads={"src": src, "cl": self.cache_lens},
-                  writes={"cache": self.caches[layer]}, layer=layer, T=s.T, S=s.max_len,
+        self.emit("CACHE_WRITE", label, reads={"src": src, "cl": self.cl},
+                  writes={"cache": self.caches[layer]}, layer=layer, T=self.T, S=s.max_len,
                   width=self.cfg.cache_width, col0=col0, cols=cols, pos_offset=pos_offset, rows=self.N)
 
     def attention_core(self, label, layer, q, q_hs, pe, pe_hs, dim, pos_offset, mla, v_col0=0, kv_hs=0, group=1):
-        cfg, s = self.cfg, self.shape
+        cfg, s, T = self.cfg, self.shape, self.T
         nh = cfg.num_attention_heads
         split_len = min(s.split_len(), s.max_len)
         nsplits = math.ceil(s.max_len / split_len)
-        part_o = self.act(f"{label}.partial_o", s.B * nsplits * s.T * nh, dim)
-        part_lse = self.act(f"{label}.partial_lse", s.B * nsplits * s.T * nh, 1)
-        reads = {"q": q, "cache": self.caches[layer], "cl": self.cache_lens}
+        part_o = self.act(f"{label}.partial_o", s.B * nsplits * T * nh, dim)
+        part_lse = self.act(f"{label}.partial_lse", s.B * nsplits * T * nh, 1)
+        reads = {"q": q, "cache": self.caches[layer], "cl": self.cl}
         if pe is not None:
             reads["pe"] = pe
         self.emit("ATTENTION", label, ("MLA",) if mla else (), reads=reads, writes={"op": part_o, "lse": part_lse},
-                  layer=layer, q_hs=q_hs, q_col0=0, pe_hs=pe_hs, pe_col0=0, T=s.T, S=s.max_len,
+                  layer=layer, q_hs=q_hs, q_col0=0, pe_hs=pe_hs, pe_col0=0, T=T, S=s.max_len,
                   width=cfg.cache_width, dim=dim, rope_dim=cfg.qk_rope_head_dim if mla else 0, v_col0=v_col0,
                   kv_hs=kv_hs, group=group, scale=cfg.softmax_scale, nheads=nh, nsplits=nsplits,
                   split_len=split_len, pos_offset=pos_offset, B=s.B)
         out = self.act(f"{label}.out", self.N, nh * dim)
         self.emit("ATTN_COMBINE", f"{label}.combine", reads={"op": part_o, "lse": part_lse}, writes={"out": out},
-                  layer=layer, T=s.T, nheads=nh, nsplits=nsplits, dim=dim, B=s.B)
+                  layer=layer, T=T, nheads=nh, nsplits=nsplits, dim=dim, B=s.B)
         return out
 
     def mla(self, layer, h, table, pos_offset):
@@ -376,12 +384,62 @@ class _Lowering:
         logits = self._io("out.logits", N, "output", Buf.A, cfg.vocab_size)
         tokens = self._io("out.tokens", N, "output")
         self.head("main", hidden, "lm_head.weight", logits, tokens)
+        if self.shape.speculative:
+            self.speculate(hidden, tokens)
+            return self.g
         for i in range(self.shape.mtp_passes):
-            hidden, tokens = self.mtp_pass(i, hidden, tokens)
+            out_hidden = self._io(f"out.mtp{i}.hidden", N, "output", Buf.A, H)
+            out_logits = self._io(f"out.mtp{i}.logits", N, "output", Buf.A, cfg.vocab_size)
+            out_tokens = self._io(f"out.mtp{i}.tokens", N, "output")
+            self.mtp_pass(i, hidden, tokens, i, out_hidden, out_logits, out_tokens)
+            hidden, tokens = out_hidden, out_tokens
         return self.g
 
-    def mtp_pass(self, i: int, hidden: str, tokens: str) -> tuple[str, str]:
-        """Draft pass i: MTP layer i mod n on (hidden, tokens) at positions shifted by i."""
+    def speculate(self, hidden: str, targets: str) -> None:
+        """Accept on the device, then draft T-1 tokens with the MTP head from the accepted position.
+
+        Pass 0 runs the MTP layer over all T rows (row i: hidden i with the token at position i+1,
+        i.e. the accepted drafts, then the bonus token), which also fills the MTP cache for every
+        accepted position; the draft comes from row a.  Passes j >= 1 run one row per sequence at
+        position cache_len + a + j (base = cache_len + a, written by ACCEPT)."""
+        cfg, s, H, V = self.cfg, self.shape, self.cfg.hidden_size, self.cfg.vocab_size
+        B, T, N = s.B, s.T, s.N
+        accepted = self._io("out.accepted", B, "output")
+        emitted = self._io("out.emitted", B, "output", Buf.I, T)
+        next_tokens = self._io("out.next_tokens", B, "output", Buf.I, T)
+        next_lens = self._io("out.next_lens", B, "output")
+        follow = self._io("in.follow", B, "input")
+        base = self.act("spec.base", B, 1, Buf.I)
+        mtp_tokens = self.act("spec.mtp_tokens", N, 1, Buf.I)
+        flag = "ALL" if s.accept == "all" else "GREEDY"
+        self.emit("ACCEPT", "accept", (flag,), reads={"tok": self.tokens, "tgt": targets, "cl": self.cache_lens,
+                                                       "follow": follow},
+                  writes={"acc": accepted, "emit": emitted, "next": View(next_tokens, 0, 1), "base": base,
+                          "lens": next_lens, "mtp": mtp_tokens}, T=T, B=B)
+        drafts = T - 1
+        if not drafts or not cfg.num_nextn_predict_layers:
+            return
+        rows_hidden = self.act("spec.mtp0.hidden", N, H)
+        rows_logits = self.act("spec.mtp0.logits", N, V)
+        rows_tokens = self.act("spec.mtp0.tokens", N, 1, Buf.I)
+        self.mtp_pass(0, hidden, mtp_tokens, 0, rows_hidden, rows_logits, rows_tokens)
+        self.emit("GATHER", "spec.draft1", ("INT",), reads={"src": rows_tokens, "idx": accepted},
+                  writes={"out": View(next_tokens, 1, 1)}, T=T, cols=1, B=B)
+        h = self.act("spec.hidden1", B, H)
+        self.emit("GATHER", "spec.hidden1", reads={"src": rows_hidden, "idx": accepted}, writes={"out": h},
+                  T=T, cols=H, B=B)
+        saved = self.T, self.N, self.cl
+        self.T, self.N, self.cl = 1, B, base  # one row per sequence at cache_len + a + j
+        for j in range(1, drafts):
+            h_next = self.act(f"spec.hidden{j + 1}", B, H)
+            logits = self.act(f"spec.mtp{j}.logits", B, V)
+            self.mtp_pass(j, h, View(next_tokens, j, 1), j, h_next, logits, View(next_tokens, j + 1, 1))
+            h = h_next
+        self.T, self.N, self.cl = saved
+
+    def mtp_pass(self, i: int, hidden: str, tokens, pos_offset: int, out_hidden: str, out_logits: str,
+                 out_tokens) -> None:
+        """MTP layer i mod n on (hidden, tokens) over the current rows, positions shifted by pos_offset."""
         cfg, N, H = self.cfg, self.N, self.cfg.hidden_size
         layer = cfg.num_hidden_layers + i % cfg.num_nextn_predict_layers
         p, L = layer_prefix(layer), f"mtp{i}"
@@ -397,17 +455,13 @@ class _Lowering:
             for j in range(cfg.hc_mult):
                 self.emit("EWISE", f"{L}.to_stream{j}", ("COPY",), reads={"a": x}, writes={"out": View(streams, j * H, H)},
                           layer=layer, cols=H, rows=N)
-            x = self.hc_head(f"{L}.hc_head", self.decoder_layer(layer, streams, pos_offset=i), p + "hc_head.")
+            x = self.hc_head(f"{L}.hc_head", self.decoder_layer(layer, streams, pos_offset=pos_offset), p + "hc_head.")
         else:
-            x = self.decoder_layer(layer, x, pos_offset=i)
-        out_hidden = self._io(f"out.mtp{i}.hidden", N, "output", Buf.A, H)
+            x = self.decoder_layer(layer, x, pos_offset=pos_offset)
         normed = self.rmsnorm(f"{L}.shared_head_norm", x, p + "shared_head.norm.weight", H, layer)
-        logits = self._io(f"out.mtp{i}.logits", N, "output", Buf.A, cfg.vocab_size)
-        out_tokens = self._io(f"out.mtp{i}.tokens", N, "output")
-        self.head(L, normed, p + "shared_head.head.weight", logits, out_tokens)
+        self.head(L, normed, p + "shared_head.head.weight", out_logits, out_tokens)
         self.emit("EWISE", f"{L}.keep_hidden", ("COPY",), reads={"a": x}, writes={"out": out_hidden},
                   layer=layer, cols=H, rows=N)
-        return out_hidden, out_tokens
 
 
 def lower(cfg: ModelConfig, shape: StepShape, vocab_block: int = 4096) -> Graph:

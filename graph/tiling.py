@@ -290,3 +290,11 @@ class Tiler:
             tiles.append(Tile({"c0": c0, "c1": c1, "part": part, "nparts": nparts}, reads, writes, 0,
                               4 * N * (c1 - c0), N * (c1 - c0)))
         return tiles
+
+    def tile_accept(self, op):
+        a = op.attrs
+        return [Tile({"b0": 0, "b1": a["B"]}, [], [], 0, 16 * a["B"] * a["T"], a["B"] * a["T"])]
+
+    def tile_gather(self, op):
+        a = op.attrs
+        return [Tile({"b0": 0, "b1": a["B"]}, [], [], 0, 8 * a["B"] * a["cols"], a["B"] * a["cols"])]

@@ -33,6 +33,12 @@ class StepResult:
     mtp_logits: list[torch.Tensor]
     mtp_tokens: list[torch.Tensor]
     mtp_hidden: list[torch.Tensor]
+    # speculative steps: drafts accepted per sequence, tokens emitted (-1 padded), the next step's
+    # tokens (bonus token, then the new drafts) and cache lengths
+    accepted: torch.Tensor | None = None
+    emitted: torch.Tensor | None = None
+    next_tokens: torch.Tensor | None = None
+    next_lens: torch.Tensor | None = None
 
 
 class Interpreter:
@@ -57,17 +63,22 @@ class Interpreter:
         return self.mem.cache()
 
     def step(self, tokens: torch.Tensor, cache_lens: torch.Tensor, order: str = "queue",
-             rng: random.Random | None = None, stop_after: int | None = None) -> StepResult:
-        """One decode step: tokens [B, T] at positions cache_lens[b] + t.  order: 'queue' or 'random'."""
+             rng: random.Random | None = None, stop_after: int | None = None,
+             follow: torch.Tensor | None = None) -> StepResult:
+        """One decode step: tokens [B, T] at positions cache_lens[b] + t.  order: 'queue' or 'random'.
+        follow (speculative prefill chunks): the token after each chunk, or -1."""
         B, T = self.B, self.T
         if tuple(tokens.shape) != (B, T):
             raise ValueError(f"tokens has shape {tuple(tokens.shape)}, the plan was compiled for ({B}, {T})")
         max_len, passes = self.plan.shape["max_len"], self.plan.shape["mtp_passes"]
+        if self.plan.shape.get("speculative"):
+            passes = T  # the drafts reach cache_len + a + T - 1 < cache_len + 2T
         if int(cache_lens.max()) + T + passes > max_len:
             raise ValueError(f"cache_lens up to {int(cache_lens.max())} + T={T} + {passes} MTP passes exceeds the "
                              f"cache of {max_len} positions")
         self.mem.io_view("in.tokens").copy_(tokens.reshape(-1, 1).to(torch.int32))
         self.mem.io_view("in.cache_lens").copy_(cache_lens.reshape(-1, 1).to(torch.int32))
+        write_follow(self.mem, self.plan, follow)
         self.epoch += 1
         self._run(order, rng or random.Random(0), stop_after)
         return self.result()
@@ -106,11 +117,24 @@ class Interpreter:
         return read_outputs(self.mem, self.plan)
 
 
+def write_follow(mem: Memory, plan: Plan, follow: torch.Tensor | None) -> None:
+    if "in.follow" in plan.io:
+        B = plan.shape["B"]
+        value = torch.full((B, 1), -1, dtype=torch.int32) if follow is None else follow.reshape(B, 1).to(torch.int32)
+        mem.io_view("in.follow").copy_(value)
+
+
 def read_outputs(mem: Memory, plan: Plan) -> StepResult:
     """Copies of a step's outputs from a plan's buffers."""
     B, T = plan.shape["B"], plan.shape["T"]
     view = mem.io_view
     passes = plan.shape["mtp_passes"]
+    spec = {}
+    if plan.shape.get("speculative"):
+        spec = dict(accepted=view("out.accepted").clone().view(B).long(),
+                    emitted=view("out.emitted").clone().view(B, T).long(),
+                    next_tokens=view("out.next_tokens").clone().view(B, T).long(),
+                    next_lens=view("out.next_lens").clone().view(B).long())
     return StepResult(
         logits=view("out.logits").clone().view(B, T, -1),
         tokens=view("out.tokens").clone().view(B, T).long(),
@@ -118,4 +142,5 @@ def read_outputs(mem: Memory, plan: Plan) -> StepResult:
         mtp_logits=[view(f"out.mtp{i}.logits").clone().view(B, T, -1) for i in range(passes)],
         mtp_tokens=[view(f"out.mtp{i}.tokens").clone().view(B, T).long() for i in range(passes)],
         mtp_hidden=[view(f"out.mtp{i}.hidden").clone().view(B, T, -1) for i in range(passes)],
+        **spec,
     )

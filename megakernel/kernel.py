@@ -17,10 +17,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .ops import argmax, attention, elementwise, embed, head_matmul, linear, mhc, moe, norm, rope
+from .ops import argmax, attention, elementwise, embed, head_matmul, linear, mhc, moe, norm, rope, spec
 from .ops.common import now_ns, sm_id, wait_task
-from .ops.fields import (OP_ARGMAX, OP_ATTENTION, OP_ATTN_COMBINE, OP_CACHE_WRITE, OP_EMBED, OP_EWISE,
-                         OP_EXPERT_LINEAR, OP_HC_COEFF, OP_HC_EXPAND, OP_HC_HEAD, OP_HEAD_MATMUL, OP_LINEAR,
+from .ops.fields import (OP_ACCEPT, OP_ARGMAX, OP_ATTENTION, OP_ATTN_COMBINE, OP_CACHE_WRITE, OP_EMBED, OP_EWISE,
+                         OP_EXPERT_LINEAR, OP_GATHER, OP_HC_COEFF, OP_HC_EXPAND, OP_HC_HEAD, OP_HEAD_MATMUL, OP_LINEAR,
                          OP_MOE_COMBINE, OP_RMSNORM, OP_ROPE, OP_ROPE_TABLE, OP_ROUTE, WORD_SIGNAL)
 
 COUNTER_STRIDE = 32  # int32s: one counter per 128-byte line
@@ -36,7 +36,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                BH: tl.constexpr,
                BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr, BI: tl.constexpr,
                BO: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr, BW: tl.constexpr, BHC: tl.constexpr,
-               ALIGN: tl.constexpr, DOT_PREC: tl.constexpr):
+               ALIGN: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
     end = tl.load(queue_ptr + pid + 1)
@@ -90,6 +90,10 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                 mhc.head_body(word, WF, A, BW, BD)
             elif op == OP_ARGMAX:
                 argmax.body(word, A, I, BD)
+            elif op == OP_ACCEPT:
+                spec.accept_body(word, I, BT)
+            elif op == OP_GATHER:
+                spec.gather_body(word, A, I, BD)
         if ok == 1:
             tl.debug_barrier()  # every thread's stores happen before the release below
             tl.atomic_add(counters + tl.load(word + WORD_SIGNAL).to(tl.int64) * 32, 1, sem="release", scope="gpu")

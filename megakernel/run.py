@@ -52,6 +52,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=None,
                    help="workers (queues) a plan is scheduled on (default: 8 on a CPU, the GPU's SM count)")
     p.add_argument("--plan", action="store_true", help="print the decode-step plan's description and exit")
+    p.add_argument("--spec-k", type=int, default=None, metavar="K",
+                   help="speculative decoding: verify K drafts per step (0..7), accept on the device")
+    p.add_argument("--draft", default="mtp", metavar="SOURCE",
+                   help="draft source with --spec-k: mtp (the model's MTP layers), oracle (this engine's own "
+                        "greedy output: all accepted), noisy:P (the oracle, each draft wrong with probability P)")
     p.add_argument("--check", action="store_true",
                    help="run the reference on the same tokens and exit non-zero on a mismatch")
     p.add_argument("--profile", metavar="PATH",
@@ -130,6 +135,38 @@ def measure_megakernel(engine, profile_path: str | None) -> dict:
     return out
 
 
+def run_speculative(args, name, cfg, weights, source, backend, device, dtype, options, result) -> dict:
+    from .speculative import Drafts, SpeculativeDecoder
+    if backend == "reference":
+        raise ValueError("--spec-k runs on the interpret or megakernel backend")
+    gen = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt_len), generator=gen)
+    room = args.prompt_len + args.steps + 2 * (args.spec_k + 1) + 8
+    oracle = None
+    if args.draft != "mtp":  # the oracle: this engine's own plain greedy continuation
+        plain = SpeculativeDecoder(cfg, weights, 0, args.batch, room, device, dtype, backend, options=options)
+        oracle, _ = plain.generate(prompt, args.steps + args.spec_k + 1)
+    drafts = Drafts(args.draft, oracle, cfg.vocab_size, args.seed)
+    decoder = SpeculativeDecoder(cfg, weights, args.spec_k, args.batch, room, device, dtype, backend, options=options)
+    tokens, stats = decoder.generate(prompt, args.steps, drafts, eos=None)
+    spec = stats.to_dict()
+    result.update(weights=source, device=str(device), dtype=str(dtype).removeprefix("torch."), backend=backend,
+                  batch=args.batch, prompt_len=args.prompt_len, steps=args.steps, spec_k=args.spec_k,
+                  draft=args.draft, tokens=tokens, **{k: spec[k] for k in
+                  ("tokens_per_step", "acceptance_length", "per_position_acceptance", "tokens_per_s")},
+                  spec_steps=spec["steps"], step_ms_median=spec["step_ms_median"])
+    print(f"model {name} ({cfg.architecture}) on {device}, {result['dtype']}, {source}")
+    print(f"speculative decoding, k={args.spec_k}, drafts from {args.draft}, backend {backend}: "
+          f"{args.batch} sequence(s), {args.steps} tokens each")
+    print(f"  {spec['steps']} steps, {spec['tokens_per_step']:.2f} tokens per step per sequence (acceptance length), "
+          f"per-position acceptance {[round(x, 2) for x in spec['per_position_acceptance']]}")
+    print(f"  step median {spec['step_ms_median'] or 0:.2f} ms, {spec['tokens_per_s'] or 0:.1f} tokens/s "
+          f"(tokens emitted / wall time of the decode loop, host work included)")
+    for b, row in enumerate(tokens):
+        print(f"  sequence {b}: {row}")
+    return result
+
+
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     name = args.model or (DEFAULT_GPU_MODEL if device.type == "cuda" else DEFAULT_CPU_MODEL)
@@ -154,6 +191,8 @@ def run(args: argparse.Namespace) -> dict:
 
     dtype = DTYPES[args.dtype] if args.dtype else (DTYPES[cfg.dtype] if device.type == "cuda" else torch.float32)
     cfg, weights, source = load_weights(cfg, path, args.seed, device, dtype)
+    if args.spec_k is not None:
+        return run_speculative(args, name, cfg, weights, source, backend, device, dtype, options, result)
     engine = make_engine(cfg, weights, backend, args.batch, max_len, device, dtype, workers=args.workers,
                          check=args.check, seed=args.seed, options=options)
     gen = torch.Generator().manual_seed(args.seed)

@@ -20,7 +20,7 @@ from graph.isa import MAX_WAITS, WORDS, Buf, decode
 from graph.plan import Plan
 from graph.verify import verify_plan
 
-from .interpreter import StepResult, read_outputs
+from .interpreter import StepResult, read_outputs, write_follow
 from .kernel import COUNTER_STRIDE, ERR_HEADER, ERR_PER_WORKER, megakernel
 from .memory import Memory
 
@@ -46,6 +46,8 @@ OPERAND_BUFFERS = {
     "HC_EXPAND": {"st": Buf.A, "sub": Buf.A, "coef": Buf.A, "out": Buf.A},
     "HC_HEAD": {"st": Buf.A, "fn": Buf.WF, "base": Buf.WF, "scale": Buf.WF, "out": Buf.A},
     "ARGMAX": {"lg": Buf.A, "pv": Buf.A, "pi": Buf.I, "out": Buf.I},
+    "ACCEPT": {k: Buf.I for k in ("tok", "tgt", "cl", "follow", "acc", "emit", "next", "base", "lens", "mtp")},
+    "GATHER": {"idx": Buf.I},  # src and out: A, or I with INT (checked below)
 }
 
 
@@ -64,7 +66,10 @@ def _pow2(n: int, lo: int = 16) -> int:
 def check_operand_buffers(plan: Plan) -> None:
     for i in range(plan.num_tasks):
         t = decode(plan.words[i])
-        for role, buf in OPERAND_BUFFERS[t.op.name].items():
+        roles = dict(OPERAND_BUFFERS[t.op.name])
+        if t.op.name == "GATHER":
+            roles.update(src=Buf.I if t.has("INT") else Buf.A, out=Buf.I if t.has("INT") else Buf.A)
+        for role, buf in roles.items():
             have = t.fields[role + ".buf"]
             if have >= 0 and have != buf:
                 raise MegakernelError(f"task {i} ({plan.task_labels[i]}): operand {role} is in buffer "
@@ -98,7 +103,7 @@ def alignment(plan: Plan) -> int:
 
 def block_sizes(plan: Plan, dtype: torch.dtype) -> dict:
     """Compile-time block sizes fitted to the plan's dimensions."""
-    dmax = rmax = experts = width = 16
+    dmax = rmax = experts = width = spec_t = 16
     for i in range(plan.num_tasks):
         t = decode(plan.words[i])
         f = t.fields
@@ -108,9 +113,11 @@ def block_sizes(plan: Plan, dtype: torch.dtype) -> dict:
             experts = max(experts, _pow2(f["E"]))
         elif t.op.name in ("HC_COEFF", "HC_HEAD", "HC_EXPAND"):
             width = max(width, _pow2((2 + f["n"]) * f["n"]))
+        elif t.op.name == "ACCEPT":
+            spec_t = max(spec_t, _pow2(f["T"]))
     # bf16 weights: activations enter the tensor cores as a bf16 (high, low) pair, ~16 mantissa bits
     return dict(BR=8, KC=2048, STAGES=2, BD=256, BH=32, BM=16, BJ=32, DMAX=dmax, RMAX=rmax, BI=64, BO=128,
-                BE=experts, BP=256, BW=width, BHC=max(1, 4096 // dmax), ALIGN=alignment(plan), DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2")
+                BE=experts, BP=256, BW=width, BHC=max(1, 4096 // dmax), ALIGN=alignment(plan), BT=spec_t, DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2")
 
 
 @dataclass
@@ -195,7 +202,7 @@ class Megakernel:
         B, T, S = self.plan.shape["B"], self.plan.shape["T"], self.plan.shape["max_len"]
         if tuple(tokens.shape) != (B, T):
             raise ValueError(f"tokens has shape {tuple(tokens.shape)}, the plan was compiled for ({B}, {T})")
-        need = int(cache_lens.max()) + T + self.plan.shape["mtp_passes"]
+        need = int(cache_lens.max()) + T + (T if self.plan.shape.get("speculative") else self.plan.shape["mtp_passes"])
         if need > S:
             raise ValueError(f"the step needs {need} cache positions, the cache holds {S}")
         self.stage_tokens.copy_(tokens.reshape(-1, 1).to(torch.int32))
@@ -215,8 +222,10 @@ class Megakernel:
             megakernel[(self.plan.workers,)](*self._args(), **self._constexprs(), num_warps=self.config.num_warps,
                                              num_stages=self.config.num_stages)
 
-    def step(self, tokens: torch.Tensor, cache_lens: torch.Tensor, sync: bool = True) -> StepResult | None:
+    def step(self, tokens: torch.Tensor, cache_lens: torch.Tensor, sync: bool = True,
+             follow: torch.Tensor | None = None) -> StepResult | None:
         self._stage(tokens, cache_lens)
+        write_follow(self.mem, self.plan, follow)
         if self.graph is not None:
             self.graph.replay()
             self.epoch += 1

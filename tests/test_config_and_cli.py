@@ -151,3 +151,13 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 def test_module_entry_point_help():
     out = subprocess.run([sys.executable, "-m", "megakernel.run", "--help"], capture_output=True, text=True, check=True)
     assert "--describe" in out.stdout and "--model" in out.stdout
+
+
+def test_speculative_cli_reports_acceptance(tmp_path, capsys):
+    assert main(["--spec-k", "2", "--draft", "oracle", "--steps", "6", "--json", str(tmp_path / "s.json")]) == 0
+    r = json.loads((tmp_path / "s.json").read_text())
+    assert r["tokens_per_step"] == r["acceptance_length"] == 3 and r["per_position_acceptance"] == [1.0, 1.0]
+    assert r["tokens_per_s"] > 0
+    assert main(["--steps", "6", "--json", str(tmp_path / "p.json")]) == 0
+    assert json.loads((tmp_path / "p.json").read_text())["tokens"] == r["tokens"]
+    assert main(["--spec-k", "9"]) == 2 and "within 0..7" in capsys.readouterr().err

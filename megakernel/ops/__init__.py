@@ -3,7 +3,7 @@ interpreter, in PyTorch) beside its GPU body.  REFERENCE maps opcode names to th
 
 from __future__ import annotations
 
-from . import argmax, attention, elementwise, embed, head_matmul, linear, mhc, moe, norm, rope
+from . import argmax, attention, elementwise, embed, head_matmul, linear, mhc, moe, norm, rope, spec
 
 REFERENCE = {
     "EMBED": embed.reference,
@@ -23,4 +23,6 @@ REFERENCE = {
     "HC_EXPAND": mhc.reference_expand,
     "HC_HEAD": mhc.reference_head,
     "ARGMAX": argmax.reference,
+    "ACCEPT": spec.reference_accept,
+    "GATHER": spec.reference_gather,
 }

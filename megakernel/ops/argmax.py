@@ -7,7 +7,7 @@ import triton.language as tl
 
 from .common import fld, has, off
 from .fields import (ARGMAX_C0, ARGMAX_C1, ARGMAX_FLAGS, ARGMAX_LG_LD, ARGMAX_LG_OFF, ARGMAX_N, ARGMAX_NPARTS,
-                     ARGMAX_OUT_OFF, ARGMAX_PART, ARGMAX_PI_OFF, ARGMAX_PV_OFF, FLAG_ARGMAX_FINAL, FLAG_ARGMAX_PARTIAL)
+                     ARGMAX_OUT_LD, ARGMAX_OUT_OFF, ARGMAX_PART, ARGMAX_PI_OFF, ARGMAX_PV_OFF, FLAG_ARGMAX_FINAL, FLAG_ARGMAX_PARTIAL)
 
 
 def reference(task, mem) -> None:
@@ -19,7 +19,7 @@ def reference(task, mem) -> None:
         best = vals.gather(1, idx[:, None])[:, 0]
         idx = idx + c0
         if task.has("FINAL"):
-            mem.flat(task, "out", 0, N).copy_(idx.int())
+            mem.mat(task, "out", N, 1)[:, 0].copy_(idx.int())
             return
         mem.mat(task, "pv", N, 1, col0=part, ld=nparts).copy_(best[:, None])
         mem.mat(task, "pi", N, 1, col0=part, ld=nparts).copy_(idx[:, None].int())
@@ -27,7 +27,7 @@ def reference(task, mem) -> None:
     pv = mem.mat(task, "pv", N, nparts, ld=nparts).float()
     pi = mem.mat(task, "pi", N, nparts, ld=nparts)
     best = pv.argmax(dim=-1)  # earliest part wins ties, and parts are in column order
-    mem.flat(task, "out", 0, N).copy_(pi.gather(1, best[:, None])[:, 0])
+    mem.mat(task, "out", N, 1)[:, 0].copy_(pi.gather(1, best[:, None])[:, 0])
 
 
 # ---- GPU body ----------------------------------------------------------------------------
@@ -60,7 +60,7 @@ def body(word, A, I, BD: tl.constexpr):
             best_i = tl.where(better, idx, best_i)
             best = tl.where(better, top, best)
         if final:
-            tl.store(out + n, best_i)
+            tl.store(out + n * fld(word, ARGMAX_OUT_LD), best_i)
         else:
             tl.store(pv + n * nparts + part, best)
             tl.store(pi + n * nparts + part, best_i)

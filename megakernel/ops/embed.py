@@ -7,12 +7,13 @@ import triton
 import triton.language as tl
 
 from .common import fld, off
-from .fields import EMBED_COPIES, EMBED_H, EMBED_OUT_LD, EMBED_OUT_OFF, EMBED_R0, EMBED_R1, EMBED_TABLE_OFF, EMBED_TOK_OFF
+from .fields import (EMBED_COPIES, EMBED_H, EMBED_OUT_LD, EMBED_OUT_OFF, EMBED_R0, EMBED_R1, EMBED_TABLE_OFF, EMBED_TOK_LD,
+                     EMBED_TOK_OFF)
 
 
 def reference(task, mem) -> None:
     r0, r1, H, copies = task["r0"], task["r1"], task["H"], task["copies"]
-    tokens = mem.flat(task, "tok", r0, r1 - r0).long()
+    tokens = mem.mat(task, "tok", r1 - r0, 1, row0=r0)[:, 0].long()
     table = mem.bufs[task["table.buf"]]
     rows = table[task["table.off"] + tokens[:, None] * H + torch.arange(H, device=table.device)].float()
     out = mem.mat(task, "out", r1 - r0, H * copies, row0=r0)
@@ -26,7 +27,7 @@ def body(word, W, A, I, BD: tl.constexpr):
     tok_ptr, table = I + off(word, EMBED_TOK_OFF), W + off(word, EMBED_TABLE_OFF)
     o_ptr, o_ld = A + off(word, EMBED_OUT_OFF), fld(word, EMBED_OUT_LD)
     for r in range(fld(word, EMBED_R0), fld(word, EMBED_R1)):
-        tok = tl.load(tok_ptr + r, cache_modifier=".cg").to(tl.int64)
+        tok = tl.load(tok_ptr + r * fld(word, EMBED_TOK_LD), cache_modifier=".cg").to(tl.int64)
         for cb in range(0, H, BD):
             c = cb + tl.arange(0, BD)
             m = c < H

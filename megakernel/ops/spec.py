@@ -1,0 +1,100 @@
+"""Speculative decoding on the device: ACCEPT (verify drafts, choose the bonus token, advance
+positions) and GATHER (the accepted row of each sequence)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import fld, has, off
+from .fields import (ACCEPT_ACC_OFF, ACCEPT_B0, ACCEPT_B1, ACCEPT_BASE_OFF, ACCEPT_CL_OFF, ACCEPT_EMIT_OFF,
+                     ACCEPT_FLAGS, ACCEPT_FOLLOW_OFF, ACCEPT_LENS_OFF, ACCEPT_MTP_OFF, ACCEPT_NEXT_LD, ACCEPT_NEXT_OFF,
+                     ACCEPT_T, ACCEPT_TGT_OFF, ACCEPT_TOK_OFF, FLAG_ACCEPT_ALL, FLAG_GATHER_INT, GATHER_B0, GATHER_B1,
+                     GATHER_COLS, GATHER_FLAGS, GATHER_IDX_OFF, GATHER_OUT_LD, GATHER_OUT_OFF, GATHER_SRC_LD,
+                     GATHER_SRC_OFF, GATHER_T)
+
+
+def reference_accept(task, mem) -> None:
+    T, b0, b1 = task["T"], task["b0"], task["b1"]
+    for b in range(b0, b1):
+        tokens = mem.flat(task, "tok", b * T, T).long()
+        targets = mem.flat(task, "tgt", b * T, T).long()
+        if task.has("ALL"):
+            a = T - 1
+        else:
+            a = 0
+            while a < T - 1 and int(tokens[a + 1]) == int(targets[a]):
+                a += 1
+        bonus = int(targets[a])
+        emitted = torch.full((T,), -1, dtype=torch.int32)
+        emitted[:a] = tokens[1:a + 1].int().cpu()
+        emitted[a] = bonus
+        mtp = torch.full((T,), bonus, dtype=torch.int32)
+        mtp[:a] = tokens[1:a + 1].int().cpu()
+        follow = int(mem.flat(task, "follow", b, 1)[0])
+        if task.has("ALL") and follow >= 0:
+            mtp[T - 1] = follow
+        length = int(mem.flat(task, "cl", b, 1)[0])
+        mem.flat(task, "acc", b, 1).fill_(a)
+        mem.flat(task, "emit", b * T, T).copy_(emitted.to(mem.device))
+        mem.mat(task, "next", 1, 1, row0=b).fill_(bonus)
+        mem.flat(task, "base", b, 1).fill_(length + a)
+        mem.flat(task, "lens", b, 1).fill_(length + a + 1)
+        mem.flat(task, "mtp", b * T, T).copy_(mtp.to(mem.device))
+
+
+def reference_gather(task, mem) -> None:
+    T, cols = task["T"], task["cols"]
+    for b in range(task["b0"], task["b1"]):
+        row = b * T + int(mem.flat(task, "idx", b, 1)[0])
+        mem.mat(task, "out", 1, cols, row0=b).copy_(mem.mat(task, "src", 1, cols, row0=row))
+
+
+# ---- GPU bodies ------------------------------------------------------------------------------
+@triton.jit
+def accept_body(word, I, BT: tl.constexpr):
+    T, all_mode = fld(word, ACCEPT_T), has(fld(word, ACCEPT_FLAGS), FLAG_ACCEPT_ALL)
+    tok, tgt, cl, follow = (I + off(word, ACCEPT_TOK_OFF), I + off(word, ACCEPT_TGT_OFF), I + off(word, ACCEPT_CL_OFF),
+                            I + off(word, ACCEPT_FOLLOW_OFF))
+    acc, emit, base, lens, mtp = (I + off(word, ACCEPT_ACC_OFF), I + off(word, ACCEPT_EMIT_OFF),
+                                  I + off(word, ACCEPT_BASE_OFF), I + off(word, ACCEPT_LENS_OFF),
+                                  I + off(word, ACCEPT_MTP_OFF))
+    nxt, nxt_ld = I + off(word, ACCEPT_NEXT_OFF), fld(word, ACCEPT_NEXT_LD)
+    i = tl.arange(0, BT)
+    valid = i < T
+    for b in range(fld(word, ACCEPT_B0), fld(word, ACCEPT_B1)):
+        drafts = tl.load(tok + b * T + i + 1, mask=i + 1 < T, other=-1, cache_modifier=".cg")
+        targets = tl.load(tgt + b * T + i, mask=valid, other=-2, cache_modifier=".cg")
+        # a = the first i where draft i+1 disagrees with target i (T-1 if all agree)
+        miss = tl.where((drafts != targets) & (i < T - 1), i, T - 1)
+        a = tl.where(all_mode, T - 1, tl.min(miss, axis=0))
+        bonus = tl.sum(tl.where(i == a, targets, 0), axis=0)
+        tl.store(emit + b * T + i, tl.where(i < a, drafts, tl.where(i == a, bonus, -1)), mask=valid)
+        f = tl.load(follow + b, cache_modifier=".cg")
+        m = tl.where(i < a, drafts, bonus)
+        m = tl.where(all_mode & (i == T - 1) & (f >= 0), f, m)
+        tl.store(mtp + b * T + i, m, mask=valid)
+        length = tl.load(cl + b, cache_modifier=".cg")
+        tl.store(acc + b, a)
+        tl.store(nxt + b * nxt_ld, bonus)
+        tl.store(base + b, length + a)
+        tl.store(lens + b, length + a + 1)
+
+
+@triton.jit
+def gather_body(word, A, I, BD: tl.constexpr):
+    T, cols, is_int = fld(word, GATHER_T), fld(word, GATHER_COLS), has(fld(word, GATHER_FLAGS), FLAG_GATHER_INT)
+    idx = I + off(word, GATHER_IDX_OFF)
+    src_ld, out_ld = fld(word, GATHER_SRC_LD), fld(word, GATHER_OUT_LD)
+    for b in range(fld(word, GATHER_B0), fld(word, GATHER_B1)):
+        row = b * T + tl.load(idx + b, cache_modifier=".cg")
+        for cb in range(0, cols, BD):
+            c = cb + tl.arange(0, BD)
+            m = c < cols
+            if is_int:
+                iv = tl.load(I + off(word, GATHER_SRC_OFF) + row * src_ld + c, mask=m, other=0, cache_modifier=".cg")
+                tl.store(I + off(word, GATHER_OUT_OFF) + b * out_ld + c, iv, mask=m)
+            else:
+                fv = tl.load(A + off(word, GATHER_SRC_OFF) + row * src_ld + c, mask=m, other=0.0, cache_modifier=".cg")
+                tl.store(A + off(word, GATHER_OUT_OFF) + b * out_ld + c, fv, mask=m)

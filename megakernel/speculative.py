@@ -1,0 +1,191 @@
+"""Speculative decoding: every step verifies k+1 tokens, accepts on the device and drafts k more.
+
+One step is one plan (graph/lower.py `speculate`): the main model over [last token, d_1..d_k],
+ACCEPT (greedy: the longest prefix of drafts the model agrees with, plus its own next token),
+then the MTP head drafting k tokens from the accepted position.  The plan's next tokens and
+cache lengths feed the next step; the host only reads what was emitted.
+
+Prefill runs the prompt through the same kind of plan with every token accepted ("all"), in
+chunks of at most 8, the last chunk k+1 long so drafting starts right at the prompt's end
+(a shorter prompt pads the first drafts; padding is just a wrong guess, rejected like one).
+
+Draft sources: `mtp` (the model's MTP layers); `oracle` (what greedy decoding of this engine
+emits, so everything is accepted); `noisy:P` (the oracle, each draft wrong with probability P).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from graph.compile import CompileOptions, compile_step
+from graph.lower import StepShape
+from model.config import ModelConfig
+
+from .interpreter import Interpreter
+
+
+@dataclass
+class SpecStats:
+    k: int
+    steps: int = 0
+    emitted: int = 0  # tokens kept (after EOS / max_new_tokens cuts)
+    accepted_hist: list[int] = field(default_factory=list)  # accepted drafts per (step, live sequence)
+    step_seconds: list[float] = field(default_factory=list)
+    decode_tokens: int = 0  # tokens emitted by decode steps (the first token comes from prefill)
+    decode_seconds: float = 0.0  # wall time of the whole decode loop, host work included
+
+    @property
+    def acceptance_length(self) -> float:
+        """1 + accepted drafts, averaged over live sequence-steps."""
+        h = self.accepted_hist
+        return 1 + sum(h) / len(h) if h else 0.0
+
+    def per_position(self) -> list[float]:
+        """Fraction of sequence-steps whose draft i (1..k) was accepted."""
+        h = self.accepted_hist
+        return [sum(a >= i for a in h) / len(h) for i in range(1, self.k + 1)] if h else []
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a sequence keeps per decode step: 1 + accepted drafts, before end-of-run cuts."""
+        return self.acceptance_length
+
+    def to_dict(self) -> dict:
+        wall = self.decode_seconds
+        return {"k": self.k, "steps": self.steps, "tokens": self.emitted,
+                "tokens_per_step": self.tokens_per_step,
+                "acceptance_length": self.acceptance_length, "per_position_acceptance": self.per_position(),
+                "step_ms_median": sorted(self.step_seconds)[len(self.step_seconds) // 2] * 1e3 if self.step_seconds else None,
+                "tokens_per_s": self.decode_tokens / wall if wall else None}
+
+
+class Drafts:
+    """Where the next step's k drafts come from when not from the model's MTP layers."""
+
+    def __init__(self, kind: str, oracle: list[list[int]] | None = None, vocab: int = 0, seed: int = 0):
+        if kind.startswith("noisy:"):
+            self.p = float(kind.split(":", 1)[1])
+            if not 0 <= self.p <= 1:
+                raise ValueError(f"--draft noisy:P needs 0 <= P <= 1, got {self.p}")
+        elif kind in ("mtp", "oracle"):
+            self.p = 0.0
+        else:
+            raise ValueError(f"unknown draft source {kind!r} (mtp, oracle, noisy:P)")
+        self.kind, self.oracle, self.vocab, self.rng = kind, oracle, vocab, random.Random(seed)
+
+    def fill(self, next_tokens: torch.Tensor, produced: list[list[int]]) -> torch.Tensor:
+        """Replace columns 1..k with oracle drafts (corrupted with probability p)."""
+        if self.kind == "mtp":
+            return next_tokens
+        out = next_tokens.clone()
+        k = out.shape[1] - 1
+        for b, seq in enumerate(produced):
+            truth = self.oracle[b]
+            for i in range(k):
+                # draft i+1 guesses the token after the bonus token (position len(seq) + i)
+                j = len(seq) + i
+                guess = truth[j] if j < len(truth) else 0
+                if self.rng.random() < self.p:
+                    guess = (guess + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+                out[b, i + 1] = guess
+        return out
+
+
+class SpeculativeDecoder:
+    def __init__(self, cfg: ModelConfig, weights, k: int, batch: int, max_len: int, device="cpu",
+                 dtype: torch.dtype | None = None, backend: str = "interpret", workers: int = 8,
+                 options: CompileOptions | None = None, max_chunk: int = 8):
+        if not 0 <= k <= 7:
+            raise ValueError(f"--spec-k must be within 0..7, got {k}")
+        self.cfg, self.weights, self.k, self.batch, self.max_len = cfg, weights, k, batch, max_len
+        self.device, self.dtype, self.backend = torch.device(device), dtype, backend
+        self.options = options or CompileOptions(workers=workers)
+        self.max_chunk = max_chunk
+        self.runners: dict[tuple[int, str], object] = {}
+
+    def runner(self, T: int, accept: str):
+        key = (T, accept)
+        if key not in self.runners:
+            shape = StepShape(T=T, B=self.batch, max_len=self.max_len, speculative=True, accept=accept)
+            plan = compile_step(self.cfg, shape, self.options)
+            share = next(iter(self.runners.values())).mem if self.runners else None
+            weights = None if share else self.weights
+            if self.backend == "interpret":
+                self.runners[key] = Interpreter(plan, weights, self.device, self.dtype, share=share)
+            elif self.backend == "megakernel":
+                from .runtime import Megakernel
+                mk = Megakernel(plan, weights, self.device, self.dtype, share=share)
+                if self.device.type == "cuda":
+                    mk.capture()
+                self.runners[key] = mk
+            else:
+                raise ValueError(f"speculative decoding runs on the interpret or megakernel backend, not {self.backend!r}")
+        return self.runners[key]
+
+    def prefill_chunks(self, S: int) -> list[int]:
+        last = min(S, self.k + 1)
+        rest, chunks = S - last, []
+        while rest > 0:
+            chunks.append(min(self.max_chunk, rest))
+            rest -= chunks[-1]
+        return chunks + [last]
+
+    def generate(self, prompts: torch.Tensor, max_new_tokens: int, drafts: Drafts | None = None,
+                 eos: int | None = None) -> tuple[list[list[int]], SpecStats]:
+        B, S = prompts.shape
+        if B != self.batch:
+            raise ValueError(f"prompts have {B} sequences, the decoder was built for {self.batch}")
+        if S + max_new_tokens + 2 * (self.k + 1) > self.max_len:
+            raise ValueError(f"prompt {S} + {max_new_tokens} new tokens + drafting room {2 * (self.k + 1)} exceeds "
+                             f"the cache of {self.max_len} positions")
+        drafts = drafts or Drafts("mtp")
+        if drafts.kind == "mtp" and self.k and not self.cfg.num_nextn_predict_layers:
+            raise ValueError("--draft mtp needs a model with MTP layers; use --draft oracle or noisy:P")
+        stats = SpecStats(self.k)
+        lens = torch.zeros(B, dtype=torch.long)
+        start = 0
+        out = None
+        chunks = self.prefill_chunks(S)
+        for n, c in enumerate(chunks):
+            chunk = prompts[:, start:start + c]
+            follow = prompts[:, start + c] if n + 1 < len(chunks) else torch.full((B,), -1)
+            out = self.runner(c, "all").step(chunk, lens, follow=follow)
+            lens = out.next_lens.cpu()
+            start += c
+        produced = [[int(out.next_tokens[b, 0])] for b in range(B)]
+        done = [max_new_tokens <= 1 or (eos is not None and produced[b][0] == eos) for b in range(B)]
+        tokens = self._next(out.next_tokens.cpu(), self.k, drafts, produced)
+        first = sum(len(p) for p in produced)
+        loop_start = time.perf_counter()
+        while not all(done):
+            t0 = time.perf_counter()
+            out = self.runner(self.k + 1, "greedy").step(tokens, lens)
+            stats.step_seconds.append(time.perf_counter() - t0)
+            stats.steps += 1
+            for b in range(B):
+                if done[b]:
+                    continue
+                stats.accepted_hist.append(int(out.accepted[b]))
+                for tok in out.emitted[b].tolist():
+                    if tok < 0 or done[b]:
+                        break
+                    produced[b].append(tok)
+                    if len(produced[b]) >= max_new_tokens or (eos is not None and tok == eos):
+                        done[b] = True
+            lens = out.next_lens.cpu()
+            tokens = self._next(out.next_tokens.cpu(), self.k, drafts, produced)
+        stats.decode_seconds = time.perf_counter() - loop_start
+        stats.emitted = sum(len(p) for p in produced)
+        stats.decode_tokens = stats.emitted - first
+        return produced, stats
+
+    def _next(self, next_tokens: torch.Tensor, k: int, drafts: Drafts, produced) -> torch.Tensor:
+        """The next step's inputs: the bonus token and k drafts (a short prefill leaves padding)."""
+        if next_tokens.shape[1] < k + 1:
+            pad = torch.zeros(next_tokens.shape[0], k + 1 - next_tokens.shape[1], dtype=next_tokens.dtype)
+            next_tokens = torch.cat((next_tokens, pad), dim=1)
+        return drafts.fill(next_tokens, produced)

@@ -1,0 +1,100 @@
+"""Speculative decoding: greedy output equals plain greedy token for token, for every draft source."""
+
+import math
+import os
+
+import pytest
+import torch
+
+from graph.compile import CompileOptions
+from megakernel.speculative import Drafts, SpeculativeDecoder
+from model import TINY_PRESETS, init_weights, preset
+
+NEW = 10
+
+
+def _setup(name, B, seed=0):
+    cfg = preset(name)
+    w = init_weights(cfg, seed=seed)
+    prompts = torch.randint(0, cfg.vocab_size, (B, 5), generator=torch.Generator().manual_seed(seed))
+    return cfg, w, prompts
+
+
+def _plain(cfg, w, prompts, n):
+    out, _ = SpeculativeDecoder(cfg, w, 0, prompts.shape[0], prompts.shape[1] + n + 2).generate(prompts, n)
+    return out
+
+
+@pytest.mark.parametrize("name", TINY_PRESETS)
+@pytest.mark.parametrize("B", [1, 4])
+def test_greedy_speculative_equals_plain_for_every_k_and_draft(name, B):
+    cfg, w, prompts = _setup(name, B)
+    plain = _plain(cfg, w, prompts, NEW + 8)
+    expected = [seq[:NEW] for seq in plain]
+    for k in range(1, 8):
+        for kind in ("mtp", "oracle", "noisy:0.5"):
+            drafts = Drafts(kind, oracle=plain, vocab=cfg.vocab_size, seed=k)
+            out, stats = SpeculativeDecoder(cfg, w, k, B, 64).generate(prompts, NEW, drafts)
+            assert out == expected, (k, kind)
+            if kind == "oracle":
+                assert stats.acceptance_length == k + 1 == stats.tokens_per_step
+
+
+def test_noisy_drafts_are_accepted_at_the_expected_rate():
+    cfg, w, prompts = _setup("tiny-dense", 4, seed=2)
+    n, p, k = 60, 0.3, 3
+    plain = _plain(cfg, w, prompts, n + k + 1)
+    _, stats = SpeculativeDecoder(cfg, w, k, 4, 128).generate(prompts, n, Drafts(f"noisy:{p}", plain, cfg.vocab_size, 5))
+    trials = len(stats.accepted_hist)
+    first = stats.per_position()[0]  # draft 1 is accepted exactly when it is not corrupted
+    assert abs(first - (1 - p)) <= 3 * math.sqrt(p * (1 - p) / trials) + 1e-9, (first, trials)
+    # draft i needs all of 1..i right: (1 - p)^i
+    for i, rate in enumerate(stats.per_position(), start=1):
+        assert abs(rate - (1 - p) ** i) <= 4 * math.sqrt((1 - p) ** i * (1 - (1 - p) ** i) / trials) + 1e-9
+
+
+@pytest.mark.parametrize("k", [0, 2, 5])
+def test_eos_and_max_new_tokens_cut_where_plain_decoding_cuts(k):
+    cfg, w, prompts = _setup("tiny-moe", 2, seed=3)
+    plain = _plain(cfg, w, prompts, 16)
+    eos = plain[0][6]  # a token sequence 0 emits mid-stream
+    want = []
+    for seq in plain:
+        cut = seq.index(eos) + 1 if eos in seq[:9] else 9
+        want.append(seq[:cut])
+    out, _ = SpeculativeDecoder(cfg, w, k, 2, 64).generate(prompts, 9, Drafts("oracle", plain, cfg.vocab_size), eos=eos)
+    assert out == want
+
+
+def test_prefill_longer_than_a_chunk_and_shorter_than_k():
+    cfg, w, _ = _setup("tiny-mhc", 1)
+    for length in (2, 19):
+        prompts = torch.randint(0, cfg.vocab_size, (1, length), generator=torch.Generator().manual_seed(length))
+        plain = _plain(cfg, w, prompts, 8)
+        out, _ = SpeculativeDecoder(cfg, w, 4, 1, 64).generate(prompts, 6, Drafts("oracle", plain, cfg.vocab_size))
+        assert out == [plain[0][:6]]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton interpreter only")
+def test_triton_accept_and_gather_bodies():
+    """The whole speculative step (ACCEPT, GATHER, the MTP chain) through the persistent kernel."""
+    cfg, w, _ = _setup("tiny-dense", 2, seed=4)
+    prompts = torch.randint(0, cfg.vocab_size, (2, 3), generator=torch.Generator().manual_seed(4))
+    plain = _plain(cfg, w, prompts, 8)
+    dec = SpeculativeDecoder(cfg, w, 2, 2, 24, backend="megakernel", options=CompileOptions(workers=1))
+    out, stats = dec.generate(prompts, 4, Drafts("noisy:0.4", plain, cfg.vocab_size, seed=1))
+    assert out == [seq[:4] for seq in plain] and stats.steps >= 1
+
+
+def test_bad_requests_are_refused():
+    cfg, w, prompts = _setup("tiny-moe", 1)
+    with pytest.raises(ValueError, match="within 0..7"):
+        SpeculativeDecoder(cfg, w, 8, 1, 64)
+    with pytest.raises(ValueError, match="exceeds the cache"):
+        SpeculativeDecoder(cfg, w, 3, 1, 16).generate(prompts, 12)
+    with pytest.raises(ValueError, match="unknown draft source"):
+        Drafts("magic")
+    llama = preset("llama-1b").replace(num_hidden_layers=1, vocab_size=64, hidden_size=32, num_attention_heads=2,
+                                       num_key_value_heads=1, head_dim=16, intermediate_size=32, dtype="float32")
+    with pytest.raises(ValueError, match="needs a model with MTP layers"):
+        SpeculativeDecoder(llama, init_weights(llama), 2, 1, 32).generate(torch.zeros(1, 3, dtype=torch.long), 4)
