@@ -98,3 +98,14 @@ def test_bad_requests_are_refused():
                                        num_key_value_heads=1, head_dim=16, intermediate_size=32, dtype="float32")
     with pytest.raises(ValueError, match="needs a model with MTP layers"):
         SpeculativeDecoder(llama, init_weights(llama), 2, 1, 32).generate(torch.zeros(1, 3, dtype=torch.long), 4)
+
+
+def test_stepmath_expected_tokens():
+    import sys
+    sys.path.insert(0, "tools")
+    from stepmath import conditional, expected_tokens, table
+    assert expected_tokens([1.0] * 7, 5) == 6.0
+    assert abs(expected_tokens([0.5, 0.5], 2) - 1.75) < 1e-12
+    assert conditional([0.8, 0.4, 0.2]) == [0.8, 0.5, 0.5]
+    rows = table([0.9] * 7, {0: 1.0, 2: 1.1})
+    assert rows[0]["tokens_per_s"] == 1000.0 and abs(rows[0]["break_even_ms_k_plus_2"] - 2.71) < 1e-9
