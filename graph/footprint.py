@@ -45,11 +45,14 @@ class Access:
 
 
 def declared_disjoint(a: Access, b: Access) -> bool:
-    """Run-time-addressed writes of one op that cannot meet: different expert slots, or different token rows."""
-    if a.exclusive is None or b.exclusive is None or a.exclusive[:2] != b.exclusive[:2]:
+    """Run-time-addressed writes of one op that cannot meet: different expert slots, or different token rows.
+
+    The key holds everything that fixes the write pattern (counter, kind, the operands that choose
+    the rows) and then a [lo, hi) range; equal patterns with disjoint ranges cannot overlap."""
+    if a.exclusive is None or b.exclusive is None or a.exclusive[:-2] != b.exclusive[:-2]:
         return False
-    _, _, lo_a, hi_a = a.exclusive
-    _, _, lo_b, hi_b = b.exclusive
+    lo_a, hi_a = a.exclusive[-2:]
+    lo_b, hi_b = b.exclusive[-2:]
     return hi_a <= lo_b or hi_b <= lo_a
 
 
@@ -139,7 +142,8 @@ def footprint(task: Decoded) -> list[Access]:
         # positions come from the cache lengths at run time: claim every position of those sequences;
         # tiles of one op with disjoint rows write distinct positions (cache_lens[b] + t differs per t)
         out += _acc(task, "cache", (r0 // T) * S, ((r1 - 1) // T + 1) * S, f["col0"], f["col0"] + f["cols"], True,
-                    ld=f["width"], exclusive=(task.signal, "rows", r0, r1))
+                    ld=f["width"], exclusive=(task.signal, "rows", f["cl.off"], f["cache.off"], T,
+                                              f["pos_offset"], r0, r1))
     elif name == "HEAD_MATMUL":
         N, h0, h1 = f["N"], f["h0"], f["h1"]
         for h in range(h0, h1):
@@ -191,7 +195,8 @@ def footprint(task: Decoded) -> list[Access]:
         N, K, k, S, r0, r1 = f["N"], f["K"], f["topk"], f["S"], f["r0"], f["r1"]
         out += _acc(task, "x", 0, N if task.has("GATHER") else N * k, 0, K, False)
         out += _flat(task, "st", 0, 2 * S + S * N * k, False)
-        out += _acc(task, "out", 0, N * k, r0, r1, True, exclusive=(task.signal, "slot", f["slot"], f["slot"] + 1))
+        out += _acc(task, "out", 0, N * k, r0, r1, True,
+                    exclusive=(task.signal, "slot", f["st.off"], f["out.off"], f["slot"], f["slot"] + 1))
     elif name == "MOE_COMBINE":
         r0, r1, H, k = f["r0"], f["r1"], f["H"], f["topk"]
         out += _acc(task, "y", r0 * k, r1 * k, 0, H, False, ld=H) + _flat(task, "wts", r0 * k, r1 * k, False)

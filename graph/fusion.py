@@ -162,6 +162,9 @@ def _merge_stages(ctx: _Ctx, opcode: str, stages: tuple[str, ...], label_suffix:
             theirs = [s for s in stages if s in second.flags]
             if not mine or not theirs or stages.index(theirs[0]) != stages.index(mine[-1]) + 1:
                 break
+            between = [op for t in produced for op in ctx.cons.get(t, []) if first.id < op.id < second.id]
+            if between:
+                break  # another op reads a stage output before the second stage: fusing would move the write past it
             reads = dict(first.reads)
             reads.update({k: v for k, v in second.reads.items() if v.tensor not in produced})
             writes = {k: v for k, v in first.writes.items() if not ctx.private(v.tensor, second)}

@@ -176,8 +176,12 @@ class SpeculativeDecoder:
                     produced[b].append(tok)
                     if len(produced[b]) >= max_new_tokens or (eos is not None and tok == eos):
                         done[b] = True
-            lens = out.next_lens.cpu()
-            tokens = self._next(out.next_tokens.cpu(), self.k, drafts, produced)
+            # finished sequences stay where they are (re-running the same positions is harmless);
+            # letting them advance would run them past the cache
+            finished = torch.tensor(done)
+            new_tokens = self._next(out.next_tokens.cpu(), self.k, drafts, produced)
+            lens = torch.where(finished, lens, out.next_lens.cpu())
+            tokens = torch.where(finished[:, None], tokens, new_tokens)
         stats.decode_seconds = time.perf_counter() - loop_start
         stats.emitted = sum(len(p) for p in produced)
         stats.decode_tokens = stats.emitted - first

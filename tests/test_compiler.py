@@ -69,3 +69,20 @@ def test_bad_shapes_are_refused():
         compile_step(preset("llama-1b"), StepShape(T=1, B=1, max_len=8, mtp_passes=1))
     with pytest.raises(ValueError, match="max_len >= T"):
         compile_step(preset("tiny-dense"), StepShape(T=8, B=1, max_len=4))
+
+
+def test_stage_fusion_never_moves_a_write_past_a_reader():
+    from graph.fusion import fuse
+    from graph.ir import Graph, Op, Tensor, View
+    from graph.isa import Buf
+    g = Graph()
+    for n in ("st", "craw", "coef", "x", "r"):
+        g.add_tensor(Tensor(n, Buf.A, 2, 8))
+
+    def op(i, code, flags, reads, writes, label):
+        return Op(i, code, frozenset(flags), {}, {k: View(v) for k, v in reads.items()},
+                  {k: View(v) for k, v in writes.items()}, label, layer=0)
+    g.ops = [op(0, "HC_COEFF", ["SINK"], {"craw": "craw"}, {"coef": "coef"}, "sinkhorn"),
+             op(1, "EWISE", ["COPY"], {"a": "coef"}, {"out": "r"}, "reader_between"),
+             op(2, "HC_COEFF", ["COLLAPSE"], {"st": "st", "coef": "coef"}, {"out": "x"}, "collapse")]
+    assert fuse(g, ("hc_coeff",))["fused"] == 0 and [o.label for o in g.ops][1] == "reader_between"

@@ -109,3 +109,15 @@ def test_stepmath_expected_tokens():
     assert conditional([0.8, 0.4, 0.2]) == [0.8, 0.5, 0.5]
     rows = table([0.9] * 7, {0: 1.0, 2: 1.1})
     assert rows[0]["tokens_per_s"] == 1000.0 and abs(rows[0]["break_even_ms_k_plus_2"] - 2.71) < 1e-9
+
+
+def test_finished_sequences_do_not_run_past_the_cache():
+    """A sequence that stops early (EOS) keeps being computed; its cache length must stay put."""
+    cfg, w, prompts = _setup("tiny-moe", 4)
+    plain = _plain(cfg, w, prompts, 40)
+    eos = plain[0][1]
+    dec = SpeculativeDecoder(cfg, w, 3, 4, 5 + 24 + 8)
+    out, _ = dec.generate(prompts, 24, Drafts("noisy:0.5", plain, cfg.vocab_size, seed=0), eos=eos)
+    for seq, ref in zip(out, plain):
+        cut = ref.index(eos) + 1 if eos in ref[:24] else 24
+        assert seq == ref[:cut]
