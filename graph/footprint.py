@@ -246,6 +246,8 @@ def footprint(task: Decoded) -> list[Access]:
             out += _flat(task, key, b0, b1, True)
         out += _flat(task, "emit", b0 * T, b1 * T, True) + _flat(task, "mtp", b0 * T, b1 * T, True)
         out += _acc(task, "next", b0, b1, 0, 1, True)
+        if task.has("SAMPLE"):
+            out += _acc(task, "lg", b0 * T, b1 * T, 0, f["V"], False) + _flat(task, "rng", b0, b1, False)
     elif name == "GATHER":
         T, b0, b1, cols = f["T"], f["b0"], f["b1"], f["cols"]
         out += _acc(task, "src", b0 * T, b1 * T, 0, cols, False)  # the row chosen at run time

@@ -111,14 +111,18 @@ _OPS = [
     # GREEDY: a = longest prefix with d_{i+1} == y_i; ALL (prefill): a = T-1.  Writes accepted[b] = a,
     # emitted[b, :] = d_1..d_a, y_a, -1..., next[b·nld] = y_a, base[b] = cl[b] + a, lens[b] = base + 1,
     # mtp[b·T + i] = (i < a ? d_{i+1} : y_a), or follow[b] for i = T-1 in ALL mode when follow[b] >= 0
-    Opcode("ACCEPT", 18, _f("tok+ tgt+ cl+ follow+ acc+ emit+ next* base+ lens+ mtp+ T b0 b1"), ("GREEDY", "ALL")),
+    # SAMPLE: speculative sampling from softmax(lg / temperature) within top_p: draft d (a point-mass
+    # guess) is kept with probability p(d); the first rejection resamples from p without d; the bonus
+    # token is sampled from p.  Uniforms come from a hash of (rng[b], row, draw): reproducible.
+    Opcode("ACCEPT", 18, _f("tok+ tgt+ cl+ follow+ acc+ emit+ next* base+ lens+ mtp+ lg* rng+ V temperature top_p "
+                            "T b0 b1"), ("GREEDY", "ALL", "SAMPLE")),
     # out[b, :cols] = src[b·T + idx[b], :cols] for b in b0..b1 (fp32, or int32 with INT)
     Opcode("GATHER", 19, _f("src* idx+ out* T cols b0 b1"), ("INT",)),
 ]
 
 OPCODES: dict[str, Opcode] = {op.name: op for op in _OPS}
 BY_CODE: dict[int, Opcode] = {op.code: op for op in _OPS}
-FLOAT_FIELDS = frozenset({"eps", "scale", "hc_eps"})
+FLOAT_FIELDS = frozenset({"eps", "scale", "hc_eps", "temperature", "top_p"})
 
 
 def is_wide(name: str) -> bool:

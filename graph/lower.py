@@ -30,7 +30,10 @@ class StepShape:
     mtp_passes: int = 0
     attn_split: int = 0  # cache positions per attention task; 0 = chosen from max_len
     speculative: bool = False  # verify T tokens, accept on the device, draft T-1 with the MTP head
-    accept: str = "greedy"  # greedy | all (prefill: every input token is given)
+    accept: str = "greedy"  # greedy | sample
+    prefill: bool = False  # speculative prefill chunk: every input token is given (all accepted)
+    temperature: float = 1.0  # accept == "sample"
+    top_p: float = 1.0
 
     @property
     def N(self) -> int:
@@ -50,8 +53,10 @@ class _Lowering:
             raise ValueError("mtp_passes > 0 needs a model with MTP layers (num_nextn_predict_layers > 0)")
         if shape.speculative and shape.mtp_passes:
             raise ValueError("a speculative step drafts T-1 tokens itself; mtp_passes must be 0")
-        if shape.accept not in ("greedy", "all"):
-            raise ValueError(f"accept must be 'greedy' or 'all', got {shape.accept!r}")
+        if shape.accept not in ("greedy", "sample"):
+            raise ValueError(f"accept must be 'greedy' or 'sample', got {shape.accept!r}")
+        if shape.accept == "sample" and not (shape.temperature > 0 and 0 < shape.top_p <= 1):
+            raise ValueError(f"sampling needs temperature > 0 and 0 < top_p <= 1, got {shape.temperature}, {shape.top_p}")
         self.cfg, self.shape, self.g, self.vocab_block = cfg, shape, Graph(), vocab_block
         # the rows being lowered: T tokens per sequence at positions cl[b] + t (+ an op's pos_offset)
         self.T, self.N = shape.T, shape.N
@@ -411,11 +416,15 @@ class _Lowering:
         follow = self._io("in.follow", B, "input")
         base = self.act("spec.base", B, 1, Buf.I)
         mtp_tokens = self.act("spec.mtp_tokens", N, 1, Buf.I)
-        flag = "ALL" if s.accept == "all" else "GREEDY"
-        self.emit("ACCEPT", "accept", (flag,), reads={"tok": self.tokens, "tgt": targets, "cl": self.cache_lens,
-                                                       "follow": follow},
+        flags = ("ALL",) if s.prefill else ()
+        flags += ("SAMPLE",) if s.accept == "sample" else () if s.prefill else ("GREEDY",)
+        reads = {"tok": self.tokens, "tgt": targets, "cl": self.cache_lens, "follow": follow}
+        if s.accept == "sample":
+            reads.update(lg="out.logits", rng=self._io("in.rng", B, "input"))
+        self.emit("ACCEPT", "accept", flags, reads=reads,
                   writes={"acc": accepted, "emit": emitted, "next": View(next_tokens, 0, 1), "base": base,
-                          "lens": next_lens, "mtp": mtp_tokens}, T=T, B=B)
+                          "lens": next_lens, "mtp": mtp_tokens}, T=T, B=B, V=cfg.vocab_size,
+                  temperature=s.temperature, top_p=s.top_p)
         drafts = T - 1
         if not drafts or not cfg.num_nextn_predict_layers:
             return

@@ -64,7 +64,7 @@ class Interpreter:
 
     def step(self, tokens: torch.Tensor, cache_lens: torch.Tensor, order: str = "queue",
              rng: random.Random | None = None, stop_after: int | None = None,
-             follow: torch.Tensor | None = None) -> StepResult:
+             follow: torch.Tensor | None = None, seeds: torch.Tensor | None = None) -> StepResult:
         """One decode step: tokens [B, T] at positions cache_lens[b] + t.  order: 'queue' or 'random'.
         follow (speculative prefill chunks): the token after each chunk, or -1."""
         B, T = self.B, self.T
@@ -78,7 +78,7 @@ class Interpreter:
                              f"cache of {max_len} positions")
         self.mem.io_view("in.tokens").copy_(tokens.reshape(-1, 1).to(torch.int32))
         self.mem.io_view("in.cache_lens").copy_(cache_lens.reshape(-1, 1).to(torch.int32))
-        write_follow(self.mem, self.plan, follow)
+        write_follow(self.mem, self.plan, follow, seeds)
         self.epoch += 1
         self._run(order, rng or random.Random(0), stop_after)
         return self.result()
@@ -117,11 +117,16 @@ class Interpreter:
         return read_outputs(self.mem, self.plan)
 
 
-def write_follow(mem: Memory, plan: Plan, follow: torch.Tensor | None) -> None:
+def write_follow(mem: Memory, plan: Plan, follow: torch.Tensor | None, seeds: torch.Tensor | None = None) -> None:
+    """Speculative inputs: the token after a prefill chunk (or -1), and per-sequence sampling seeds."""
+    B = plan.shape["B"]
     if "in.follow" in plan.io:
-        B = plan.shape["B"]
         value = torch.full((B, 1), -1, dtype=torch.int32) if follow is None else follow.reshape(B, 1).to(torch.int32)
         mem.io_view("in.follow").copy_(value)
+    if "in.rng" in plan.io:
+        if seeds is None:
+            raise ValueError("a sampling plan needs per-sequence seeds for this step")
+        mem.io_view("in.rng").copy_(seeds.reshape(B, 1).to(torch.int32))
 
 
 def read_outputs(mem: Memory, plan: Plan) -> StepResult:

@@ -57,6 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft", default="mtp", metavar="SOURCE",
                    help="draft source with --spec-k: mtp (the model's MTP layers), oracle (this engine's own "
                         "greedy output: all accepted), noisy:P (the oracle, each draft wrong with probability P)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="with --spec-k: 0 = greedy (default); > 0 samples, with speculative rejection sampling "
+                        "that keeps the target distribution (plan interpreter only for now)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling mass (default 1)")
     p.add_argument("--check", action="store_true",
                    help="run the reference on the same tokens and exit non-zero on a mismatch")
     p.add_argument("--profile", metavar="PATH",
@@ -147,16 +151,18 @@ def run_speculative(args, name, cfg, weights, source, backend, device, dtype, op
         plain = SpeculativeDecoder(cfg, weights, 0, args.batch, room, device, dtype, backend, options=options)
         oracle, _ = plain.generate(prompt, args.steps + args.spec_k + 1)
     drafts = Drafts(args.draft, oracle, cfg.vocab_size, args.seed)
-    decoder = SpeculativeDecoder(cfg, weights, args.spec_k, args.batch, room, device, dtype, backend, options=options)
+    decoder = SpeculativeDecoder(cfg, weights, args.spec_k, args.batch, room, device, dtype, backend, options=options,
+                                 temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     tokens, stats = decoder.generate(prompt, args.steps, drafts, eos=None)
     spec = stats.to_dict()
     result.update(weights=source, device=str(device), dtype=str(dtype).removeprefix("torch."), backend=backend,
                   batch=args.batch, prompt_len=args.prompt_len, steps=args.steps, spec_k=args.spec_k,
-                  draft=args.draft, tokens=tokens, **{k: spec[k] for k in
+                  draft=args.draft, temperature=args.temperature, top_p=args.top_p, tokens=tokens, **{k: spec[k] for k in
                   ("tokens_per_step", "acceptance_length", "per_position_acceptance", "tokens_per_s")},
                   spec_steps=spec["steps"], step_ms_median=spec["step_ms_median"])
     print(f"model {name} ({cfg.architecture}) on {device}, {result['dtype']}, {source}")
-    print(f"speculative decoding, k={args.spec_k}, drafts from {args.draft}, backend {backend}: "
+    mode = f"sampling at temperature {args.temperature}, top-p {args.top_p}" if args.temperature > 0 else "greedy"
+    print(f"speculative decoding ({mode}), k={args.spec_k}, drafts from {args.draft}, backend {backend}: "
           f"{args.batch} sequence(s), {args.steps} tokens each")
     print(f"  {spec['steps']} steps, {spec['tokens_per_step']:.2f} tokens per step per sequence (acceptance length), "
           f"per-position acceptance {[round(x, 2) for x in spec['per_position_acceptance']]}")

@@ -46,7 +46,8 @@ OPERAND_BUFFERS = {
     "HC_EXPAND": {"st": Buf.A, "sub": Buf.A, "coef": Buf.A, "out": Buf.A},
     "HC_HEAD": {"st": Buf.A, "fn": Buf.WF, "base": Buf.WF, "scale": Buf.WF, "out": Buf.A},
     "ARGMAX": {"lg": Buf.A, "pv": Buf.A, "pi": Buf.I, "out": Buf.I},
-    "ACCEPT": {k: Buf.I for k in ("tok", "tgt", "cl", "follow", "acc", "emit", "next", "base", "lens", "mtp")},
+    "ACCEPT": {**{k: Buf.I for k in ("tok", "tgt", "cl", "follow", "acc", "emit", "next", "base", "lens", "mtp",
+                                      "rng")}, "lg": Buf.A},
     "GATHER": {"idx": Buf.I},  # src and out: A, or I with INT (checked below)
 }
 
@@ -66,6 +67,9 @@ def _pow2(n: int, lo: int = 16) -> int:
 def check_operand_buffers(plan: Plan) -> None:
     for i in range(plan.num_tasks):
         t = decode(plan.words[i])
+        if t.op.name == "ACCEPT" and t.has("SAMPLE"):
+            raise MegakernelError("speculative sampling runs on the plan interpreter only for now (greedy runs on the "
+                                  "megakernel)")
         roles = dict(OPERAND_BUFFERS[t.op.name])
         if t.op.name == "GATHER":
             roles.update(src=Buf.I if t.has("INT") else Buf.A, out=Buf.I if t.has("INT") else Buf.A)
@@ -223,9 +227,9 @@ class Megakernel:
                                              num_stages=self.config.num_stages)
 
     def step(self, tokens: torch.Tensor, cache_lens: torch.Tensor, sync: bool = True,
-             follow: torch.Tensor | None = None) -> StepResult | None:
+             follow: torch.Tensor | None = None, seeds: torch.Tensor | None = None) -> StepResult | None:
         self._stage(tokens, cache_lens)
-        write_follow(self.mem, self.plan, follow)
+        write_follow(self.mem, self.plan, follow, seeds)
         if self.graph is not None:
             self.graph.replay()
             self.epoch += 1

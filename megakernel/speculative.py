@@ -98,19 +98,25 @@ class Drafts:
 class SpeculativeDecoder:
     def __init__(self, cfg: ModelConfig, weights, k: int, batch: int, max_len: int, device="cpu",
                  dtype: torch.dtype | None = None, backend: str = "interpret", workers: int = 8,
-                 options: CompileOptions | None = None, max_chunk: int = 8):
+                 options: CompileOptions | None = None, max_chunk: int = 8, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0):
+        """temperature 0: greedy; > 0: speculative sampling (lossless: the target distribution)."""
         if not 0 <= k <= 7:
             raise ValueError(f"--spec-k must be within 0..7, got {k}")
+        self.accept = "sample" if temperature > 0 else "greedy"
+        self.temperature, self.top_p = temperature or 1.0, top_p
+        self.seeds = torch.Generator().manual_seed(seed)
         self.cfg, self.weights, self.k, self.batch, self.max_len = cfg, weights, k, batch, max_len
         self.device, self.dtype, self.backend = torch.device(device), dtype, backend
         self.options = options or CompileOptions(workers=workers)
         self.max_chunk = max_chunk
         self.runners: dict[tuple[int, str], object] = {}
 
-    def runner(self, T: int, accept: str):
-        key = (T, accept)
+    def runner(self, T: int, prefill: bool):
+        key = (T, prefill)
         if key not in self.runners:
-            shape = StepShape(T=T, B=self.batch, max_len=self.max_len, speculative=True, accept=accept)
+            shape = StepShape(T=T, B=self.batch, max_len=self.max_len, speculative=True, accept=self.accept,
+                              prefill=prefill, temperature=self.temperature, top_p=self.top_p)
             plan = compile_step(self.cfg, shape, self.options)
             share = next(iter(self.runners.values())).mem if self.runners else None
             weights = None if share else self.weights
@@ -153,7 +159,7 @@ class SpeculativeDecoder:
         for n, c in enumerate(chunks):
             chunk = prompts[:, start:start + c]
             follow = prompts[:, start + c] if n + 1 < len(chunks) else torch.full((B,), -1)
-            out = self.runner(c, "all").step(chunk, lens, follow=follow)
+            out = self.runner(c, True).step(chunk, lens, follow=follow, seeds=self._seeds())
             lens = out.next_lens.cpu()
             start += c
         produced = [[int(out.next_tokens[b, 0])] for b in range(B)]
@@ -163,7 +169,7 @@ class SpeculativeDecoder:
         loop_start = time.perf_counter()
         while not all(done):
             t0 = time.perf_counter()
-            out = self.runner(self.k + 1, "greedy").step(tokens, lens)
+            out = self.runner(self.k + 1, False).step(tokens, lens, seeds=self._seeds())
             stats.step_seconds.append(time.perf_counter() - t0)
             stats.steps += 1
             for b in range(B):
@@ -186,6 +192,11 @@ class SpeculativeDecoder:
         stats.emitted = sum(len(p) for p in produced)
         stats.decode_tokens = stats.emitted - first
         return produced, stats
+
+    def _seeds(self) -> torch.Tensor | None:
+        if self.accept != "sample":
+            return None
+        return torch.randint(0, 2**31 - 1, (self.batch,), generator=self.seeds)
 
     def _next(self, next_tokens: torch.Tensor, k: int, drafts: Drafts, produced) -> torch.Tensor:
         """The next step's inputs: the bonus token and k drafts (a short prefill leaves padding)."""

@@ -121,3 +121,58 @@ def test_finished_sequences_do_not_run_past_the_cache():
     for seq, ref in zip(out, plain):
         cut = ref.index(eos) + 1 if eos in ref[:24] else 24
         assert seq == ref[:cut]
+
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def _chi2(observed: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
+    """(statistic, 0.999 critical value), bins with expected count < 5 pooled."""
+    big = expected >= 5
+    e = torch.cat((expected[big], expected[~big].sum().reshape(1)))
+    o = torch.cat((observed[big], observed[~big].sum().reshape(1)))
+    keep = e > 0
+    stat = float(((o[keep] - e[keep]) ** 2 / e[keep]).sum())
+    return stat, _chi2_critical(int(keep.sum()) - 1)
+
+
+@pytest.mark.parametrize("k,top_p", [(0, 1.0), (3, 1.0), (3, 0.8)])
+def test_speculative_sampling_draws_from_the_target_distribution(k, top_p):
+    """The first token (sampled at the end of prefill) and the second (a speculative step whose drafts are
+    the likeliest second token, so both accept and reject paths carry mass) follow softmax(logits / T)
+    within top_p: chi-square on each marginal, and no token outside the top-p set."""
+    from megakernel.ops.spec import target_probs
+    from model import Cache, Reference
+    cfg = preset("tiny-dense").replace(vocab_size=12, num_nextn_predict_layers=0)
+    w = init_weights(cfg, seed=3)
+    temperature, B, runs = 1.3, 256, 8
+    prompt = torch.randint(0, cfg.vocab_size, (1, 4), generator=torch.Generator().manual_seed(1))
+    ref = Reference(cfg, w)
+
+    def probs(seq):
+        cache = Cache.allocate(cfg, 1, 8)
+        logits = ref.step(seq, cache, torch.zeros(1, dtype=torch.long)).logits[0, -1]
+        return target_probs(logits, temperature, top_p)
+    p1 = probs(prompt)
+    joint = torch.stack([p1[t] * probs(torch.cat((prompt, torch.tensor([[t]])), dim=1)) for t in range(cfg.vocab_size)])
+    draft = int(joint.sum(0).argmax())
+    guesses = [[draft] * 12 for _ in range(B)]
+    counts = torch.zeros_like(joint)
+    for run in range(runs):
+        dec = SpeculativeDecoder(cfg, w, k, B, 16, temperature=temperature, top_p=top_p, seed=run)
+        out, _ = dec.generate(prompt.repeat(B, 1), 2, Drafts("oracle", guesses, cfg.vocab_size))
+        for seq in out:
+            counts[seq[0], seq[1]] += 1
+    n = counts.sum()
+    assert counts[joint == 0].sum() == 0  # never a token outside the top-p set
+    for observed, target in ((counts.sum(1), joint.sum(1)), (counts.sum(0), joint.sum(0))):
+        stat, critical = _chi2(observed, target * n)
+        assert stat <= critical, (stat, critical)
+
+
+def test_sampling_is_reproducible_from_the_seed():
+    cfg, w, prompts = _setup("tiny-moe", 2)
+    runs = [SpeculativeDecoder(cfg, w, 2, 2, 32, temperature=0.8, seed=s).generate(prompts, 6)[0] for s in (7, 7, 8)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]

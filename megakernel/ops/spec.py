@@ -15,18 +15,75 @@ from .fields import (ACCEPT_ACC_OFF, ACCEPT_B0, ACCEPT_B1, ACCEPT_BASE_OFF, ACCE
                      GATHER_SRC_OFF, GATHER_T)
 
 
+MASK64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a counter-based generator the GPU can reproduce."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, row: int, draw: int) -> float:
+    """A uniform in [0, 1) for (step seed, row, draw)."""
+    return (_mix(((seed & 0xFFFFFFFF) << 32) ^ (row << 8) ^ draw) >> 11) / 2.0**53
+
+
+def target_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """softmax(logits / temperature) restricted to the smallest top set with mass >= top_p (fp64)."""
+    p = torch.softmax(logits.double() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = p.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < top_p  # the tokens needed to reach top_p
+        mask = torch.zeros_like(p, dtype=torch.bool)
+        mask[order[keep]] = True
+        p = torch.where(mask, p, torch.zeros_like(p))
+        p = p / p.sum()
+    return p
+
+
+def sample(p: torch.Tensor, u: float) -> int:
+    """Inverse CDF: the first token whose cumulative mass exceeds u."""
+    c = p.cumsum(0)
+    return int(min(int(torch.searchsorted(c, torch.tensor(u * float(c[-1]), dtype=c.dtype), right=True)),
+                   p.numel() - 1))
+
+
+def _accept_sampling(task, mem, b: int, tokens: torch.Tensor) -> tuple[int, int]:
+    """Speculative sampling with point-mass drafts: keep draft d with probability p(d); on the first
+    rejection resample from p without d; if every draft stays, sample the bonus token from p."""
+    T, V = task["T"], task["V"]
+    seed = int(mem.flat(task, "rng", b, 1)[0])
+    temp, top_p = task["temperature"], task["top_p"]
+    drafts = 0 if task.has("ALL") else T - 1
+    for i in range(drafts):
+        p = target_probs(mem.mat(task, "lg", 1, V, row0=b * T + i)[0], temp, top_p)
+        d = int(tokens[i + 1])
+        if uniform(seed, i, 0) < float(p[d]):
+            continue
+        p[d] = 0.0
+        return i, sample(p / p.sum(), uniform(seed, i, 1))
+    last = T - 1
+    p = target_probs(mem.mat(task, "lg", 1, V, row0=b * T + last)[0], temp, top_p)
+    return (T - 1, sample(p, uniform(seed, last, 1)))
+
+
 def reference_accept(task, mem) -> None:
     T, b0, b1 = task["T"], task["b0"], task["b1"]
     for b in range(b0, b1):
         tokens = mem.flat(task, "tok", b * T, T).long()
         targets = mem.flat(task, "tgt", b * T, T).long()
-        if task.has("ALL"):
-            a = T - 1
+        if task.has("SAMPLE"):
+            a, bonus = _accept_sampling(task, mem, b, tokens)
+        elif task.has("ALL"):
+            a, bonus = T - 1, int(targets[T - 1])
         else:
             a = 0
             while a < T - 1 and int(tokens[a + 1]) == int(targets[a]):
                 a += 1
-        bonus = int(targets[a])
+            bonus = int(targets[a])
         emitted = torch.full((T,), -1, dtype=torch.int32)
         emitted[:a] = tokens[1:a + 1].int().cpu()
         emitted[a] = bonus
