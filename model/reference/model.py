@@ -57,6 +57,23 @@ class StepOutput:
     hidden: torch.Tensor  # [B, T, hidden]: final-normed hidden state (main model) / MTP block output
 
 
+def decoder_layer(cfg: ModelConfig, w: dict[str, torch.Tensor], layer: int, x: torch.Tensor, attention, mlp):
+    """Pre-norm residual block around attention(h) and mlp(h) (both [B, T, H] -> [B, T, H]), or, with
+    mHC, the same sublayers between hyper-connection collapse and expand."""
+    p, eps = layer_prefix(layer), cfg.rms_norm_eps
+    if not cfg.hc_mult:
+        x = x + attention(rms_norm(x, w[p + "input_layernorm.weight"], eps))
+        return x + mlp(rms_norm(x, w[p + "post_attention_layernorm.weight"], eps))
+    B, T, n, H = x.shape
+    for sub, norm, fn in (("attn_hc.", "input_layernorm.weight", attention),
+                          ("ffn_hc.", "post_attention_layernorm.weight", mlp)):
+        streams = x.reshape(B * T, n, H)
+        pre, post, comb = hc_coefficients(cfg, w, p + sub, streams)
+        inner = rms_norm(hc_collapse(streams, pre), w[p + norm], eps).view(B, T, H)
+        x = hc_expand(streams, fn(inner).reshape(B * T, H), post, comb).view(B, T, n, H)
+    return x
+
+
 class Reference:
     """Binds a config to its weights (optional tensors resolved) and runs the model."""
 
@@ -93,19 +110,8 @@ class Reference:
 
     def decoder_layer(self, layer: int, x: torch.Tensor, cache: Cache, pos: torch.Tensor) -> torch.Tensor:
         """x [B, T, H] (or [B, T, n, H] streams with mHC) -> same shape."""
-        cfg, w, p = self.cfg, self.w, layer_prefix(layer)
-        eps = cfg.rms_norm_eps
-        if not cfg.hc_mult:
-            x = x + self.attention(layer, rms_norm(x, w[p + "input_layernorm.weight"], eps), cache, pos)
-            return x + self.mlp(layer, rms_norm(x, w[p + "post_attention_layernorm.weight"], eps))
-        B, T, n, H = x.shape
-        for sub, norm in (("attn_hc.", "input_layernorm.weight"), ("ffn_hc.", "post_attention_layernorm.weight")):
-            streams = x.reshape(B * T, n, H)
-            pre, post, comb = hc_coefficients(cfg, w, p + sub, streams)
-            inner = rms_norm(hc_collapse(streams, pre), w[p + norm], eps).view(B, T, H)
-            out = self.attention(layer, inner, cache, pos) if sub == "attn_hc." else self.mlp(layer, inner)
-            x = hc_expand(streams, out.reshape(B * T, H), post, comb).view(B, T, n, H)
-        return x
+        return decoder_layer(self.cfg, self.w, layer, x, lambda h: self.attention(layer, h, cache, pos),
+                             lambda h: self.mlp(layer, h))
 
     def _streams_in(self, x: torch.Tensor) -> torch.Tensor:
         return x[:, :, None, :].expand(-1, -1, self.cfg.hc_mult, -1).contiguous() if self.cfg.hc_mult else x

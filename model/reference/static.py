@@ -18,8 +18,8 @@ from ..rope import apply_rope, inv_freq_and_scale
 from ..schema import DTYPES, layer_prefix
 from ..weights import resolve_shared
 from .layers import linear, rms_norm, swiglu_mlp
-from .mhc import hc_coefficients, hc_collapse, hc_expand, hc_head
-from .model import Cache
+from .mhc import hc_head
+from .model import Cache, decoder_layer
 from .moe import route, router_logits
 
 
@@ -130,15 +130,5 @@ class StaticStep:
         return linear(rms_norm(x, w["model.norm.weight"], cfg.rms_norm_eps), w["lm_head.weight"]).float()
 
     def layer(self, layer: int, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        cfg, w, p, eps = self.cfg, self.w, layer_prefix(layer), self.cfg.rms_norm_eps
-        if not cfg.hc_mult:
-            x = x + self.attention(layer, rms_norm(x, w[p + "input_layernorm.weight"], eps), pos)
-            return x + self.mlp(layer, rms_norm(x, w[p + "post_attention_layernorm.weight"], eps))
-        B, T, n, H = x.shape
-        for sub, norm in (("attn_hc.", "input_layernorm.weight"), ("ffn_hc.", "post_attention_layernorm.weight")):
-            streams = x.reshape(B * T, n, H)
-            pre, post, comb = hc_coefficients(cfg, w, p + sub, streams)
-            inner = rms_norm(hc_collapse(streams, pre), w[p + norm], eps).view(B, T, H)
-            out = self.attention(layer, inner, pos) if sub == "attn_hc." else self.mlp(layer, inner)
-            x = hc_expand(streams, out.reshape(B * T, H), post, comb).view(B, T, n, H)
-        return x
+        return decoder_layer(self.cfg, self.w, layer, x, lambda h: self.attention(layer, h, pos),
+                             lambda h: self.mlp(layer, h))
