@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .isa import WORDS, Buf, decode
+from .isa import WORDS, decode
 
 
 @dataclass
@@ -140,5 +140,3 @@ class Plan:
                              f"wait[{waits}] signal c{t.signal} {fields}")
         return "\n".join(lines)
 
-
-BUFFER_NAMES = [b.name for b in Buf]

@@ -45,6 +45,9 @@ class ReferenceBackend:
 
 
 class InterpreterBackend:
+    """Compiled plans run by the plan interpreter.  One runner per step shape, compiled on first use;
+    every runner shares the first one's weights and cache (plans of a model share their layout)."""
+
     name = "interpret"
 
     def __init__(self, cfg: ModelConfig, weights, batch: int, max_len: int, device, dtype,
@@ -52,67 +55,62 @@ class InterpreterBackend:
         self.cfg, self.weights, self.batch, self.max_len = cfg, weights, batch, max_len
         self.device, self.dtype, self.options, self.order = device, dtype, options, order
         self.rng = random.Random(seed)
-        self.plans: dict[int, Plan] = {}
-        self.interpreters: dict[int, Interpreter] = {}
+        self.plans: dict[StepShape, Plan] = {}
+        self.runners: dict[StepShape, object] = {}
         self.compile_s = 0.0
 
-    def plan(self, T: int) -> Plan:
-        if T not in self.plans:
+    def shape(self, T: int) -> StepShape:
+        return StepShape(T=T, B=self.batch, max_len=self.max_len)
+
+    def plan(self, shape: StepShape | int) -> Plan:
+        shape = self.shape(shape) if isinstance(shape, int) else shape
+        if shape not in self.plans:
             t0 = time.perf_counter()
-            self.plans[T] = compile_step(self.cfg, StepShape(T=T, B=self.batch, max_len=self.max_len), self.options)
+            self.plans[shape] = compile_step(self.cfg, shape, self.options)
             self.compile_s += time.perf_counter() - t0
-        return self.plans[T]
+        return self.plans[shape]
+
+    def runner(self, shape: StepShape | int):
+        shape = self.shape(shape) if isinstance(shape, int) else shape
+        if shape not in self.runners:
+            share = next(iter(self.runners.values())).mem if self.runners else None
+            self.runners[shape] = self.build(self.plan(shape), None if share else self.weights, share)
+        return self.runners[shape]
+
+    def build(self, plan: Plan, weights, share):
+        return Interpreter(plan, weights, self.device, self.dtype, share=share)
 
     def warm(self, shapes: list[int]) -> None:
         """Compile (and, for the megakernel, capture) every T that will run, before timing."""
         for T in shapes:
-            self.interpreter(T)
-
-    def interpreter(self, T: int) -> Interpreter:
-        if T not in self.interpreters:
-            share = next(iter(self.interpreters.values())).mem if self.interpreters else None
-            self.interpreters[T] = Interpreter(self.plan(T), None if share else self.weights, self.device,
-                                               self.dtype, share=share)
-        return self.interpreters[T]
+            self.runner(T)
 
     def run(self, tokens: torch.Tensor, lens: torch.Tensor) -> StepLogits:
-        out = self.interpreter(tokens.shape[1]).step(tokens, lens, order=self.order, rng=self.rng)
+        out = self.runner(tokens.shape[1]).step(tokens, lens, order=self.order, rng=self.rng)
         return StepLogits(out.logits, out.hidden)
 
     def cache_data(self) -> torch.Tensor:
-        return next(iter(self.interpreters.values())).cache()
+        return next(iter(self.runners.values())).cache()
 
 
 class MegakernelBackend(InterpreterBackend):
-    """Plans run by the persistent kernel, one CUDA graph per T (compiled and captured on first use)."""
+    """The same plans run by the persistent kernel, one CUDA graph per shape (captured on first use)."""
 
     name = "megakernel"
 
-    def __init__(self, *args, graphs: bool = True, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.graphs = graphs
-        self.kernels: dict = {}
-
-    def kernel(self, T: int):
+    def build(self, plan: Plan, weights, share):
         from .runtime import Megakernel
-        if T not in self.kernels:
-            share = next(iter(self.kernels.values())).mem if self.kernels else None
-            mk = Megakernel(self.plan(T), None if share else self.weights, self.device, self.dtype, share=share)
-            if self.graphs and self.device.type == "cuda":
-                mk.capture()
-            self.kernels[T] = mk
-        return self.kernels[T]
-
-    def warm(self, shapes: list[int]) -> None:
-        for T in shapes:
-            self.kernel(T)
+        mk = Megakernel(plan, weights, self.device, self.dtype, share=share)
+        if self.device.type == "cuda":
+            mk.capture()
+        return mk
 
     def run(self, tokens: torch.Tensor, lens: torch.Tensor) -> StepLogits:
-        out = self.kernel(tokens.shape[1]).step(tokens, lens)
+        out = self.runner(tokens.shape[1]).step(tokens, lens)
         return StepLogits(out.logits, out.hidden)
 
-    def cache_data(self) -> torch.Tensor:
-        return next(iter(self.kernels.values())).cache()
+
+BACKENDS = {"interpret": InterpreterBackend, "megakernel": MegakernelBackend}
 
 
 @dataclass
@@ -213,11 +211,8 @@ def make_engine(cfg: ModelConfig, weights, backend: str, batch: int, max_len: in
     device = torch.device(device)
     if backend == "reference":
         impl = ReferenceBackend(cfg, weights, batch, max_len, device, dtype)
-    elif backend == "interpret":
-        impl = InterpreterBackend(cfg, weights, batch, max_len, device, dtype,
-                                  options or CompileOptions(workers=workers), order, seed)
-    elif backend == "megakernel":
-        impl = MegakernelBackend(cfg, weights, batch, max_len, device, dtype,
+    elif backend in BACKENDS:
+        impl = BACKENDS[backend](cfg, weights, batch, max_len, device, dtype,
                                  options or CompileOptions(workers=workers), order, seed)
     else:
         raise ValueError(f"unknown backend {backend!r} (reference, interpret, megakernel)")

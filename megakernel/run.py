@@ -125,7 +125,7 @@ def measure_megakernel(engine, profile_path: str | None) -> dict:
     """Launches per step counted by the profiler on the decode graph; optionally a task timeline."""
     from .profiler import count_launches, task_trace
     from .runtime import LaunchConfig, Megakernel
-    kernel = engine.backend.kernel(1)
+    kernel = engine.backend.runner(1)
     out = count_launches(kernel.graph.replay, steps=3)
     kernel.epoch += 3  # the replays above were steps too (same tokens and positions)
     if profile_path:

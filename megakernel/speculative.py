@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graph.compile import CompileOptions, compile_step
+from graph.compile import CompileOptions
 from graph.lower import StepShape
 from model.config import ModelConfig
 
-from .interpreter import Interpreter
+from .engine import BACKENDS
 
 
 @dataclass
@@ -106,31 +106,16 @@ class SpeculativeDecoder:
         self.accept = "sample" if temperature > 0 else "greedy"
         self.temperature, self.top_p = temperature or 1.0, top_p
         self.seeds = torch.Generator().manual_seed(seed)
-        self.cfg, self.weights, self.k, self.batch, self.max_len = cfg, weights, k, batch, max_len
-        self.device, self.dtype, self.backend = torch.device(device), dtype, backend
-        self.options = options or CompileOptions(workers=workers)
-        self.max_chunk = max_chunk
-        self.runners: dict[tuple[int, str], object] = {}
+        if backend not in BACKENDS:
+            raise ValueError(f"speculative decoding runs on the interpret or megakernel backend, not {backend!r}")
+        self.cfg, self.k, self.batch, self.max_len, self.max_chunk = cfg, k, batch, max_len, max_chunk
+        self.engine = BACKENDS[backend](cfg, weights, batch, max_len, torch.device(device), dtype,
+                                        options or CompileOptions(workers=workers))
 
     def runner(self, T: int, prefill: bool):
-        key = (T, prefill)
-        if key not in self.runners:
-            shape = StepShape(T=T, B=self.batch, max_len=self.max_len, speculative=True, accept=self.accept,
-                              prefill=prefill, temperature=self.temperature, top_p=self.top_p)
-            plan = compile_step(self.cfg, shape, self.options)
-            share = next(iter(self.runners.values())).mem if self.runners else None
-            weights = None if share else self.weights
-            if self.backend == "interpret":
-                self.runners[key] = Interpreter(plan, weights, self.device, self.dtype, share=share)
-            elif self.backend == "megakernel":
-                from .runtime import Megakernel
-                mk = Megakernel(plan, weights, self.device, self.dtype, share=share)
-                if self.device.type == "cuda":
-                    mk.capture()
-                self.runners[key] = mk
-            else:
-                raise ValueError(f"speculative decoding runs on the interpret or megakernel backend, not {self.backend!r}")
-        return self.runners[key]
+        return self.engine.runner(StepShape(T=T, B=self.batch, max_len=self.max_len, speculative=True,
+                                            accept=self.accept, prefill=prefill, temperature=self.temperature,
+                                            top_p=self.top_p))
 
     def prefill_chunks(self, S: int) -> list[int]:
         last = min(S, self.k + 1)

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ModelConfig
-from .schema import DTYPES, TensorSpec, tensor_specs
+from .schema import TensorSpec, tensor_specs
 
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -215,6 +215,3 @@ def resolve_shared(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[s
         w.setdefault(p + "shared_head.head.weight", w["lm_head.weight"])
     return w
 
-
-def weight_dtype(cfg: ModelConfig) -> torch.dtype:
-    return DTYPES[cfg.dtype]
