@@ -24,8 +24,9 @@ class PlanError(ValueError):
     """A plan that must not run; the message names the tasks involved."""
 
 
-def verify_plan(plan, check_hazards: bool = True) -> dict:
-    tasks = [decode(w) for w in plan.words]
+def verify_plan(plan, check_hazards: bool = True, tasks: list | None = None) -> dict:
+    """`tasks`: the plan's words already decoded, if the caller has them."""
+    tasks = tasks if tasks is not None else [decode(w) for w in plan.words]
     n, C = len(tasks), plan.num_counters
     label = plan.task_labels
 

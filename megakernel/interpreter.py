@@ -67,15 +67,7 @@ class Interpreter:
              follow: torch.Tensor | None = None, seeds: torch.Tensor | None = None) -> StepResult:
         """One decode step: tokens [B, T] at positions cache_lens[b] + t.  order: 'queue' or 'random'.
         follow (speculative prefill chunks): the token after each chunk, or -1."""
-        B, T = self.B, self.T
-        if tuple(tokens.shape) != (B, T):
-            raise ValueError(f"tokens has shape {tuple(tokens.shape)}, the plan was compiled for ({B}, {T})")
-        max_len, passes = self.plan.shape["max_len"], self.plan.shape["mtp_passes"]
-        if self.plan.shape.get("speculative"):
-            passes = T  # the drafts reach cache_len + a + T - 1 < cache_len + 2T
-        if int(cache_lens.max()) + T + passes > max_len:
-            raise ValueError(f"cache_lens up to {int(cache_lens.max())} + T={T} + {passes} MTP passes exceeds the "
-                             f"cache of {max_len} positions")
+        check_step_inputs(self.plan, tokens, cache_lens)
         self.mem.io_view("in.tokens").copy_(tokens.reshape(-1, 1).to(torch.int32))
         self.mem.io_view("in.cache_lens").copy_(cache_lens.reshape(-1, 1).to(torch.int32))
         write_follow(self.mem, self.plan, follow, seeds)
@@ -115,6 +107,19 @@ class Interpreter:
 
     def result(self) -> StepResult:
         return read_outputs(self.mem, self.plan)
+
+
+def check_step_inputs(plan: Plan, tokens: torch.Tensor, cache_lens: torch.Tensor) -> None:
+    """The step's tokens have the plan's shape, and every position it writes fits the cache."""
+    shape = plan.shape
+    B, T, max_len = shape["B"], shape["T"], shape["max_len"]
+    if tuple(tokens.shape) != (B, T):
+        raise ValueError(f"tokens has shape {tuple(tokens.shape)}, the plan was compiled for ({B}, {T})")
+    # MTP passes write past the step; a speculative step's drafts reach cache_len + a + T - 1 < cache_len + 2T
+    extra = T if shape.get("speculative") else shape["mtp_passes"]
+    if int(cache_lens.max()) + T + extra > max_len:
+        raise ValueError(f"cache_lens up to {int(cache_lens.max())} + T={T} + {extra} drafting positions exceeds the "
+                         f"cache of {max_len} positions")
 
 
 def write_follow(mem: Memory, plan: Plan, follow: torch.Tensor | None, seeds: torch.Tensor | None = None) -> None:

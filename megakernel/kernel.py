@@ -18,14 +18,11 @@ import triton
 import triton.language as tl
 
 from .ops import argmax, attention, elementwise, embed, head_matmul, linear, mhc, moe, norm, rope, spec
-from .ops.common import now_ns, sm_id, wait_task
+from .ops.common import COUNTER_STRIDE, now_ns, sm_id, wait_task
 from .ops.fields import (OP_ACCEPT, OP_ARGMAX, OP_ATTENTION, OP_ATTN_COMBINE, OP_CACHE_WRITE, OP_EMBED, OP_EWISE,
                          OP_EXPERT_LINEAR, OP_GATHER, OP_HC_COEFF, OP_HC_EXPAND, OP_HC_HEAD, OP_HEAD_MATMUL, OP_LINEAR,
                          OP_MOE_COMBINE, OP_RMSNORM, OP_ROPE, OP_ROPE_TABLE, OP_ROUTE, WORD_SIGNAL)
 
-COUNTER_STRIDE = 32  # int32s: one counter per 128-byte line
-ERR_HEADER = 4  # err[0]: flag; err[ERR_HEADER + 5·worker ...]: reason, task, counter, seen, target
-ERR_PER_WORKER = 5
 
 
 @triton.jit
@@ -96,7 +93,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                 spec.gather_body(word, A, I, BD)
         if ok == 1:
             tl.debug_barrier()  # every thread's stores happen before the release below
-            tl.atomic_add(counters + tl.load(word + WORD_SIGNAL).to(tl.int64) * 32, 1, sem="release", scope="gpu")
+            tl.atomic_add(counters + tl.load(word + WORD_SIGNAL).to(tl.int64) * COUNTER_STRIDE, 1, sem="release", scope="gpu")
             if PROFILE:
                 rec = prof + t.to(tl.int64) * 4
                 tl.store(rec, t_begin)

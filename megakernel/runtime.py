@@ -16,12 +16,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from graph.isa import MAX_WAITS, WORDS, Buf, decode
+from graph.isa import MAX_WAITS, WORDS, Buf, Decoded, decode
 from graph.plan import Plan
 from graph.verify import verify_plan
 
-from .interpreter import StepResult, read_outputs, write_follow
-from .kernel import COUNTER_STRIDE, ERR_HEADER, ERR_PER_WORKER, megakernel
+from .interpreter import StepResult, check_step_inputs, read_outputs, write_follow
+from .kernel import megakernel
+from .ops import common
 from .memory import Memory
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -64,9 +65,12 @@ def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << max(0, math.ceil(math.log2(max(1, n)))))
 
 
-def check_operand_buffers(plan: Plan) -> None:
-    for i in range(plan.num_tasks):
-        t = decode(plan.words[i])
+COUNTER_STRIDE = common.COUNTER_STRIDE.value
+ERR_HEADER, ERR_PER_WORKER = common.ERR_HEADER.value, common.ERR_PER_WORKER.value
+
+
+def check_operand_buffers(plan: Plan, tasks: list[Decoded]) -> None:
+    for i, t in enumerate(tasks):
         if t.op.name == "ACCEPT" and t.has("SAMPLE"):
             raise MegakernelError("speculative sampling runs on the plan interpreter only for now (greedy runs on the "
                                   "megakernel)")
@@ -89,11 +93,10 @@ ALIGNED_FIELDS = {
 }
 
 
-def alignment(plan: Plan) -> int:
+def alignment(tasks: list[Decoded]) -> int:
     """The largest power of two (<= 8 elements) dividing every ALIGNED_FIELDS value of the plan."""
     g = 0
-    for i in range(plan.num_tasks):
-        t = decode(plan.words[i])
+    for t in tasks:
         for name in ALIGNED_FIELDS.get(t.op.name, ()):
             key = name.split(".")[0]
             if "." in name and t.fields.get(key + ".buf", 0) < 0:
@@ -105,11 +108,10 @@ def alignment(plan: Plan) -> int:
     return align
 
 
-def block_sizes(plan: Plan, dtype: torch.dtype) -> dict:
+def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     """Compile-time block sizes fitted to the plan's dimensions."""
     dmax = rmax = experts = width = spec_t = 16
-    for i in range(plan.num_tasks):
-        t = decode(plan.words[i])
+    for t in tasks:
         f = t.fields
         if t.op.name == "ATTENTION":
             dmax, rmax = max(dmax, _pow2(f["dim"])), max(rmax, _pow2(f["rope_dim"]))
@@ -121,7 +123,8 @@ def block_sizes(plan: Plan, dtype: torch.dtype) -> dict:
             spec_t = max(spec_t, _pow2(f["T"]))
     # bf16 weights: activations enter the tensor cores as a bf16 (high, low) pair, ~16 mantissa bits
     return dict(BR=8, KC=2048, STAGES=2, BD=256, BH=32, BM=16, BJ=32, DMAX=dmax, RMAX=rmax, BI=64, BO=128,
-                BE=experts, BP=256, BW=width, BHC=max(1, 4096 // dmax), ALIGN=alignment(plan), BT=spec_t, DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2")
+                BE=experts, BP=256, BW=width, BHC=max(1, 4096 // dmax), ALIGN=alignment(tasks), BT=spec_t,
+                DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2")
 
 
 @dataclass
@@ -137,8 +140,9 @@ class LaunchConfig:
 class Megakernel:
     def __init__(self, plan: Plan, weights: dict[str, torch.Tensor] | None, device="cuda",
                  dtype: torch.dtype | None = None, share: Memory | None = None, config: LaunchConfig | None = None):
-        verify_plan(plan)
-        check_operand_buffers(plan)
+        tasks = [decode(w) for w in plan.words]  # once: verification, checks and block sizes all read them
+        verify_plan(plan, tasks=tasks)
+        check_operand_buffers(plan, tasks)
         self.plan, self.config = plan, config or LaunchConfig()
         self.device = torch.device(device)
         if self.device.type != "cuda" and not INTERPRET:
@@ -152,11 +156,9 @@ class Megakernel:
         self.err = torch.zeros(ERR_HEADER + ERR_PER_WORKER * plan.workers, dtype=torch.int32, device=self.device)
         self.prof = torch.zeros(max(1, plan.num_tasks) * 4 if self.config.profile else 4, dtype=torch.int64,
                                 device=self.device)
-        self.expected = np.zeros(plan.num_counters, dtype=np.int64)
-        for i in range(plan.num_tasks):
-            self.expected[int(plan.words[i, 2])] += 1
+        self.expected = np.bincount(plan.words[:, 2], minlength=plan.num_counters).astype(np.int64)
         self.epoch = 0
-        self.blocks = {**block_sizes(plan, self.mem.dtype), **(self.config.blocks or {})}
+        self.blocks = {**block_sizes(tasks, self.mem.dtype), **(self.config.blocks or {})}
         self.graph: torch.cuda.CUDAGraph | None = None
         self.compiled = None
         pinned = self.device.type == "cuda"
@@ -203,12 +205,7 @@ class Megakernel:
         self.epoch += 1
 
     def _stage(self, tokens: torch.Tensor, cache_lens: torch.Tensor) -> None:
-        B, T, S = self.plan.shape["B"], self.plan.shape["T"], self.plan.shape["max_len"]
-        if tuple(tokens.shape) != (B, T):
-            raise ValueError(f"tokens has shape {tuple(tokens.shape)}, the plan was compiled for ({B}, {T})")
-        need = int(cache_lens.max()) + T + (T if self.plan.shape.get("speculative") else self.plan.shape["mtp_passes"])
-        if need > S:
-            raise ValueError(f"the step needs {need} cache positions, the cache holds {S}")
+        check_step_inputs(self.plan, tokens, cache_lens)
         self.stage_tokens.copy_(tokens.reshape(-1, 1).to(torch.int32))
         self.stage_lens.copy_(cache_lens.reshape(-1, 1).to(torch.int32))
 

@@ -77,12 +77,16 @@ def test_watchdog_reports_a_stalled_counter_and_recovers():
 
 def test_odd_dimensions_fall_back_to_scalar_alignment():
     """Vector loads need sizes and offsets that are multiples of ALIGN; a plan with odd ones gets 1."""
+    from graph.isa import decode
     from megakernel.runtime import LaunchConfig, Megakernel, alignment
+
+    def plan_alignment(p):
+        return alignment([decode(w) for w in p.words])
     cfg = preset("tiny-dense").replace(intermediate_size=99, num_nextn_predict_layers=0)
     w = init_weights(cfg, seed=2)
     plan = compile_step(cfg, StepShape(T=1, B=2, max_len=12), CompileOptions(workers=1))
-    assert alignment(plan) == 1
-    assert alignment(_pair("tiny-dense", passes=0)[1]) == 8
+    assert plan_alignment(plan) == 1
+    assert plan_alignment(_pair("tiny-dense", passes=0)[1]) == 8
     interp = Interpreter(plan, w)
     mk = Megakernel(plan, w, device="cpu", config=LaunchConfig(max_spins=2000))
     _compare(cfg, interp, mk, torch.tensor([0, 4]))

@@ -7,6 +7,10 @@ import triton.language as tl
 
 from .fields import WORD_WAITS
 
+COUNTER_STRIDE = tl.constexpr(32)  # int32s between counters: one counter per 128-byte line
+ERR_HEADER = tl.constexpr(4)  # err[0]: the flag; then per worker: reason, task, counter, seen, target
+ERR_PER_WORKER = tl.constexpr(5)
+
 
 @triton.jit
 def fld(word, IDX: tl.constexpr):
@@ -84,7 +88,7 @@ def wait_task(word, t, counters, epoch, err, pid, MAX_WAITS: tl.constexpr, TIMEO
         c = tl.load(word + WORD_WAITS + 2 * i)
         if (c >= 0) & (ok == 1):
             target = epoch * tl.load(word + WORD_WAITS + 2 * i + 1)
-            ptr = counters + c.to(tl.int64) * 32
+            ptr = counters + c.to(tl.int64) * COUNTER_STRIDE
             seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
             start = now_ns(USE_TIMER)
             spins = 0
@@ -102,7 +106,7 @@ def wait_task(word, t, counters, epoch, err, pid, MAX_WAITS: tl.constexpr, TIMEO
                         reason = 1
             if reason != 0:
                 ok = 0
-                state = err + 4 + pid * 5
+                state = err + ERR_HEADER + pid * ERR_PER_WORKER
                 tl.store(state, reason)
                 tl.store(state + 1, t)
                 tl.store(state + 2, c)
