@@ -151,6 +151,18 @@ def _pick(vec, lanes, i):
 
 
 @triton.jit
+def _collapse(st_row, pre, lanes, n, H, out_row, BD: tl.constexpr):
+    """out = sum_i pre[i] · stream_i, the n streams of one row laid out one after another."""
+    for cb in range(0, H, BD):
+        h = cb + tl.arange(0, BD)
+        hm = h < H
+        acc = tl.zeros((BD,), tl.float32)
+        for i in range(n):
+            acc += _pick(pre, lanes, i) * tl.load(st_row + i * H + h, mask=hm, other=0.0, cache_modifier=".cg")
+        tl.store(out_row + h, acc, mask=hm)
+
+
+@triton.jit
 def coeff_body(word, WF, A, BW: tl.constexpr, BD: tl.constexpr):
     flags, n, H = fld(word, HC_COEFF_FLAGS), fld(word, HC_COEFF_N), fld(word, HC_COEFF_H)
     width, nH = (2 + n) * n, n * H
@@ -199,13 +211,7 @@ def coeff_body(word, WF, A, BW: tl.constexpr, BD: tl.constexpr):
         elif has(flags, FLAG_HC_COEFF_COLLAPSE):
             v = tl.load(coef_p + r * width + j, mask=jm, other=0.0, cache_modifier=".cg")
         if has(flags, FLAG_HC_COEFF_COLLAPSE):
-            for cb in range(0, H, BD):
-                h = cb + tl.arange(0, BD)
-                hm = h < H
-                acc = tl.zeros((BD,), tl.float32)
-                for i in range(n):
-                    acc += _pick(v, j, i) * tl.load(st + r * st_ld + i * H + h, mask=hm, other=0.0, cache_modifier=".cg")
-                tl.store(o_ptr + r * o_ld + h, acc, mask=hm)
+            _collapse(st + r * st_ld, v, j, n, H, o_ptr + r * o_ld, BD)
 
 
 @triton.jit
@@ -242,10 +248,4 @@ def head_body(word, WF, A, BW: tl.constexpr, BD: tl.constexpr):
         mix = _mix(st + r * st_ld, fn, n, n * H, eps, BW, BD)
         z = mix * tl.load(scale) + tl.load(base + j, mask=j < n, other=0.0)
         pre = 1.0 / (1.0 + tl.exp(-z)) + hc_eps
-        for cb in range(0, H, BD):
-            h = cb + tl.arange(0, BD)
-            hm = h < H
-            acc = tl.zeros((BD,), tl.float32)
-            for i in range(n):
-                acc += _pick(pre, j, i) * tl.load(st + r * st_ld + i * H + h, mask=hm, other=0.0, cache_modifier=".cg")
-            tl.store(o_ptr + r * o_ld + h, acc, mask=hm)
+        _collapse(st + r * st_ld, pre, j, n, H, o_ptr + r * o_ld, BD)

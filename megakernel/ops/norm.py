@@ -27,6 +27,15 @@ def reference(task, mem) -> None:
 
 # ---- GPU body ----------------------------------------------------------------------------
 @triton.jit
+def _row_chunk(x_row, d_row, add, c, D):
+    """Columns c of v = x (+ d): recomputed in the second pass rather than kept, rows can be long."""
+    v = tl.load(x_row + c, mask=c < D, other=0.0, cache_modifier=".cg")
+    if add:
+        v += tl.load(d_row + c, mask=c < D, other=0.0, cache_modifier=".cg")
+    return v
+
+
+@triton.jit
 def body(word, W, A, BD: tl.constexpr):
     flags, D, eps = fld(word, RMSNORM_FLAGS), fld(word, RMSNORM_D), ffld(word, RMSNORM_EPS)
     x_ptr, x_ld = A + off(word, RMSNORM_X_OFF), fld(word, RMSNORM_X_LD)
@@ -35,25 +44,19 @@ def body(word, W, A, BD: tl.constexpr):
     store_sum = has(flags, FLAG_RMSNORM_ADD) & (fld(word, RMSNORM_XO_BUF) >= 0)
     w_ptr = W + off(word, RMSNORM_W_OFF)
     o_ptr, o_ld = A + off(word, RMSNORM_OUT_OFF), fld(word, RMSNORM_OUT_LD)
+    add = has(flags, FLAG_RMSNORM_ADD)
     for r in range(fld(word, RMSNORM_R0), fld(word, RMSNORM_R1)):
         sq = tl.zeros((BD,), tl.float32)
-        for cb in range(0, D, BD):
+        for cb in range(0, D, BD):  # pass 1: the sum of squares (and the residual sum, stored once)
             c = cb + tl.arange(0, BD)
-            m = c < D
-            v = tl.load(x_ptr + r * x_ld + c, mask=m, other=0.0, cache_modifier=".cg")
-            if has(flags, FLAG_RMSNORM_ADD):
-                v += tl.load(d_ptr + r * d_ld + c, mask=m, other=0.0, cache_modifier=".cg")
-                if store_sum:
-                    tl.store(xo_ptr + r * xo_ld + c, v, mask=m)
+            v = _row_chunk(x_ptr + r * x_ld, d_ptr + r * d_ld, add, c, D)
+            if store_sum:
+                tl.store(xo_ptr + r * xo_ld + c, v, mask=c < D)
             sq += v * v
         inv = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / D + eps)
-        for cb in range(0, D, BD):
+        for cb in range(0, D, BD):  # pass 2: normalise and scale
             c = cb + tl.arange(0, BD)
-            m = c < D
-            v = tl.load(x_ptr + r * x_ld + c, mask=m, other=0.0, cache_modifier=".cg")
-            if has(flags, FLAG_RMSNORM_ADD):
-                v += tl.load(d_ptr + r * d_ld + c, mask=m, other=0.0, cache_modifier=".cg")
-            y = v * inv
+            y = _row_chunk(x_ptr + r * x_ld, d_ptr + r * d_ld, add, c, D) * inv
             if not has(flags, FLAG_RMSNORM_NOWEIGHT):
-                y = y * tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
-            tl.store(o_ptr + r * o_ld + c, y, mask=m)
+                y = y * tl.load(w_ptr + c, mask=c < D, other=0.0).to(tl.float32)
+            tl.store(o_ptr + r * o_ld + c, y, mask=c < D)
