@@ -17,7 +17,7 @@ import torch
 from graph.isa import decode
 from graph.plan import Plan
 
-from .memory import Memory
+from .memory import Memory, PlanRunner
 from .ops import REFERENCE
 
 
@@ -41,7 +41,7 @@ class StepResult:
     next_lens: torch.Tensor | None = None
 
 
-class Interpreter:
+class Interpreter(PlanRunner):
     def __init__(self, plan: Plan, weights: dict[str, torch.Tensor] | None, device: torch.device | str = "cpu",
                  dtype: torch.dtype | None = None, share: Memory | None = None):
         self.plan = plan
@@ -50,17 +50,6 @@ class Interpreter:
         self.counters = [0] * plan.num_counters
         self.epoch = 0
         self.trace: list[int] = []  # task ids in execution order of the last step
-
-    @property
-    def T(self) -> int:
-        return self.plan.shape["T"]
-
-    @property
-    def B(self) -> int:
-        return self.plan.shape["B"]
-
-    def cache(self) -> torch.Tensor:
-        return self.mem.cache()
 
     def step(self, tokens: torch.Tensor, cache_lens: torch.Tensor, order: str = "queue",
              rng: random.Random | None = None, stop_after: int | None = None,

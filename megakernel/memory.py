@@ -85,3 +85,21 @@ def _layout(plan: Plan) -> tuple:
     return (tuple((w.name, w.buf, w.offset) for w in plan.weights),
             tuple((c["name"], c["offset"]) for c in plan.consts),
             plan.buffers["W"], plan.buffers["WF"], plan.buffers["C"], plan.shape["B"], plan.shape["max_len"])
+
+
+class PlanRunner:
+    """What every runner of one plan (interpreter, megakernel) exposes: its plan, its Memory, the step shape."""
+
+    plan: Plan
+    mem: Memory
+
+    @property
+    def T(self) -> int:
+        return self.plan.shape["T"]
+
+    @property
+    def B(self) -> int:
+        return self.plan.shape["B"]
+
+    def cache(self) -> torch.Tensor:
+        return self.mem.cache()

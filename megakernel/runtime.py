@@ -23,7 +23,7 @@ from graph.verify import verify_plan
 from .interpreter import StepResult, check_step_inputs, read_outputs, write_follow
 from .kernel import megakernel
 from .ops import common
-from .memory import Memory
+from .memory import Memory, PlanRunner
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -137,7 +137,7 @@ class LaunchConfig:
     blocks: dict | None = None  # overrides of block_sizes()
 
 
-class Megakernel:
+class Megakernel(PlanRunner):
     def __init__(self, plan: Plan, weights: dict[str, torch.Tensor] | None, device="cuda",
                  dtype: torch.dtype | None = None, share: Memory | None = None, config: LaunchConfig | None = None):
         tasks = [decode(w) for w in plan.words]  # once: verification, checks and block sizes all read them
@@ -242,17 +242,6 @@ class Megakernel:
 
     def result(self) -> StepResult:
         return read_outputs(self.mem, self.plan)
-
-    @property
-    def B(self) -> int:
-        return self.plan.shape["B"]
-
-    @property
-    def T(self) -> int:
-        return self.plan.shape["T"]
-
-    def cache(self) -> torch.Tensor:
-        return self.mem.cache()
 
     # ---- watchdog ----------------------------------------------------------------
     def check_error(self) -> None:

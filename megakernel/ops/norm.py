@@ -41,10 +41,10 @@ def body(word, W, A, BD: tl.constexpr):
     x_ptr, x_ld = A + off(word, RMSNORM_X_OFF), fld(word, RMSNORM_X_LD)
     d_ptr, d_ld = A + off(word, RMSNORM_D_OFF), fld(word, RMSNORM_D_LD)
     xo_ptr, xo_ld = A + off(word, RMSNORM_XO_OFF), fld(word, RMSNORM_XO_LD)
-    store_sum = has(flags, FLAG_RMSNORM_ADD) & (fld(word, RMSNORM_XO_BUF) >= 0)
+    add = has(flags, FLAG_RMSNORM_ADD)
+    store_sum = add & (fld(word, RMSNORM_XO_BUF) >= 0)
     w_ptr = W + off(word, RMSNORM_W_OFF)
     o_ptr, o_ld = A + off(word, RMSNORM_OUT_OFF), fld(word, RMSNORM_OUT_LD)
-    add = has(flags, FLAG_RMSNORM_ADD)
     for r in range(fld(word, RMSNORM_R0), fld(word, RMSNORM_R1)):
         sq = tl.zeros((BD,), tl.float32)
         for cb in range(0, D, BD):  # pass 1: the sum of squares (and the residual sum, stored once)
