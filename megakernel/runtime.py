@@ -124,7 +124,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     # bf16 weights: activations enter the tensor cores as a bf16 (high, low) pair, ~16 mantissa bits
     return dict(BR=8, KC=2048, STAGES=2, BD=256, BH=32, BM=16, BJ=32, DMAX=dmax, RMAX=rmax, BI=64, BO=128,
                 BE=experts, BP=256, BW=width, BHC=max(1, 4096 // dmax), ALIGN=alignment(tasks), BT=spec_t,
-                DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2")
+                DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2", PIPE=1)
 
 
 @dataclass

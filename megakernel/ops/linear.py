@@ -82,27 +82,95 @@ def stream_rows(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, orow
 
 
 @triton.jit
+def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, res_ptr, res_ld, use_res,
+                  w_ptr, w2_ptr, two, r0, r1, K, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
+    """stream_rows' result, the same sums in the same order, with one weight chunk always in flight:
+    every (row block, token, K chunk, gate|up) chunk is one step of a flat loop that requests the
+    next step's chunk before reducing its own, so the load latency hides behind the arithmetic
+    (stream_rows waits for each block's first chunk after finishing the previous block).
+    w: step 0's chunk, already requested."""
+    nsub = 1 + two.to(tl.int32)
+    nk = tl.cdiv(K, KC)
+    per_block = nsub * nk * n_rows
+    total = tl.cdiv(r1 - r0, BR) * per_block
+    acc = tl.zeros((BR,), tl.float32)
+    acc2 = tl.zeros((BR,), tl.float32)
+    for i in range(total):
+        j = i + 1  # the next step's chunk: request it now
+        rows_j = r0 + (j // per_block) * BR + tl.arange(0, BR)
+        kb_j = ((j // nsub) % nk) * KC
+        w_next = weight_rows(tl.where((j % nsub) == 1, w2_ptr, w_ptr), rows_j, rows_j < r1, K, kb_j, j < total,
+                             KC, ALIGN)
+        sub, kc, n = i % nsub, (i // nsub) % nk, (i // (nsub * nk)) % n_rows
+        rows = r0 + (i // per_block) * BR + tl.arange(0, BR)
+        rmask = rows < r1
+        xrow = n
+        orow = n
+        if xrows_div > 0:
+            pair = tl.load(xrows_ptr + n, cache_modifier=".cg")
+            xrow = pair // xrows_div
+            orow = pair
+        ks = tl.max_contiguous(tl.multiple_of(kc * KC + tl.arange(0, KC), ALIGN), KC)
+        x = tl.load(x_ptr + xrow.to(tl.int64) * aligned(x_ld, ALIGN) + ks, mask=ks < K, other=0.0,
+                    cache_modifier=".cg")
+        part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if sub == 0:
+            acc += part
+        else:
+            acc2 += part
+        if (kc == nk - 1) & (sub == nsub - 1):  # this token's rows are complete
+            y = acc
+            if two:
+                y = silu(acc) * acc2
+            if use_res:
+                y += tl.load(res_ptr + orow * res_ld + rows, mask=rmask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + orow.to(tl.int64) * out_ld + rows, y, mask=rmask)
+            acc = tl.zeros((BR,), tl.float32)
+            acc2 = tl.zeros((BR,), tl.float32)
+        w = w_next
+
+
+@triton.jit
+def stream(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, res_ptr, res_ld, use_res,
+           w_ptr, w2_ptr, two, r0, r1, K, w, w2, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr,
+           PIPE: tl.constexpr):
+    """The weight stream of LINEAR and EXPERT_LINEAR: PIPE 1 keeps a chunk in flight, PIPE 0 does not."""
+    if PIPE:
+        stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, res_ptr, res_ld, use_res,
+                      w_ptr, w2_ptr, two, r0, r1, K, w, BR, KC, ALIGN)
+    else:
+        stream_rows(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, xrows_ptr, res_ptr, res_ld,
+                    use_res, w_ptr, w2_ptr, two, r0, r1, K, w, w2, BR, KC, ALIGN)
+
+
+@triton.jit
+def first_chunk(w_ptr, w2_ptr, two, r0, r1, K, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr,
+                PIPE: tl.constexpr):
+    """The first weight chunk(s) `stream` expects, requested early (weights never depend on activations)."""
+    rows = r0 + tl.arange(0, BR)
+    w = weight_rows(w_ptr, rows, rows < r1, K, 0, True, KC, ALIGN)
+    w2 = weight_rows(w2_ptr, rows, rows < r1, K, 0, two & (PIPE == 0), KC, ALIGN)
+    return w, w2
+
+
+@triton.jit
 def aligned_base(base, word, IDX: tl.constexpr, ALIGN: tl.constexpr):
     return base + aligned(off(word, IDX), ALIGN)
 
 
 @triton.jit
-def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
-    """A LINEAR task's first weight chunk, requested before its dependency wait: weights never
-    depend on activations."""
+def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, PIPE: tl.constexpr):
+    """A LINEAR task's first weight chunk, requested before its dependency wait."""
     two = has(fld(word, LINEAR_FLAGS), FLAG_LINEAR_SILU_MUL)
-    K, r0, r1 = fld(word, LINEAR_K), fld(word, LINEAR_R0), fld(word, LINEAR_R1)
-    rows = r0 + tl.arange(0, BR)
-    w = weight_rows(aligned_base(W, word, LINEAR_W_OFF, ALIGN), rows, rows < r1, K, 0, True, KC, ALIGN)
-    w2 = weight_rows(aligned_base(W, word, LINEAR_W2_OFF, ALIGN), rows, rows < r1, K, 0, two, KC, ALIGN)
-    return w, w2
+    return first_chunk(aligned_base(W, word, LINEAR_W_OFF, ALIGN), aligned_base(W, word, LINEAR_W2_OFF, ALIGN), two,
+                       fld(word, LINEAR_R0), fld(word, LINEAR_R1), fld(word, LINEAR_K), BR, KC, ALIGN, PIPE)
 
 
 @triton.jit
-def body(word, W, A, w, w2, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
+def body(word, W, A, w, w2, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, PIPE: tl.constexpr):
     flags = fld(word, LINEAR_FLAGS)
-    stream_rows(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
-                A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A, A + off(word, LINEAR_RES_OFF),
-                fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), aligned_base(W, word, LINEAR_W_OFF, ALIGN),
-                aligned_base(W, word, LINEAR_W2_OFF, ALIGN), has(flags, FLAG_LINEAR_SILU_MUL), fld(word, LINEAR_R0),
-                fld(word, LINEAR_R1), fld(word, LINEAR_K), w, w2, BR, KC, ALIGN)
+    stream(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
+           A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
+           fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), aligned_base(W, word, LINEAR_W_OFF, ALIGN),
+           aligned_base(W, word, LINEAR_W2_OFF, ALIGN), has(flags, FLAG_LINEAR_SILU_MUL), fld(word, LINEAR_R0),
+           fld(word, LINEAR_R1), fld(word, LINEAR_K), w, w2, BR, KC, ALIGN, PIPE)
