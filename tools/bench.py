@@ -101,6 +101,21 @@ def plain_pytorch(cfg, weights, tokens, lens, max_len, cache_data, kinds) -> dic
     return row
 
 
+def launch_config(spec: str) -> LaunchConfig:
+    """'KEY=V,KEY=V': num_warps / num_stages set the launch, other keys override block_sizes()."""
+    cfg, blocks = LaunchConfig(), {}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        if not value:
+            raise ValueError(f"variant {spec!r}: {item!r} is not KEY=VALUE")
+        if key in ("num_warps", "num_stages"):
+            setattr(cfg, key, int(value))
+        else:
+            blocks[key] = int(value)
+    cfg.blocks = blocks
+    return cfg
+
+
 def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path, profile: bool,
                 variants=(), baselines=("eager", "graph", "compile")) -> dict:
     cfg = preset(name)
@@ -162,19 +177,18 @@ def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path,
     row["run_to_run_bitexact"] = bool(torch.equal(again.logits, first.logits))
 
     row["variants"] = []
-    for stages, bk, br in variants:
+    for spec in variants:
+        v = {"variant": spec}
         try:
-            vk = Megakernel(plan, None, "cuda", share=mk.mem,
-                            config=LaunchConfig(blocks={"STAGES": stages, "KC": bk, "BR": br}))
+            vk = Megakernel(plan, None, "cuda", share=mk.mem, config=launch_config(spec))
             vk.capture()
             out_v = vk.step(tokens, lens)
-            ms = time_ms(vk.graph.replay, iters=50, warmup=10)
-            row["variants"].append({"STAGES": stages, "KC": bk, "BR": br, "ms": ms, "regs": vk.compiled.n_regs,
-                                    "spills": vk.compiled.n_spills,
-                                    "rel_err_vs_main": rel_err(out_v.logits, first.logits)})
+            v.update(ms=time_ms(vk.graph.replay, iters=50, warmup=10), regs=vk.compiled.n_regs,
+                     spills=vk.compiled.n_spills, rel_err_vs_main=rel_err(out_v.logits, first.logits))
             del vk
         except Exception as e:
-            row["variants"].append({"STAGES": stages, "KC": bk, "BR": br, "error": repr(e)[:300]})
+            v["error"] = repr(e)[:300]
+        row["variants"].append(v)
 
     if profile:
         pk = Megakernel(plan, None, "cuda", share=mk.mem, config=LaunchConfig(profile=True))
@@ -196,8 +210,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--baselines", nargs="*", default=["eager", "graph", "compile"],
                    choices=["eager", "graph", "compile"], help="plain-PyTorch baselines to time (default: all)")
-    p.add_argument("--variants", nargs="*", default=[], metavar="STAGES:KC:BR",
-                   help="also time these launch variants, e.g. 3:64:64")
+    p.add_argument("--variants", nargs="*", default=[], metavar="KEY=V,...",
+                   help="also time these launch variants, e.g. PIPE=0 KC=1024,BR=4 num_warps=16")
     p.add_argument("--out", default=".")
     args = p.parse_args()
     out = Path(args.out)
@@ -211,8 +225,7 @@ def main() -> None:
     for name in args.models:
         for T in args.T:
             try:
-                variants = [tuple(int(x) for x in v.split(":")) for v in args.variants]
-                row = bench_model(name, T, args.ctx, bw, workers, out, args.profile, variants, args.baselines)
+                row = bench_model(name, T, args.ctx, bw, workers, out, args.profile, args.variants, args.baselines)
             except Exception as e:  # keep going: one failure should not hide the other rows
                 traceback.print_exc()
                 row = {"model": name, "T": T, "error": repr(e)}
@@ -236,8 +249,8 @@ def main() -> None:
         if kernels:
             print(f"{'':<14}kernels per step: {kernels}, megakernel {r['kernels_per_step']:.0f}")
         for v in r.get("variants", []):
-            print(f"{'':<14}variant STAGES={v['STAGES']} KC={v['KC']} BR={v['BR']}: "
-                  + (f"{v['ms']:.3f} ms" if "ms" in v else v["error"][:60]))
+            print(f"{'':<14}variant {v['variant']}: "
+                  + (f"{v['ms']:.3f} ms, {v['regs']} regs, {v['spills']} spills" if "ms" in v else v["error"][:60]))
 
 
 if __name__ == "__main__":
