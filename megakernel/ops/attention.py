@@ -74,8 +74,21 @@ def reference_combine(task, mem) -> None:
 
 # ---- GPU body ----------------------------------------------------------------------------
 @triton.jit
+def kv_block(cache, width, jb, j1, k_col, v_col, dim, d, dmask, e, emask, mla, BJ: tl.constexpr):
+    """Cache positions jb..jb+BJ (< j1): keys, MLA rope keys, GQA values (MLA's values are its keys)."""
+    js = jb + tl.arange(0, BJ)
+    jmask = js < j1
+    rows = cache + js[:, None].to(tl.int64) * width
+    keys = tl.load(rows + k_col + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
+    kpe = tl.load(rows + dim + e[None, :], mask=jmask[:, None] & emask[None, :] & mla, other=0.0)
+    values = tl.load(rows + v_col + d[None, :], mask=jmask[:, None] & dmask[None, :] & (mla == 0), other=0.0)
+    return keys, kpe, values
+
+
+@triton.jit
 def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr,
          STAGES: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr):
+    """STAGES 2: the next cache block is in flight while this one is reduced; 1: one at a time."""
     mla = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_MLA)
     T, S, b = fld(word, ATTENTION_T), fld(word, ATTENTION_S), fld(word, ATTENTION_B)
     width = aligned(fld(word, ATTENTION_WIDTH), ALIGN)
@@ -116,18 +129,17 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
         m_i = tl.full((BM,), float("-inf"), tl.float32)
         l_i = tl.zeros((BM,), tl.float32)
         acc = tl.zeros((BM, DMAX), tl.float32)
-        for jb in tl.range(j0, j1, BJ, num_stages=STAGES):
+        keys, kpe, values = kv_block(cache, width, j0, j1, k_col, v_col, dim, d, dmask, e, emask, mla, BJ)
+        for jb in range(j0, j1, BJ):
+            if STAGES > 1:  # request the next block before this one's arithmetic
+                keys_n, kpe_n, values_n = kv_block(cache, width, jb + BJ, j1, k_col, v_col, dim, d, dmask, e, emask,
+                                                   mla, BJ)
             js = jb + tl.arange(0, BJ)
             jmask = js < j1
-            rows = cache + js[:, None].to(tl.int64) * width
-            keys = tl.load(rows + k_col + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
             s = mma(q, tl.trans(keys), tl.zeros((BM, BJ), tl.float32), DOT_PREC)
             if mla:
-                kpe = tl.load(rows + dim + e[None, :], mask=jmask[:, None] & emask[None, :], other=0.0)
                 s = mma(pe, tl.trans(kpe), s, DOT_PREC)
                 values = keys
-            else:
-                values = tl.load(rows + v_col + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
             ok = rvalid[:, None] & jmask[None, :] & (js[None, :] <= (limit + t)[:, None])
             s = tl.where(ok, s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -137,6 +149,10 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = mma(p, values, acc * alpha[:, None], DOT_PREC)
             m_i = m_new
+            if STAGES > 1:
+                keys, kpe, values = keys_n, kpe_n, values_n
+            else:
+                keys, kpe, values = kv_block(cache, width, jb + BJ, j1, k_col, v_col, dim, d, dmask, e, emask, mla, BJ)
         has_keys = l_i > 0
         o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
         lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))

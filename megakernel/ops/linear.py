@@ -82,52 +82,62 @@ def stream_rows(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, orow
 
 
 @triton.jit
+def step_x(i, total, x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, nsub, nk, K, KC: tl.constexpr, ALIGN: tl.constexpr):
+    """Step i's activation chunk and output row (stream_chunks' step order; nothing read when i == total)."""
+    on = i < total
+    n = (i // (nsub * nk)) % n_rows
+    xrow = n
+    orow = n
+    if xrows_div > 0:
+        pair = tl.load(xrows_ptr + n, mask=on, other=0, cache_modifier=".cg")
+        xrow = pair // xrows_div
+        orow = pair
+    ks = tl.max_contiguous(tl.multiple_of(((i // nsub) % nk) * KC + tl.arange(0, KC), ALIGN), KC)
+    x = tl.load(x_ptr + xrow.to(tl.int64) * aligned(x_ld, ALIGN) + ks, mask=(ks < K) & on, other=0.0,
+                cache_modifier=".cg")
+    return x, orow
+
+
+@triton.jit
 def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, res_ptr, res_ld, use_res,
                   w_ptr, w2_ptr, two, r0, r1, K, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
-    """stream_rows' result, the same sums in the same order, with one weight chunk always in flight:
+    """stream_rows' result, the same sums in the same order, with the next chunk always in flight:
     every (row block, token, K chunk, gate|up) chunk is one step of a flat loop that requests the
-    next step's chunk before reducing its own, so the load latency hides behind the arithmetic
-    (stream_rows waits for each block's first chunk after finishing the previous block).
-    w: step 0's chunk, already requested."""
+    next step's weights and activations before reducing its own, so load latency hides behind the
+    arithmetic.  w: step 0's weight chunk, already requested (before the dependency wait)."""
     nsub = 1 + two.to(tl.int32)
     nk = tl.cdiv(K, KC)
     per_block = nsub * nk * n_rows
     total = tl.cdiv(r1 - r0, BR) * per_block
+    x, orow = step_x(0, total, x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, nsub, nk, K, KC, ALIGN)
+    rows0 = r0 + tl.arange(0, BR)
+    res = tl.load(res_ptr + orow * res_ld + rows0, mask=(rows0 < r1) & use_res, other=0.0, cache_modifier=".cg")
     acc = tl.zeros((BR,), tl.float32)
     acc2 = tl.zeros((BR,), tl.float32)
     for i in range(total):
-        j = i + 1  # the next step's chunk: request it now
+        j = i + 1  # request the next step's chunks now
         rows_j = r0 + (j // per_block) * BR + tl.arange(0, BR)
-        kb_j = ((j // nsub) % nk) * KC
-        w_next = weight_rows(tl.where((j % nsub) == 1, w2_ptr, w_ptr), rows_j, rows_j < r1, K, kb_j, j < total,
-                             KC, ALIGN)
-        sub, kc, n = i % nsub, (i // nsub) % nk, (i // (nsub * nk)) % n_rows
-        rows = r0 + (i // per_block) * BR + tl.arange(0, BR)
-        rmask = rows < r1
-        xrow = n
-        orow = n
-        if xrows_div > 0:
-            pair = tl.load(xrows_ptr + n, cache_modifier=".cg")
-            xrow = pair // xrows_div
-            orow = pair
-        ks = tl.max_contiguous(tl.multiple_of(kc * KC + tl.arange(0, KC), ALIGN), KC)
-        x = tl.load(x_ptr + xrow.to(tl.int64) * aligned(x_ld, ALIGN) + ks, mask=ks < K, other=0.0,
-                    cache_modifier=".cg")
+        w_next = weight_rows(tl.where((j % nsub) == 1, w2_ptr, w_ptr), rows_j, rows_j < r1, K, ((j // nsub) % nk) * KC,
+                             j < total, KC, ALIGN)
+        x_next, orow_next = step_x(j, total, x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, nsub, nk, K, KC, ALIGN)
+        res_next = tl.load(res_ptr + orow_next * res_ld + rows_j, mask=(rows_j < r1) & use_res & (j < total),
+                           other=0.0, cache_modifier=".cg")  # the residual, if any, is ready too
         part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        sub, kc = i % nsub, (i // nsub) % nk
         if sub == 0:
             acc += part
         else:
             acc2 += part
         if (kc == nk - 1) & (sub == nsub - 1):  # this token's rows are complete
+            rows = r0 + (i // per_block) * BR + tl.arange(0, BR)
+            rmask = rows < r1
             y = acc
             if two:
                 y = silu(acc) * acc2
-            if use_res:
-                y += tl.load(res_ptr + orow * res_ld + rows, mask=rmask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + orow.to(tl.int64) * out_ld + rows, y, mask=rmask)
+            tl.store(out_ptr + orow.to(tl.int64) * out_ld + rows, y + res, mask=rmask)
             acc = tl.zeros((BR,), tl.float32)
             acc2 = tl.zeros((BR,), tl.float32)
-        w = w_next
+        w, x, orow, res = w_next, x_next, orow_next, res_next
 
 
 @triton.jit
