@@ -55,7 +55,7 @@ def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | N
         passes.append(fuse(graph, opts.fusion_rules))
     graph.renumber()
     graph.prune()
-    mem = plan_memory(graph, reuse=opts.reuse_memory, weights=canonical_weights(cfg))
+    mem = plan_memory(graph, reuse=opts.reuse_memory, weights=canonical_weights(cfg, shape.helper_slots))
     passes.append({"pass": "memory", "A_bytes": mem.sizes["A"] * 4, "I_bytes": mem.sizes["I"] * 4,
                    "unshared_bytes": mem.activation_bytes_unshared, "reused_blocks": mem.reused,
                    "W_elements": mem.sizes["W"], "WF_elements": mem.sizes["WF"]})
@@ -105,11 +105,12 @@ def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | N
     return plan
 
 
-def canonical_weights(cfg: ModelConfig) -> list:
-    """The weight arena order shared by every plan of a model: a one-token decode step with
-    every MTP layer, as the unfused graph first reads them."""
+def canonical_weights(cfg: ModelConfig, helper_slots: int = -1) -> list:
+    """The weight arena's order for every plan of a model: the order in which one decode step
+    and every MTP layer, as the unfused graph first reads them.  Helper plans (helper_slots >= 0)
+    have their own layout: one arena of main expert slots instead of every layer's experts."""
     n = cfg.num_nextn_predict_layers
-    return weight_order(lower(cfg, StepShape(T=1, B=1, max_len=1 + n, mtp_passes=n)))
+    return weight_order(lower(cfg, StepShape(T=1, B=1, max_len=1 + n, mtp_passes=n, helper_slots=helper_slots)))
 
 
 def _wait_list(op: Op, deps: dict[int, set[int]], anc: list[int], ntasks: dict[int, int]) -> list[tuple[int, int]]:

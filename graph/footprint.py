@@ -194,7 +194,7 @@ def footprint(task: Decoded) -> list[Access]:
     elif name == "EXPERT_LINEAR":
         N, K, k, S, r0, r1 = f["N"], f["K"], f["topk"], f["S"], f["r0"], f["r1"]
         out += _acc(task, "x", 0, N if task.has("GATHER") else N * k, 0, K, False)
-        out += _flat(task, "st", 0, 2 * S + S * N * k, False)
+        out += _flat(task, "st", 0, 2 * S + S * N * k, False) + _flat(task, "map", 0, f["E"], False)
         out += _acc(task, "out", 0, N * k, r0, r1, True,
                     exclusive=(task.signal, "slot", f["st.off"], f["out.off"], f["slot"], f["slot"] + 1))
     elif name == "MOE_COMBINE":
@@ -252,6 +252,15 @@ def footprint(task: Decoded) -> list[Access]:
         T, b0, b1, cols = f["T"], f["b0"], f["b1"], f["cols"]
         out += _acc(task, "src", b0 * T, b1 * T, 0, cols, False)  # the row chosen at run time
         out += _flat(task, "idx", b0, b1, False) + _acc(task, "out", b0, b1, 0, cols, True)
+    elif name == "HELPER_CALL":
+        N, k, S = f["N"], f["topk"], f["S"]
+        out += _flat(task, "st", 0, 2 * S + S * N * k, False) + _flat(task, "map", 0, f["E"], False)
+        out += _acc(task, "x", 0, N, 0, f["K"], False)
+        out += _flat(task, "st2", 0, 2 * S + S * N * k, True) + _flat(task, "mail", 0, 2, True)
+    elif name == "HELPER_WAIT":
+        P, H = f["N"] * f["topk"], f["H"]
+        out += _acc(task, "y", 0, P, 0, H, False, ld=H) + _flat(task, "mail", 0, 2, False)
+        out += _acc(task, "out", 0, P, 0, H, True, ld=H)
     else:
         raise ValueError(f"no footprint for opcode {name}")
     return [a for a in out if not a.empty]

@@ -94,7 +94,8 @@ _OPS = [
     Opcode("ROUTE", 11, _f("lg* sc+ bias+ ids+ wts+ st+ N E topk n_group topk_group scale S"),
            ("SCORE", "TOPK", "SLOTS", "SIGMOID", "NOAUX", "GROUPED", "NORM")),
     # rows of expert slot_expert[slot]'s weights r0..r1 applied to the tokens routed to `slot`
-    Opcode("EXPERT_LINEAR", 12, _f("x* w+ w2+ w_es out* st+ N K r0 r1 slot S topk"),
+    # with a map (helper plans): the weights sit in main slot map[expert] of a shared arena
+    Opcode("EXPERT_LINEAR", 12, _f("x* w+ w2+ w_es out* st+ N K r0 r1 slot S topk map+ E"),
            ("GATHER", "SCATTER", "SILU_MUL")),
     # out[r] = sum_j wts[r, j] · y[r·topk + j] (+ shared[r]) (+ res[r]) in j order
     Opcode("MOE_COMBINE", 13, _f("y+ wts+ sh* res* out* H topk r0 r1"), ("SHARED", "RES")),
@@ -118,6 +119,11 @@ _OPS = [
                             "T b0 b1"), ("GREEDY", "ALL", "SAMPLE")),
     # out[b, :cols] = src[b·T + idx[b], :cols] for b in b0..b1 (fp32, or int32 with INT)
     Opcode("GATHER", 19, _f("src* idx+ out* T cols b0 b1"), ("INT",)),
+    # st2 = st without the slots whose expert map[e] sends to the helper; those slots' token rows
+    # x (N x K), expert ids and a sequence number are published: mail = [seq, helper slots]
+    Opcode("HELPER_CALL", 20, _f("st+ map+ x* st2+ mail+ N K E topk S layer")),
+    # out = y, then the helper's rows (acknowledged call mail[0], waited for with a bound) merged in
+    Opcode("HELPER_WAIT", 21, _f("y+ mail+ out+ N H topk layer")),
 ]
 
 OPCODES: dict[str, Opcode] = {op.name: op for op in _OPS}

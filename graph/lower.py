@@ -34,6 +34,11 @@ class StepShape:
     prefill: bool = False  # speculative prefill chunk: every input token is given (all accepted)
     temperature: float = 1.0  # accept == "sample"
     top_p: float = 1.0
+    helper_slots: int = -1  # >= 0: routed experts sit in this many main slots, the rest on a helper
+
+    @property
+    def helper(self) -> bool:
+        return self.helper_slots >= 0
 
     @property
     def N(self) -> int:
@@ -110,6 +115,15 @@ class _Lowering:
                     parts.append((f"{p}{e}.{proj}.weight", e * 3 * I * H + j * I * H))
             self.g.add_tensor(Tensor(name, Buf.W, self.cfg.n_routed_experts, 3 * I * H, role="weight",
                                      parts=tuple(parts)))
+        return name
+
+    def main_experts(self) -> str:
+        """Helper plans: one arena of helper_slots expert slots (row = gate | up | down) shared by
+        every MoE layer; which expert sits in which slot is a run-time input (the expert maps)."""
+        name = "experts.main"
+        if name not in self.g.tensors:
+            I, H = self.cfg.moe_intermediate_size, self.cfg.hidden_size
+            self.g.add_tensor(Tensor(name, Buf.W, max(1, self.shape.helper_slots), 3 * I * H, role="weight"))
         return name
 
     def rope_const(self, layer: int) -> tuple[str, float]:
@@ -275,13 +289,26 @@ class _Lowering:
                   layer=layer, **dims)
         self.emit("ROUTE", f"{L}.slots", ("SLOTS",) + kinds, reads={"ids": ids}, writes={"st": table},
                   layer=layer, **dims)
-        experts = self.experts(layer)
         pairs = N * k  # expert rows are (token, k) pairs: row = token·k + kidx
+        extra = {}
+        if self.shape.helper:
+            experts = self.main_experts()
+            emap = f"in.L{layer}.expert_map"  # MTP passes lower the same layer again: one map per layer
+            if emap not in self.g.tensors:
+                self._io(emap, 1, "input", cols=E)
+            main_table = self.act(f"{L}.slots_main", 1, 2 * slots + slots * N * k, Buf.I)
+            mail = self.act(f"{L}.helper_mail", 1, 2, Buf.I)
+            self.emit("HELPER_CALL", f"{L}.helper_call", reads={"st": table, "map": emap, "x": h},
+                      writes={"st2": main_table, "mail": mail}, layer=layer, N=N, K=H, E=E, topk=k, S=slots)
+            table, extra = main_table, {"map": emap}
+        else:
+            experts = self.experts(layer)
 
         def expert(label, x, col0, rows, K, flags):
             out = self.act(f"{L}.{label}", pairs, rows)
-            self.emit("EXPERT_LINEAR", f"{L}.{label}", flags, reads={"x": x, "w": View(experts, col0), "st": table},
-                      writes={"out": out}, layer=layer, N=N, K=K, rows=rows, S=slots, topk=k, w_es=3 * I * H)
+            self.emit("EXPERT_LINEAR", f"{L}.{label}", flags,
+                      reads={"x": x, "w": View(experts, col0), "st": table, **extra},
+                      writes={"out": out}, layer=layer, N=N, K=K, rows=rows, S=slots, topk=k, w_es=3 * I * H, E=E)
             return out
 
         g = expert("expert_gate", h, 0, I, H, ("GATHER",))
@@ -289,6 +316,11 @@ class _Lowering:
         s = self.ewise("SILU", f"{L}.expert_silu", g, None, I, rows=pairs, layer=layer)
         m = self.ewise("MUL", f"{L}.expert_mul", s, u, I, rows=pairs, layer=layer)
         y = expert("expert_down", m, 2 * I * H, H, I, ())
+        if self.shape.helper:
+            merged = self.act(f"{L}.expert_rows", pairs, H)
+            self.emit("HELPER_WAIT", f"{L}.helper_wait", reads={"y": y, "mail": mail}, writes={"out": merged},
+                      layer=layer, N=N, H=H, topk=k)
+            y = merged
         out = self.act(f"{L}.combine", N, H)
         self.emit("MOE_COMBINE", f"{L}.combine", reads={"y": y, "wts": wts}, writes={"out": out}, layer=layer,
                   H=H, topk=k, rows=N)

@@ -178,6 +178,15 @@ class Tiler:
         a = op.attrs
         return [Tile({"b0": 0, "b1": a["B"]}, 0, 16 * a["B"] * a["T"], a["B"] * a["T"])]
 
+    def tile_helper_call(self, op):
+        a = op.attrs
+        table = 2 * a["S"] + a["S"] * a["N"] * a["topk"]
+        return [Tile({"layer": op.layer}, 0, 4 * (2 * table + a["E"] + a["N"] * a["K"]), table)]
+
+    def tile_helper_wait(self, op):
+        a = op.attrs
+        return [Tile({"layer": op.layer}, 0, 8 * a["N"] * a["topk"] * a["H"], a["N"] * a["topk"] * a["H"])]
+
     def tile_gather(self, op):
         a = op.attrs
         return [Tile({"b0": 0, "b1": a["B"]}, 0, 8 * a["B"] * a["cols"], a["B"] * a["cols"])]

@@ -8,6 +8,7 @@ Backends run one step of T tokens for B sequences at given cache lengths:
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
@@ -58,12 +59,28 @@ class InterpreterBackend:
         self.plans: dict[StepShape, Plan] = {}
         self.runners: dict[StepShape, object] = {}
         self.compile_s = 0.0
+        self.helper = None  # helper_card.setup.Helper: routed experts partly on a helper
+        self.helper_steps: list[dict] = []
+
+    def set_helper(self, helper) -> None:
+        if self.runners:
+            raise RuntimeError("attach the helper before the first plan is built")
+        self.helper = helper
 
     def shape(self, T: int) -> StepShape:
         return StepShape(T=T, B=self.batch, max_len=self.max_len)
 
+    def _with_helper(self, shape: StepShape) -> StepShape:
+        slots = self.helper.capacity if self.helper is not None else -1
+        return shape if shape.helper_slots == slots else dataclasses.replace(shape, helper_slots=slots)
+
+    def step_done(self, decode: bool) -> None:
+        """A step boundary: helper metrics and expert migration (the next step sees the flips)."""
+        if self.helper is not None:
+            self.helper_steps.append(self.helper.end_step(decode))
+
     def plan(self, shape: StepShape | int) -> Plan:
-        shape = self.shape(shape) if isinstance(shape, int) else shape
+        shape = self._with_helper(self.shape(shape) if isinstance(shape, int) else shape)
         if shape not in self.plans:
             t0 = time.perf_counter()
             self.plans[shape] = compile_step(self.cfg, shape, self.options)
@@ -71,10 +88,12 @@ class InterpreterBackend:
         return self.plans[shape]
 
     def runner(self, shape: StepShape | int):
-        shape = self.shape(shape) if isinstance(shape, int) else shape
+        shape = self._with_helper(self.shape(shape) if isinstance(shape, int) else shape)
         if shape not in self.runners:
             share = next(iter(self.runners.values())).mem if self.runners else None
             self.runners[shape] = self.build(self.plan(shape), None if share else self.weights, share)
+            if self.helper is not None:
+                self.helper.attach(self.runners[shape])
         return self.runners[shape]
 
     def build(self, plan: Plan, weights, share):
@@ -87,6 +106,7 @@ class InterpreterBackend:
 
     def run(self, tokens: torch.Tensor, lens: torch.Tensor) -> StepLogits:
         out = self.runner(tokens.shape[1]).step(tokens, lens, order=self.order, rng=self.rng)
+        self.step_done(decode=tokens.shape[1] == 1)
         return StepLogits(out.logits, out.hidden)
 
     def cache_data(self) -> torch.Tensor:
@@ -107,6 +127,7 @@ class MegakernelBackend(InterpreterBackend):
 
     def run(self, tokens: torch.Tensor, lens: torch.Tensor) -> StepLogits:
         out = self.runner(tokens.shape[1]).step(tokens, lens)
+        self.step_done(decode=tokens.shape[1] == 1)
         return StepLogits(out.logits, out.hidden)
 
 
@@ -207,13 +228,22 @@ class Engine:
 
 def make_engine(cfg: ModelConfig, weights, backend: str, batch: int, max_len: int, device, dtype,
                 workers: int = 8, check: bool = False, order: str = "queue", seed: int = 0,
-                options: CompileOptions | None = None) -> Engine:
+                options: CompileOptions | None = None, helper=None) -> Engine:
+    """helper: a helper_card.setup.HelperOptions (experts partly on a helper), or None."""
     device = torch.device(device)
     if backend == "reference":
+        if helper is not None and helper.enabled:
+            raise ValueError("--helper needs a compiled backend (interpret), not the reference")
         impl = ReferenceBackend(cfg, weights, batch, max_len, device, dtype)
     elif backend in BACKENDS:
         impl = BACKENDS[backend](cfg, weights, batch, max_len, device, dtype,
                                  options or CompileOptions(workers=workers), order, seed)
+        if helper is not None and helper.enabled:
+            from helper_card.setup import Helper
+            if backend != "interpret":
+                raise ValueError("--helper runs on the interpret backend for now: the megakernel has no device-side "
+                                 "mailbox yet")
+            impl.set_helper(Helper(cfg, weights, helper, device, dtype or next(iter(weights.values())).dtype))
     else:
         raise ValueError(f"unknown backend {backend!r} (reference, interpret, megakernel)")
     engine = Engine(cfg, impl, batch, max_len, device)

@@ -61,8 +61,19 @@ class Interpreter(PlanRunner):
         self.mem.io_view("in.cache_lens").copy_(cache_lens.reshape(-1, 1).to(torch.int32))
         write_follow(self.mem, self.plan, follow, seeds)
         self.epoch += 1
-        self._run(order, rng or random.Random(0), stop_after)
+        try:
+            self._run(order, rng or random.Random(0), stop_after)
+        except Exception:
+            self._settle()  # a task raised (e.g. a helper timeout): the next step must still be able to run
+            raise
         return self.result()
+
+    def _settle(self) -> None:
+        """Counters as if this epoch had completed, so the next step's waits mean what they should."""
+        for t in self.tasks:
+            self.counters[t.signal] = 0
+        for t in self.tasks:
+            self.counters[t.signal] += self.epoch
 
     def _ready(self, i: int) -> bool:
         return all(self.counters[c] >= self.epoch * n for c, n in self.tasks[i].waits)

@@ -66,8 +66,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", metavar="PATH",
                    help="megakernel backend: profile one more decode step and write PATH (Perfetto/Chrome trace, "
                         "one track per worker), PATH with .png (timeline) and a per-op table into --json")
+    p.add_argument("--helper", default="none", metavar="KIND",
+                   help="routed experts partly on a helper: none (default), cpu (a host worker thread), emulate "
+                        "(same device, for tests), cuda:N (not built yet); interpret backend only for now")
+    p.add_argument("--helper-fraction", type=float, default=0.5,
+                   help="share of routed experts placed on the helper (default 0.5)")
+    p.add_argument("--migrate", choices=["on", "off"], default="off",
+                   help="move hot experts to main slots in the background, by windowed routing counts")
+    p.add_argument("--helper-timeout", type=float, default=1.0,
+                   help="seconds the main side waits for a helper answer before the error (default 1)")
+    p.add_argument("--helper-fallback", action="store_true",
+                   help="on a helper timeout, recompute its experts on the main side instead of failing")
     p.add_argument("--json", metavar="PATH", help="also write machine-readable results to PATH")
     return p.parse_args(argv)
+
+
+def helper_options(args):
+    from helper_card.setup import HelperOptions
+    return HelperOptions(kind=args.helper, fraction=args.helper_fraction, migrate=args.migrate == "on",
+                         timeout_s=args.helper_timeout, fallback=args.helper_fallback)
+
+
+def helper_report(backend) -> dict | None:
+    """The `helper` object of --json: placement, and per-step metrics summed and per step."""
+    h = getattr(backend, "helper", None)
+    if h is None:
+        return None
+    steps = backend.helper_steps
+    total = {k: sum(s[k] for s in steps) for k in ("rows", "calls", "skipped", "exposed_wait_ms", "fallbacks",
+                                                     "moves")} if steps else {}
+    return {"kind": h.opts.kind, "fraction": h.opts.fraction, "main_slots": h.capacity,
+            "placement_digest": h.placement.digest(), "helper_share_now": h.placement.helper_share,
+            "migrate": h.opts.migrate, "steps": len(steps), "totals": total,
+            "bytes_migrated": h.copier.bytes_moved if h.copier else 0, "per_step": steps}
+
+
+def print_helper(report: dict | None) -> None:
+    if report is None:
+        return
+    t, n = report["totals"], max(1, report["steps"])
+    print(f"  helper {report['kind']}: {report['fraction']:.0%} of routed experts placed there "
+          f"({report['main_slots']} main slots, map {report['placement_digest']}); per step: "
+          f"{t.get('rows', 0) / n:.1f} rows, {t.get('calls', 0) / n:.1f} calls, {t.get('skipped', 0) / n:.1f} layers "
+          f"skipped, {t.get('exposed_wait_ms', 0) / n:.2f} ms exposed wait; {t.get('moves', 0)} experts migrated "
+          f"({report['bytes_migrated'] / 1e6:.1f} MB), helper share now {report['helper_share_now']:.0%}")
 
 
 def resolve_config(name: str) -> tuple[ModelConfig, Path | None]:
@@ -152,7 +194,8 @@ def run_speculative(args, name, cfg, weights, source, backend, device, dtype, op
         oracle, _ = plain.generate(prompt, args.steps + args.spec_k + 1)
     drafts = Drafts(args.draft, oracle, cfg.vocab_size, args.seed)
     decoder = SpeculativeDecoder(cfg, weights, args.spec_k, args.batch, room, device, dtype, backend, options=options,
-                                 temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+                                 temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                                 helper=helper_options(args))
     tokens, stats = decoder.generate(prompt, args.steps, drafts, eos=None)
     spec = stats.to_dict()
     result.update(weights=source, device=str(device), dtype=str(dtype).removeprefix("torch."), backend=backend,
@@ -170,6 +213,8 @@ def run_speculative(args, name, cfg, weights, source, backend, device, dtype, op
           f"(tokens emitted / wall time of the decode loop, host work included)")
     for b, row in enumerate(tokens):
         print(f"  sequence {b}: {row}")
+    result["helper"] = helper_report(decoder.engine)
+    print_helper(result["helper"])
     return result
 
 
@@ -200,7 +245,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.spec_k is not None:
         return run_speculative(args, name, cfg, weights, source, backend, device, dtype, options, result)
     engine = make_engine(cfg, weights, backend, args.batch, max_len, device, dtype, workers=args.workers,
-                         check=args.check, seed=args.seed, options=options)
+                         check=args.check, seed=args.seed, options=options, helper=helper_options(args))
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt_len), generator=gen).to(device)
     setup_s = engine.warm(args.prompt_len)
@@ -230,6 +275,8 @@ def run(args: argparse.Namespace) -> dict:
           f"({result['tokens_per_s'] or 0:.1f} tokens/s)")
     for b, row in enumerate(result["tokens"]):
         print(f"  sequence {b}: {row}")
+    result["helper"] = helper_report(engine.backend)
+    print_helper(result["helper"])
     if backend == "megakernel" and device.type == "cuda":
         result.update(measure_megakernel(engine, args.profile))
         print(f"  launches per step (measured): {result['launches_per_step']:.0f} "
@@ -251,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         result = run(args)
-    except (ConfigError, CheckpointError, CacheOverflowError, ValueError) as e:
+    except (ConfigError, CheckpointError, CacheOverflowError, ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:

@@ -40,7 +40,7 @@ OPERAND_BUFFERS = {
     "ATTENTION": {"q": Buf.A, "pe": Buf.A, "cache": Buf.C, "cl": Buf.I, "op": Buf.A, "lse": Buf.A},
     "ATTN_COMBINE": {"op": Buf.A, "lse": Buf.A, "out": Buf.A},
     "ROUTE": {"lg": Buf.A, "sc": Buf.A, "bias": Buf.WF, "ids": Buf.I, "wts": Buf.A, "st": Buf.I},
-    "EXPERT_LINEAR": {"x": Buf.A, "w": Buf.W, "w2": Buf.W, "out": Buf.A, "st": Buf.I},
+    "EXPERT_LINEAR": {"x": Buf.A, "w": Buf.W, "w2": Buf.W, "out": Buf.A, "st": Buf.I, "map": Buf.I},
     "MOE_COMBINE": {"y": Buf.A, "wts": Buf.A, "sh": Buf.A, "res": Buf.A, "out": Buf.A},
     "HC_COEFF": {"st": Buf.A, "fn": Buf.WF, "base": Buf.WF, "scale": Buf.WF, "mix": Buf.A, "craw": Buf.A,
                  "coef": Buf.A, "out": Buf.A},
@@ -71,6 +71,9 @@ ERR_HEADER, ERR_PER_WORKER = common.ERR_HEADER.value, common.ERR_PER_WORKER.valu
 
 def check_operand_buffers(plan: Plan, tasks: list[Decoded]) -> None:
     for i, t in enumerate(tasks):
+        if t.op.name in ("HELPER_CALL", "HELPER_WAIT"):
+            raise MegakernelError("experts on a helper run on the plan interpreter only for now (the device-side "
+                                  "mailbox is not built); use --backend interpreter with --helper")
         if t.op.name == "ACCEPT" and t.has("SAMPLE"):
             raise MegakernelError("speculative sampling runs on the plan interpreter only for now (greedy runs on the "
                                   "megakernel)")

@@ -99,8 +99,9 @@ class SpeculativeDecoder:
     def __init__(self, cfg: ModelConfig, weights, k: int, batch: int, max_len: int, device="cpu",
                  dtype: torch.dtype | None = None, backend: str = "interpret", workers: int = 8,
                  options: CompileOptions | None = None, max_chunk: int = 8, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0):
-        """temperature 0: greedy; > 0: speculative sampling (lossless: the target distribution)."""
+                 top_p: float = 1.0, seed: int = 0, helper=None):
+        """temperature 0: greedy; > 0: speculative sampling (lossless: the target distribution).
+        helper: a helper_card.setup.HelperOptions (routed experts partly on a helper), or None."""
         if not 0 <= k <= 7:
             raise ValueError(f"--spec-k must be within 0..7, got {k}")
         self.accept = "sample" if temperature > 0 else "greedy"
@@ -111,6 +112,13 @@ class SpeculativeDecoder:
         self.cfg, self.k, self.batch, self.max_len, self.max_chunk = cfg, k, batch, max_len, max_chunk
         self.engine = BACKENDS[backend](cfg, weights, batch, max_len, torch.device(device), dtype,
                                         options or CompileOptions(workers=workers))
+        if helper is not None and helper.enabled:
+            from helper_card.setup import Helper
+            if backend != "interpret":
+                raise ValueError("--helper runs on the interpret backend for now: the megakernel has no device-side "
+                                 "mailbox yet")
+            self.engine.set_helper(Helper(cfg, weights, helper, torch.device(device),
+                                          dtype or next(iter(weights.values())).dtype))
 
     def runner(self, T: int, prefill: bool):
         return self.engine.runner(StepShape(T=T, B=self.batch, max_len=self.max_len, speculative=True,
@@ -145,6 +153,7 @@ class SpeculativeDecoder:
             chunk = prompts[:, start:start + c]
             follow = prompts[:, start + c] if n + 1 < len(chunks) else torch.full((B,), -1)
             out = self.runner(c, True).step(chunk, lens, follow=follow, seeds=self._seeds())
+            self.engine.step_done(decode=False)
             lens = out.next_lens.cpu()
             start += c
         produced = [[int(out.next_tokens[b, 0])] for b in range(B)]
@@ -155,6 +164,7 @@ class SpeculativeDecoder:
         while not all(done):
             t0 = time.perf_counter()
             out = self.runner(self.k + 1, False).step(tokens, lens, seeds=self._seeds())
+            self.engine.step_done(decode=True)
             stats.step_seconds.append(time.perf_counter() - t0)
             stats.steps += 1
             for b in range(B):

@@ -3,7 +3,7 @@ interpreter, in PyTorch) beside its GPU body.  REFERENCE maps opcode names to th
 
 from __future__ import annotations
 
-from . import argmax, attention, elementwise, embed, head_matmul, linear, mhc, moe, norm, rope, spec
+from . import argmax, attention, elementwise, embed, head_matmul, helper, linear, mhc, moe, norm, rope, spec
 
 REFERENCE = {
     "EMBED": embed.reference,
@@ -25,4 +25,6 @@ REFERENCE = {
     "ARGMAX": argmax.reference,
     "ACCEPT": spec.reference_accept,
     "GATHER": spec.reference_gather,
+    "HELPER_CALL": helper.reference_call,
+    "HELPER_WAIT": helper.reference_wait,
 }

@@ -80,6 +80,17 @@ def slot_pairs(task, mem, slot: int) -> tuple[int, torch.Tensor]:
     return expert, mem.flat(task, "st", 2 * S + slot * P, count).long()
 
 
+def main_slot(task, mem, expert: int) -> int:
+    """Where the expert's weights sit: its own row, or (helper plans) the main slot its map names."""
+    if not mem.present(task, "map"):
+        return expert
+    slot = int(mem.flat(task, "map", expert, 1)[0])
+    if slot < 0:
+        raise RuntimeError(f"expert {expert} reached a main expert task, but its map entry is {slot} (not on main); "
+                           "was the expert map written before the step?")
+    return slot
+
+
 def reference_expert(task, mem) -> None:
     expert, pairs = slot_pairs(task, mem, task["slot"])
     if expert < 0:
@@ -88,7 +99,7 @@ def reference_expert(task, mem) -> None:
     rows = pairs // task["topk"] if task.has("GATHER") else pairs
     x_all = mem.mat(task, "x", int(rows.max()) + 1, K).float()
     x = x_all[rows]
-    base = expert * task["w_es"]
+    base = main_slot(task, mem, expert) * task["w_es"]
     w = mem.mat(task, "w", r1 - r0, K, row0=r0, col0=base, ld=K).float()
     y = x @ w.T
     if task.has("SILU_MUL"):

@@ -1,0 +1,137 @@
+"""Helper backends behind one interface: where the helper's experts are computed.
+
+- `emulate`: on the main device, by the same code (tests: every protocol path, bit-exact).
+- `cpu`: a worker thread on the host's own copy of the experts; rows travel through host
+  memory (pinned when the main side is a GPU).  Bit-exact with a CPU main side; against a
+  GPU main side the CPU's fp32 matmuls differ in rounding (within bf16 tolerance).
+- `cuda:N` (a second GPU running a persistent loop) needs the device-side mailbox: not built.
+
+Every backend answers `submit` at once and `result` within a bound (HelperTimeout otherwise),
+and checks the placement digest before the first call.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import torch
+
+from .link import HelperTimeout
+from .placement import Placement
+
+
+class HelperBackend:
+    """`store`: the helper's copy of every routed expert ([layers·E, 3·I·H], on the helper's device).
+    Calls carry the program (helper_card.link.HelperProgramRunner) of the plan that published them."""
+
+    name = "helper"
+
+    def __init__(self, store: torch.Tensor, placement: Placement):
+        self.store = store
+        self.placement = placement.copy()  # the helper's own copy of the map, checked against main's
+        self.stall_s = 0.0  # test hook: the helper stops answering for this long
+
+    def digest(self, placement: Placement) -> str:
+        """The helper's own digest of the map it was given (compared by the main side)."""
+        return self.placement.digest()
+
+    def set_placement(self, placement: Placement) -> None:
+        self.placement = placement.copy()
+
+    def submit(self, job, layer: int, seq: int, slots, x) -> None:
+        """Queue call `seq` of `layer`: job(slots, x) computes its rows (the plan's program for the call)."""
+        raise NotImplementedError
+
+    def result(self, layer: int, seq: int, timeout_s: float):
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class EmulatedHelper(HelperBackend):
+    """Computes at `result` time on the main device: deterministic, for tests of every path."""
+
+    name = "emulate"
+
+    def __init__(self, store, placement):
+        super().__init__(store, placement)
+        self.calls: dict[tuple[int, int], tuple] = {}
+
+    def submit(self, job, layer, seq, slots, x):
+        self.calls[(layer, seq)] = (job, slots, x.detach().clone())
+
+    def result(self, layer, seq, timeout_s):
+        if self.stall_s > timeout_s:
+            time.sleep(timeout_s)
+            raise HelperTimeout(f"emulated helper: layer {layer} call {seq} unanswered after {timeout_s:.3f} s")
+        job, slots, x = self.calls.pop((layer, seq))
+        return job(slots, x)
+
+
+class CpuHelper(HelperBackend):
+    """A worker thread computing on host memory; answers land in a per-call slot."""
+
+    name = "cpu"
+
+    def __init__(self, store, placement):
+        super().__init__(store, placement)
+        self.inbox: queue.Queue = queue.Queue()
+        self.answers: dict[tuple[int, int], object] = {}
+        self.ready = threading.Condition()
+        self.thread = threading.Thread(target=self._serve, name="helper-cpu", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            item = self.inbox.get()
+            if item is None:
+                return
+            job, layer, seq, slots, x = item
+            if self.stall_s:
+                time.sleep(self.stall_s)
+            try:
+                answer = job([(e, p.cpu()) for e, p in slots], x)
+            except Exception as e:  # delivered to the waiting side, never swallowed
+                answer = e
+            with self.ready:
+                self.answers[(layer, seq)] = answer
+                self.ready.notify_all()
+
+    def submit(self, job, layer, seq, slots, x):
+        staged = x.detach().to("cpu", torch.float32).clone()
+        self.inbox.put((job, layer, seq, slots, staged))
+
+    def result(self, layer, seq, timeout_s):
+        deadline = time.perf_counter() + timeout_s
+        with self.ready:
+            while (layer, seq) not in self.answers:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    raise HelperTimeout(f"cpu helper: layer {layer} call {seq} unanswered after {timeout_s:.3f} s "
+                                        f"({self.inbox.qsize()} calls queued)")
+                self.ready.wait(left)
+            answer = self.answers.pop((layer, seq))
+            for key in [k for k in self.answers if k[0] == layer and k[1] < seq]:
+                del self.answers[key]  # late answers to calls that timed out
+        if isinstance(answer, Exception):
+            raise RuntimeError(f"cpu helper failed on layer {layer} call {seq}: {answer!r}") from answer
+        return answer
+
+    def close(self) -> None:
+        self.inbox.put(None)
+        self.thread.join(timeout=5)
+
+
+def make_backend(kind: str, store: torch.Tensor, placement: Placement) -> HelperBackend:
+    """kind: emulate (store stays where it is) | cpu (store copied to host memory) | cuda:N."""
+    if kind == "emulate":
+        return EmulatedHelper(store, placement)
+    if kind == "cpu":
+        return CpuHelper(store.to("cpu"), placement)
+    if kind.startswith("cuda:"):
+        raise NotImplementedError(f"--helper {kind}: a second-GPU helper needs the device-side mailbox protocol, "
+                                  f"which is not built yet (use cpu or emulate)")
+    raise ValueError(f"unknown helper backend {kind!r} (none, cpu, emulate, cuda:N)")

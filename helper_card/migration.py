@@ -1,0 +1,141 @@
+"""Which experts should move: windowed routing counts, a swap policy with hysteresis, and a
+skewed synthetic router (Zipf popularity, a hot set that shifts) for tests and benchmarks,
+since random weights route almost uniformly."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from .placement import HELPER, Placement
+
+
+class RoutingStats:
+    """Per-(layer, expert) routing counts over the last `window` steps.  Decode steps count 1 per
+    routed (token, k) pair; prefill chunks count `prefill_weight` (a long prompt should not
+    decide what decode keeps hot)."""
+
+    def __init__(self, layers: list[int], n_experts: int, window: int = 32, prefill_weight: float = 0.1):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.layers, self.n_experts, self.prefill_weight = list(layers), n_experts, prefill_weight
+        self.steps: deque[dict[int, np.ndarray]] = deque(maxlen=window)
+        self.current = self._zeros()
+
+    def _zeros(self) -> dict[int, np.ndarray]:
+        return {layer: np.zeros(self.n_experts) for layer in self.layers}
+
+    def add(self, layer: int, experts, counts) -> None:
+        """Rows routed to each of `experts` in `layer` during the current step."""
+        np.add.at(self.current[layer], np.asarray(experts, dtype=np.int64), np.asarray(counts, dtype=np.float64))
+
+    def end_step(self, decode: bool = True) -> None:
+        weight = 1.0 if decode else self.prefill_weight
+        self.steps.append({layer: weight * c for layer, c in self.current.items()})
+        self.current = self._zeros()
+
+    def observe(self, ids: dict[int, np.ndarray], decode: bool = True) -> None:
+        """A whole step at once: ids[layer] are the expert ids its tokens were routed to (any shape)."""
+        for layer, chosen in ids.items():
+            chosen = np.asarray(chosen).reshape(-1)
+            self.add(layer, np.arange(self.n_experts), np.bincount(chosen, minlength=self.n_experts)[: self.n_experts])
+        self.end_step(decode)
+
+    def counts(self) -> dict[int, np.ndarray]:
+        out = self._zeros()
+        for step in self.steps:
+            for layer, c in step.items():
+                out[layer] += c
+        return out
+
+
+@dataclass(frozen=True)
+class Move:
+    """Put (layer, expert) into main slot `slot`; `evict` is the (layer, expert) leaving it, if any."""
+
+    layer: int
+    expert: int
+    slot: int
+    evict: tuple[int, int] | None
+
+
+@dataclass
+class MigrationPolicy:
+    """Promote the hottest helper experts into free slots, or in place of the coldest main experts
+    when the newcomer's windowed count exceeds the incumbent's by `margin` (ratio) and `min_gain`
+    (absolute): hysteresis, so two experts of similar heat do not swap back and forth.  At most
+    `max_moves` per step bounds the copy traffic."""
+
+    margin: float = 1.5
+    min_gain: float = 2.0
+    max_moves: int = 2
+
+    def plan(self, placement: Placement, counts: dict[int, np.ndarray], busy: set[int] = frozenset()) -> list[Move]:
+        """Moves for this step boundary; slots in `busy` (a copy in flight) are left alone."""
+        hot = sorted(((float(counts[layer][e]), layer, e) for layer in placement.tables
+                      for e in placement.helper_experts(layer) if counts[layer][e] > 0),
+                     key=lambda item: (-item[0], item[1], item[2]))
+        free = [s for s in placement.free_slots() if s not in busy]
+        cold = sorted(((float(counts[layer][e]), slot, layer, e)
+                       for slot, (layer, e) in placement.main_experts().items() if slot not in busy),
+                      key=lambda item: (item[0], item[1]))
+        moves: list[Move] = []
+        for heat, layer, e in hot:
+            if len(moves) >= self.max_moves:
+                break
+            if free:
+                moves.append(Move(layer, e, free.pop(0), None))
+                continue
+            if not cold:
+                break
+            cold_heat, slot, cl, ce = cold[0]
+            if heat >= self.margin * cold_heat + self.min_gain:
+                moves.append(Move(layer, e, slot, (cl, ce)))
+                cold.pop(0)
+            else:
+                break  # the hottest candidate cannot displace the coldest incumbent: nothing colder helps
+        return moves
+
+
+def apply_moves(placement: Placement, moves: list[Move]) -> Placement:
+    """The placement after `moves` (a new object: the old one stays valid for the step in flight)."""
+    new = placement.copy()
+    for m in moves:
+        if m.evict is not None:
+            new.tables[m.evict[0]][m.evict[1]] = HELPER
+        new.tables[m.layer][m.expert] = m.slot
+    new.check()
+    return new
+
+
+class SkewedRouter:
+    """Synthetic routing: expert popularity follows Zipf(a) over a per-layer permutation that is
+    redrawn every `shift_every` steps (the hot set moves, as when a session changes topic)."""
+
+    def __init__(self, layers: list[int], n_experts: int, top_k: int, a: float = 1.2, shift_every: int = 0,
+                 seed: int = 0):
+        self.layers, self.n_experts, self.top_k, self.shift_every = list(layers), n_experts, top_k, shift_every
+        self.rng = np.random.default_rng(seed)
+        ranks = np.arange(1, n_experts + 1, dtype=np.float64)
+        self.p = ranks ** -a / (ranks ** -a).sum()
+        self.step = 0
+        self._reshuffle()
+
+    def _reshuffle(self) -> None:
+        self.perm = {layer: self.rng.permutation(self.n_experts) for layer in self.layers}
+
+    def hot_set(self, layer: int, n: int) -> set[int]:
+        return {int(e) for e in self.perm[layer][:n]}
+
+    def route(self, tokens: int) -> dict[int, np.ndarray]:
+        """[tokens, top_k] distinct expert ids per layer for one step."""
+        if self.shift_every and self.step and self.step % self.shift_every == 0:
+            self._reshuffle()
+        self.step += 1
+        out = {}
+        for layer in self.layers:
+            picks = [self.rng.choice(self.n_experts, size=self.top_k, replace=False, p=self.p) for _ in range(tokens)]
+            out[layer] = self.perm[layer][np.array(picks)]
+        return out

@@ -1,0 +1,93 @@
+"""Where each routed expert lives: a main-GPU slot or the helper.
+
+The main GPU holds `capacity` expert slots (one arena for all MoE layers, each
+slot one expert's gate | up | down); every other (layer, expert) lives on the
+helper.  The step reads the placement as one int32 table per layer (expert ->
+main slot, or HELPER), so moving an expert is a table flip at a step boundary
+and never a recompile.  Both sides check the same digest at start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+HELPER = -1  # table value of an expert the helper computes
+
+
+@dataclass
+class Placement:
+    """tables[layer][expert] = main slot id (0 <= id < capacity) or HELPER."""
+
+    capacity: int
+    tables: dict[int, np.ndarray] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, counts: dict[int, np.ndarray], capacity: int) -> "Placement":
+        """The `capacity` experts with the highest counts go to main (ties: lower layer, then lower
+        expert id, so the map is a pure function of the counts); slots are dealt in that order."""
+        experts = sum(len(c) for c in counts.values())
+        if not 0 <= capacity <= experts:
+            raise ValueError(f"capacity {capacity} must be between 0 and the {experts} routed experts")
+        order = sorted(((float(c[e]), layer, e) for layer, c in counts.items() for e in range(len(c))),
+                       key=lambda item: (-item[0], item[1], item[2]))
+        tables = {layer: np.full(len(c), HELPER, dtype=np.int32) for layer, c in counts.items()}
+        for slot, (_, layer, e) in enumerate(order[:capacity]):
+            tables[layer][e] = slot
+        return cls(capacity, tables)
+
+    @classmethod
+    def with_fraction(cls, layers: list[int], n_experts: int, helper_fraction: float,
+                      counts: dict[int, np.ndarray] | None = None) -> "Placement":
+        """A placement that leaves `helper_fraction` of all routed experts on the helper."""
+        if not 0.0 <= helper_fraction <= 1.0:
+            raise ValueError(f"helper fraction must be in [0, 1], got {helper_fraction}")
+        total = len(layers) * n_experts
+        counts = counts or {layer: np.zeros(n_experts) for layer in layers}
+        return cls.build(counts, total - round(helper_fraction * total))
+
+    # ---- queries -------------------------------------------------------------
+    def on_helper(self, layer: int, expert: int) -> bool:
+        return int(self.tables[layer][expert]) == HELPER
+
+    def helper_experts(self, layer: int) -> list[int]:
+        return [int(e) for e in np.flatnonzero(self.tables[layer] == HELPER)]
+
+    def main_experts(self) -> dict[int, tuple[int, int]]:
+        """slot -> (layer, expert) for every occupied main slot."""
+        return {int(s): (layer, int(e)) for layer, t in self.tables.items() for e, s in enumerate(t) if s != HELPER}
+
+    def free_slots(self) -> list[int]:
+        used = set(self.main_experts())
+        return [s for s in range(self.capacity) if s not in used]
+
+    @property
+    def helper_share(self) -> float:
+        total = sum(len(t) for t in self.tables.values())
+        return sum(int((t == HELPER).sum()) for t in self.tables.values()) / max(1, total)
+
+    def digest(self) -> str:
+        """A hash of the whole map; the main side and the helper compare it before the first step."""
+        h = hashlib.sha256(f"capacity={self.capacity}".encode())
+        for layer in sorted(self.tables):
+            h.update(f"|{layer}:".encode())
+            h.update(np.ascontiguousarray(self.tables[layer], dtype="<i4").tobytes())
+        return h.hexdigest()[:16]
+
+    def copy(self) -> "Placement":
+        return Placement(self.capacity, {layer: t.copy() for layer, t in self.tables.items()})
+
+    def check(self) -> None:
+        """Every main slot holds at most one expert and lies inside the arena."""
+        seen: dict[int, tuple[int, int]] = {}
+        for layer, t in self.tables.items():
+            for e, s in enumerate(t.tolist()):
+                if s == HELPER:
+                    continue
+                if not 0 <= s < self.capacity:
+                    raise ValueError(f"layer {layer} expert {e}: slot {s} outside the arena of {self.capacity}")
+                if s in seen:
+                    raise ValueError(f"slot {s} holds both layer/expert {seen[s]} and {(layer, e)}")
+                seen[s] = (layer, e)

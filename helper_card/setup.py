@@ -1,0 +1,123 @@
+"""One engine's helper: placement, backend, link, copy engine and migration, wired together.
+
+    helper = Helper(cfg, weights, HelperOptions(kind="cpu", fraction=0.5, migrate=True), device, dtype)
+    plan = compile_step(cfg, StepShape(..., helper_slots=helper.capacity))
+    runner = Interpreter(plan, weights, device); helper.attach(runner)
+    ... runner.step(...); helper.end_step()   # metrics, routing statistics, migration
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from graph.isa import Buf
+from model.config import ModelConfig
+
+from .backends import make_backend
+from .copy_engine import CopyEngine
+from .link import HelperLink, expert_store
+from .migration import MigrationPolicy, RoutingStats
+from .placement import HELPER, Placement
+
+
+def moe_layers(cfg: ModelConfig) -> list[int]:
+    """Every layer with routed experts, MTP layers included."""
+    return [layer for layer in range(cfg.num_layers_total) if cfg.is_moe_layer(layer)]
+
+
+@dataclass
+class HelperOptions:
+    kind: str = "none"  # none | cpu | emulate | cuda:N
+    fraction: float = 0.5  # share of routed experts on the helper
+    migrate: bool = False
+    timeout_s: float = 1.0
+    fallback: bool = False  # on timeout, recompute on the main side instead of raising
+    window: int = 32  # steps of routing statistics
+    policy: MigrationPolicy = field(default_factory=MigrationPolicy)
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind != "none"
+
+
+def capacity_for(cfg: ModelConfig, fraction: float) -> int:
+    total = len(moe_layers(cfg)) * cfg.n_routed_experts
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"helper fraction must be in [0, 1], got {fraction}")
+    return total - round(fraction * total)
+
+
+class Helper:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], opts: HelperOptions, device, dtype,
+                 counts=None):
+        if not cfg.n_routed_experts:
+            raise ValueError("--helper needs a model with routed experts")
+        self.cfg, self.opts = cfg, opts
+        self.layers, E = moe_layers(cfg), cfg.n_routed_experts
+        self.capacity = capacity_for(cfg, opts.fraction)
+        self.placement = Placement.with_fraction(self.layers, E, opts.fraction, counts)
+        store = expert_store(cfg, weights, self.layers, device, dtype)
+        self.backend = make_backend(opts.kind, store, self.placement)
+        self.link = HelperLink(self.backend, self.placement, self.layers, E, opts.timeout_s, opts.fallback)
+        if opts.migrate:
+            self.link.stats = RoutingStats(self.layers, E, opts.window)
+        self.store = store
+        self.runners: list = []
+        self.copier: CopyEngine | None = None
+        self.arena_ptr = None
+        self.moves = 0
+        self.stall_s = 0.0
+
+    def row(self, layer: int, expert: int) -> int:
+        return self.layers.index(layer) * self.cfg.n_routed_experts + expert
+
+    def attach(self, runner) -> None:
+        """Give a runner (interpreter) of a helper plan its link and the main slots their experts."""
+        if runner.plan.shape.get("helper_slots", -1) != self.capacity:
+            raise ValueError(f"plan has {runner.plan.shape.get('helper_slots', -1)} main expert slots, the helper "
+                             f"placement needs {self.capacity}: compile with StepShape(helper_slots={self.capacity})")
+        slot = next(w for w in runner.plan.weights if w.name == "experts.main")
+        W = runner.mem.bufs[Buf.W]
+        arena = W[slot.offset: slot.offset + slot.rows * slot.cols].view(slot.rows, slot.cols)
+        if self.copier is None:
+            self.copier = CopyEngine(arena, self.store, self.row)
+            self.copier.fill(self.placement.main_experts())
+            self.arena_ptr = arena.data_ptr()
+        elif arena.data_ptr() != self.arena_ptr:
+            raise ValueError("every plan of one engine must share the weight arena (Memory share=...)")
+        self.link.attach(runner)
+        self.runners.append(runner)
+
+    def end_step(self, decode: bool = True) -> dict:
+        """At a step boundary: this step's metrics, then migration (flips take effect next step)."""
+        step = self.link.metrics.end_step()
+        t0 = time.perf_counter()
+        moved = self._migrate(decode) if self.opts.migrate else 0
+        step.update(moves=moved, bytes_migrated=self.copier.bytes_moved if self.copier else 0,
+                    migration_stall_ms=(time.perf_counter() - t0) * 1e3,
+                    helper_share=self.placement.helper_share)
+        return step
+
+    def _migrate(self, decode: bool) -> int:
+        stats, copier = self.link.stats, self.copier
+        stats.end_step(decode)
+        placement = self.placement.copy()
+        landed = copier.finished()
+        for m in landed:  # copies done: the expert now reads from its main slot
+            placement.tables[m.layer][m.expert] = m.slot
+        moves = self.opts.policy.plan(placement, stats.counts(), busy=copier.busy_slots())
+        for m in moves:
+            if m.evict is not None:  # its rows go to the helper from the next step on (it has every expert)
+                placement.tables[m.evict[0]][m.evict[1]] = HELPER
+            copier.start(m)
+        if landed or moves:
+            self.placement = placement
+            self.link.set_placement(placement, self.runners)
+        self.moves += len(landed)
+        return len(landed)
+
+    def close(self) -> None:
+        self.backend.close()

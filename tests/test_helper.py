@@ -1,0 +1,213 @@
+"""Experts on a helper: any placement (and migration) gives the all-on-main engine's output bit
+for bit; empty layers make no calls; a silent helper is a bounded error or a fallback; the
+migration policy brings a shifting hot set to main and stops moving when routing is stable."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from graph.compile import CompileOptions, compile_step
+from graph.lower import StepShape
+from helper_card.link import HelperTimeout
+from helper_card.migration import MigrationPolicy, RoutingStats, SkewedRouter, apply_moves
+from helper_card.placement import HELPER, Placement
+from helper_card.setup import Helper, HelperOptions, capacity_for, moe_layers
+from megakernel.engine import make_engine
+from megakernel.interpreter import Interpreter
+from megakernel.run import main
+from megakernel.speculative import Drafts, SpeculativeDecoder
+from model import init_weights, preset
+
+MOE_PRESETS = ["tiny-moe", "tiny-mhc"]
+
+
+def _decode(cfg, w, prompts, steps, helper=None):
+    engine = make_engine(cfg, w, "interpret", prompts.shape[0], prompts.shape[1] + steps, "cpu", torch.float32,
+                         workers=4, helper=helper)
+    logits = [engine.prefill(prompts)]
+    tok = logits[0].argmax(-1, keepdim=True)
+    for _ in range(steps - 1):
+        logits.append(engine._step(tok)[:, -1])
+        tok = logits[-1].argmax(-1, keepdim=True)
+    return torch.stack(logits), engine
+
+
+# ---- placement -------------------------------------------------------------------------------
+def test_placement_keeps_the_hottest_experts_on_main_within_the_budget():
+    counts = {1: np.array([5, 0, 9, 1]), 2: np.array([9, 3, 0, 7])}
+    p = Placement.build(counts, capacity=3)
+    assert p.main_experts() == {0: (1, 2), 1: (2, 0), 2: (2, 3)}  # 9, 9 (layer order), 7
+    assert p.helper_experts(1) == [0, 1, 3] and p.free_slots() == []
+    assert p.helper_share == 5 / 8
+    digest = p.digest()
+    assert Placement.build(counts, capacity=3).digest() == digest  # both sides compute the same map
+    q = p.copy()
+    q.tables[1][0] = HELPER if q.tables[1][0] != HELPER else 2
+    assert q.digest() != digest
+    q.tables[1][0] = 0  # slot 0 twice
+    with pytest.raises(ValueError, match="slot 0 holds both"):
+        q.check()
+    with pytest.raises(ValueError, match="capacity 9"):
+        Placement.build(counts, capacity=9)
+    with pytest.raises(ValueError, match="fraction"):
+        capacity_for(preset("tiny-moe"), 1.5)
+
+
+# ---- bit-exact output for any placement -----------------------------------------------------
+@pytest.mark.parametrize("name", MOE_PRESETS)
+@pytest.mark.parametrize("kind", ["emulate", "cpu"])
+def test_any_placement_gives_the_all_on_main_output_bit_for_bit(name, kind):
+    cfg = preset(name)
+    w = init_weights(cfg, seed=1)
+    prompts = torch.randint(0, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    want, _ = _decode(cfg, w, prompts, 6)
+    for fraction in (0.0, 0.25, 0.5, 0.9, 1.0):
+        opts = HelperOptions(kind=kind, fraction=fraction, migrate=fraction in (0.25, 0.5))
+        got, engine = _decode(cfg, w, prompts, 6, opts)
+        assert torch.equal(got, want), (kind, fraction)
+        steps, layers = engine.backend.helper_steps, len(moe_layers(cfg)) - cfg.num_nextn_predict_layers
+        # every MoE layer of every step either called the helper or skipped it
+        assert all(s["calls"] + s["skipped"] == layers for s in steps)
+        if fraction == 0.0:
+            assert sum(s["calls"] for s in steps) == 0 and sum(s["rows"] for s in steps) == 0
+        if fraction == 1.0:
+            assert all(s["skipped"] == 0 for s in steps)
+            assert sum(s["rows"] for s in steps) == (5 + 5) * 2 * cfg.num_experts_per_tok * layers
+        engine.backend.helper.close()
+
+
+def test_speculative_decoding_with_a_helper_equals_plain_greedy():
+    cfg = preset("tiny-moe")
+    w = init_weights(cfg, seed=2)
+    prompts = torch.randint(0, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(2))
+    plain, _ = SpeculativeDecoder(cfg, w, 0, 2, 32).generate(prompts, 8)
+    for k in (1, 3):
+        helper = HelperOptions(kind="cpu", fraction=0.5, migrate=True)
+        dec = SpeculativeDecoder(cfg, w, k, 2, 40, helper=helper)
+        out, _ = dec.generate(prompts, 8, Drafts("mtp"))
+        assert out == plain
+        assert sum(s["calls"] for s in dec.engine.helper_steps) > 0
+        dec.engine.helper.close()
+
+
+def test_rows_sent_to_the_helper_are_the_rows_routed_to_helper_experts():
+    cfg = preset("tiny-mhc")
+    w = init_weights(cfg, seed=3)
+    opts = HelperOptions(kind="emulate", fraction=0.5, migrate=True, window=1)
+    prompts = torch.randint(0, cfg.vocab_size, (4, 1), generator=torch.Generator().manual_seed(3))  # a decode step
+    engine = make_engine(cfg, w, "interpret", 4, 16, "cpu", torch.float32, workers=4, helper=opts)
+    helper = engine.backend.helper
+    placement = helper.placement.copy()  # the map this step runs with (migration may flip it after)
+    engine._step(prompts)
+    counts = helper.link.stats.counts()  # window 1: exactly this step's routing, from the slot tables
+    on_helper = sum(c[e] for layer, c in counts.items() for e in placement.helper_experts(layer))
+    assert engine.backend.helper_steps[0]["rows"] == on_helper
+    total = sum(c.sum() for c in counts.values())
+    assert total == 4 * cfg.num_experts_per_tok * (cfg.num_hidden_layers - cfg.first_k_dense_replace)
+
+
+# ---- a helper that stops answering ----------------------------------------------------------
+def _stalled_runner(cfg, w, fallback):
+    opts = HelperOptions(kind="cpu", fraction=1.0, timeout_s=0.2, fallback=fallback)
+    helper = Helper(cfg, w, opts, "cpu", torch.float32)
+    runner = Interpreter(compile_step(cfg, StepShape(T=1, B=1, max_len=16, helper_slots=helper.capacity),
+                                      CompileOptions(workers=4)), w)
+    helper.attach(runner)
+    return helper, runner
+
+
+def test_a_silent_helper_is_a_bounded_error_and_the_next_step_runs():
+    cfg = preset("tiny-moe")
+    w = init_weights(cfg, seed=4)
+    plain = Interpreter(compile_step(cfg, StepShape(T=1, B=1, max_len=16), CompileOptions(workers=4)), w)
+    helper, runner = _stalled_runner(cfg, w, fallback=False)
+    tok, lens = torch.tensor([[7]]), torch.tensor([3])
+    helper.backend.stall_s = 0.5
+    t0 = time.perf_counter()
+    with pytest.raises(HelperTimeout, match="unanswered after 0.200 s"):
+        runner.step(tok, lens)
+    assert time.perf_counter() - t0 < 1.0  # the bound, not the stall, ends the wait
+    helper.backend.stall_s = 0.0
+    helper.link.timeout_s = 5.0  # the late answer to the stalled call still sits ahead in the queue
+    got = runner.step(tok, lens)
+    assert torch.equal(got.logits, plain.step(tok, lens).logits)
+    helper.close()
+
+
+def test_a_silent_helper_with_fallback_still_gives_the_right_tokens():
+    cfg = preset("tiny-moe")
+    w = init_weights(cfg, seed=4)
+    plain = Interpreter(compile_step(cfg, StepShape(T=1, B=1, max_len=16), CompileOptions(workers=4)), w)
+    helper, runner = _stalled_runner(cfg, w, fallback=True)
+    helper.backend.stall_s = 0.3
+    tok, lens = torch.tensor([[9]]), torch.tensor([2])
+    got = runner.step(tok, lens)
+    assert torch.equal(got.logits, plain.step(tok, lens).logits)
+    assert helper.end_step()["fallbacks"] == 2  # both MoE layers timed out and were recomputed
+    helper.close()
+
+
+# ---- migration --------------------------------------------------------------------------------
+def _simulate(router, placement, policy, stats, steps, tokens=4):
+    """Route `steps` steps; moves land at once.  Returns (helper row share per step, moves per step)."""
+    share, moved = [], []
+    for _ in range(steps):
+        ids = router.route(tokens)
+        rows = sum(len(v.reshape(-1)) for v in ids.values())
+        remote = sum(int(placement.on_helper(layer, int(e))) for layer, v in ids.items() for e in v.reshape(-1))
+        share.append(remote / rows)
+        stats.observe(ids)
+        moves = policy.plan(placement, stats.counts())
+        placement = apply_moves(placement, moves)
+        moved.append(len(moves))
+    return share, moved, placement
+
+
+def test_migration_brings_a_shifting_hot_set_to_main_and_then_holds_still():
+    layers, E, k = [1, 2], 32, 4
+    router = SkewedRouter(layers, E, k, a=1.5, shift_every=60, seed=0)
+    placement = Placement.with_fraction(layers, E, 0.75)  # 16 main slots for 64 experts
+    policy, stats = MigrationPolicy(max_moves=2), RoutingStats(layers, E, window=16)
+    share, moved, placement = _simulate(router, placement, policy, stats, 60)
+    hot = {(layer, e) for layer in layers for e in router.hot_set(layer, 4)}
+    assert all(not placement.on_helper(layer, e) for layer, e in hot)  # the 4 hottest of each layer
+    assert np.mean(share[-20:]) < np.mean(share[:5]) - 0.2  # the share of helper rows falls
+    assert sum(moved[-15:]) <= 2  # stable routing: hysteresis stops the churn
+    # the hot set moves; within a bounded number of steps the new one is on main
+    share2, _, placement = _simulate(router, placement, policy, stats, 40)
+    hot = {(layer, e) for layer in layers for e in router.hot_set(layer, 4)}
+    assert all(not placement.on_helper(layer, e) for layer, e in hot)
+    assert np.mean(share2[-10:]) < np.mean(share2[:3])
+
+
+def test_migration_in_the_engine_moves_experts_and_keeps_the_output_bit_exact():
+    cfg = preset("tiny-moe")
+    w = init_weights(cfg, seed=5)
+    prompts = torch.randint(0, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(5))
+    want, _ = _decode(cfg, w, prompts, 14)
+    opts = HelperOptions(kind="cpu", fraction=0.5, migrate=True, window=4,
+                         policy=MigrationPolicy(margin=1.0, min_gain=1.0, max_moves=2))
+    got, engine = _decode(cfg, w, prompts, 14, opts)
+    helper = engine.backend.helper
+    assert torch.equal(got, want)
+    assert helper.moves > 0 and helper.copier.bytes_moved > 0
+    for slot, (layer, e) in helper.placement.main_experts().items():  # each slot holds its expert's weights
+        assert torch.equal(helper.copier.arena[slot], helper.store[helper.row(layer, e)])
+    helper.close()
+
+
+# ---- the CLI -----------------------------------------------------------------------------------
+def test_cli_reports_the_helper_and_refuses_what_is_not_built(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["--steps", "4", "--helper", "cpu", "--helper-fraction", "0.25", "--migrate", "on",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())["helper"]
+    assert report["kind"] == "cpu" and report["steps"] > 0 and report["main_slots"] == capacity_for(
+        preset("tiny-moe"), 0.25)
+    assert {"rows", "calls", "skipped", "exposed_wait_ms", "moves"} <= set(report["per_step"][0])
+    assert main(["--steps", "2", "--helper", "cuda:1"]) == 2
+    assert "not built yet" in capsys.readouterr().err
+    assert main(["--steps", "2", "--helper", "emulate", "--backend", "reference"]) == 2
