@@ -124,10 +124,14 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
             width = max(width, _pow2((2 + f["n"]) * f["n"]))
         elif t.op.name == "ACCEPT":
             spec_t = max(spec_t, _pow2(f["T"]))
+    # Measured on an H200 (docs/PERF.md, run 7): with a wide attention row (MLA's 512-wide latent, the
+    # heaviest body, which sets every worker's register budget) a cache-block prefetch spills and costs
+    # 5%, and 8 x 2048 weight chunks beat 16 x 1024; with GQA the prefetch gains 3% and 16 x 1024 chunks 8%.
+    stages, br, kc = (1, 8, 2048) if dmax > 128 else (2, 16, 1024)
     # bf16 weights: activations enter the tensor cores as a bf16 (high, low) pair, ~16 mantissa bits
-    return dict(BR=8, KC=2048, STAGES=2, BD=256, BH=32, BM=16, BJ=32, DMAX=dmax, RMAX=rmax, BI=64, BO=128,
+    return dict(BR=br, KC=kc, STAGES=stages, BD=256, BH=32, BM=16, BJ=32, DMAX=dmax, RMAX=rmax, BI=64, BO=128,
                 BE=experts, BP=256, BW=width, BHC=max(1, 4096 // dmax), ALIGN=alignment(tasks), BT=spec_t,
-                DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2", PIPE=1)
+                DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2")
 
 
 @dataclass

@@ -73,10 +73,13 @@ def _near_tie(logits, tol=BF16_TOL):
 def test_teacher_forced_greedy_64_steps(name):
     cfg, w, plan, mk = _setup(name, T=1, B=2, max_len=80)
     mk.capture()
-    # the plain model on the same (bf16) weights, computed in fp32
+    # the plain model on the same (bf16) weights, computed in fp32, keeping its cache in bf16 as the
+    # engine does (an fp32 cache differs by the cache's rounding, which put one token of one random
+    # draw just past the near-tie margin); the draw is seeded so a failure can be rerun
     ref = Reference(cfg, {k: v.float() for k, v in w.items()})
-    cache = Cache.allocate(cfg, 2, 80, torch.float32, "cuda")
-    tokens = torch.randint(0, cfg.vocab_size, (2, 1), device="cuda")
+    cache = Cache.allocate(cfg, 2, 80, torch.bfloat16, "cuda")
+    tokens = torch.randint(0, cfg.vocab_size, (2, 1), device="cuda",
+                           generator=torch.Generator(device="cuda").manual_seed(0))
     lens = torch.zeros(2, dtype=torch.long, device="cuda")
     mismatches = 0
     for _ in range(64):
