@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -42,11 +43,27 @@ class CompileError(ValueError):
     pass
 
 
+def compile_options(spec: str, workers: int) -> tuple[CompileOptions, int]:
+    """'KEY=V,...' of TilingOptions fields and attn_split (tools: bench, replay) -> (options, attn_split)."""
+    tiling, attn_split = {}, 0
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        if key == "attn_split":
+            attn_split = int(value)
+        elif key in {f.name for f in dataclasses.fields(TilingOptions)}:
+            tiling[key] = int(value)
+        else:
+            raise CompileError(f"plan options {spec!r}: unknown key {key!r} (TilingOptions fields or attn_split)")
+    return CompileOptions(workers=workers, tiling=TilingOptions(**tiling)), attn_split
+
+
 def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | None = None) -> Plan:
     opts = options or CompileOptions()
     if opts.workers < 1:
         raise CompileError("workers must be >= 1")
     t0 = time.perf_counter()
+    if shape.attn_split == 0:
+        shape = dataclasses.replace(shape, attn_split=attention_split(cfg, shape, opts.workers))
     graph = lower(cfg, shape, opts.vocab_block)
     passes = [{"pass": "lower", "ops": len(graph.ops), "tensors": len(graph.tensors)}]
     if opts.cse:
@@ -60,7 +77,8 @@ def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | N
                    "unshared_bytes": mem.activation_bytes_unshared, "reused_blocks": mem.reused,
                    "W_elements": mem.sizes["W"], "WF_elements": mem.sizes["WF"]})
     wbytes = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.dtype]
-    tiler = Tiler(graph, opts.tiling, wbytes)
+    tiling = opts.tiling if opts.tiling.spread >= 0 else dataclasses.replace(opts.tiling, spread=opts.workers)
+    tiler = Tiler(graph, tiling, wbytes)
     op_tiles = {op.id: tiler.tiles(op) for op in graph.ops}
     passes.append({"pass": "tiling", "tasks": sum(len(t) for t in op_tiles.values()),
                    "tile_bytes": opts.tiling.tile_bytes})
@@ -96,13 +114,22 @@ def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | N
                   "worker_ms": [b * 1e3 for b in sched.busy], "bytes": total_bytes,
                   "floor_ms": opts.cost.floor_seconds(step_bytes(cfg, shape.T, shape.B, shape.max_len).total) * 1e3},
         options={"workers": opts.workers, "scheduler": opts.scheduler, "cse": opts.cse, "fuse": opts.fuse,
-                 "fusion_rules": list(opts.fusion_rules), "tiling": dataclasses.asdict(opts.tiling)},
+                 "fusion_rules": list(opts.fusion_rules), "tiling": dataclasses.asdict(tiling)},
     )
     if opts.verify:
         report = verify_plan(plan)
         passes.append({"pass": "verify", **report})
     passes.append({"pass": "total", "compile_s": round(time.perf_counter() - t0, 3)})
     return plan
+
+
+def attention_split(cfg: ModelConfig, shape: StepShape, workers: int) -> int:
+    """Cache positions per attention task when the shape leaves it open: enough splits that the
+    step's attention tasks (sequences x head groups x splits) cover the workers, since attention
+    sits on every layer's dependency chain (docs/PERF.md, session 2); a multiple of 64, >= 64."""
+    groups = 1 if cfg.is_mla else cfg.num_key_value_heads
+    splits = max(1, workers // (shape.B * groups))
+    return max(64, 64 * math.ceil(shape.max_len / splits / 64))
 
 
 def canonical_weights(cfg: ModelConfig, helper_slots: int = -1) -> list:

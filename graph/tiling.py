@@ -20,6 +20,11 @@ class TilingOptions:
     row_align: int = 16  # weight rows per task are a multiple of this (or all rows)
     act_rows: int = 16  # activation rows per task for row-parallel ops
     attn_heads: int = 0  # query heads per attention task (0: all for MLA, one KV group for GQA)
+    # > 0: split an op that would make fewer tasks than this (a layer's small projections, the
+    # router, per-head matmuls, the attention combine) into up to this many, down to min_tile_bytes
+    # each: such ops sit on the step's dependency chain, where only their slowest task counts
+    spread: int = -1  # -1: the plan's worker count; 0: off
+    min_tile_bytes: int = 16 * 1024
 
 
 @dataclass
@@ -48,8 +53,13 @@ class Tiler:
         return [Tile({"r0": r0, "r1": r1}, weight_bytes, 4 * (r1 - r0) * cols, flops_per_row * (r1 - r0))
                 for r0, r1 in _blocks(rows, self.opts.act_rows)]
 
-    def weight_rows_per_task(self, bytes_per_row: int, rows: int) -> int:
+    def weight_rows_per_task(self, bytes_per_row: int, rows: int, copies: int = 1) -> int:
+        """Rows per task: tile_bytes of weights; with `spread`, fewer, so that the op (`copies` times
+        over, e.g. once per expert slot) makes up to `spread` tasks of at least min_tile_bytes."""
         n = max(1, self.opts.tile_bytes // max(1, bytes_per_row))
+        if self.opts.spread:
+            want = max(1, self.opts.spread // copies)
+            n = min(n, max(-(-rows // want), self.opts.min_tile_bytes // max(1, bytes_per_row)))
         if n >= rows:
             return rows
         align = self.opts.row_align
@@ -101,6 +111,8 @@ class Tiler:
         a = op.attrs
         per_head = a["in_dim"] * a["out_dim"] * self.wbytes
         hpt = max(1, min(a["heads"], self.opts.tile_bytes // max(1, per_head)))
+        if self.opts.spread:
+            hpt = max(1, min(hpt, -(-a["heads"] // self.opts.spread)))
         return [Tile({"h0": h0, "h1": h1}, (h1 - h0) * per_head, 4 * a["N"] * (h1 - h0) * (a["in_dim"] + a["out_dim"]),
                      2 * a["N"] * (h1 - h0) * a["in_dim"] * a["out_dim"]) for h0, h1 in _blocks(a["heads"], hpt)]
 
@@ -126,8 +138,9 @@ class Tiler:
     def tile_attn_combine(self, op):
         a = op.attrs
         nh, T, dim, ns = a["nheads"], a["T"], a["dim"], a["nsplits"]
-        return [Tile({"b": b, "h0": 0, "h1": nh}, 0, 4 * T * nh * dim * (ns + 1), 3 * T * nh * dim * ns)
-                for b in range(a["B"])]
+        hpt = max(1, -(-nh // max(1, self.opts.spread // a["B"]))) if self.opts.spread else nh
+        return [Tile({"b": b, "h0": h0, "h1": h1}, 0, 4 * T * (h1 - h0) * dim * (ns + 1), 3 * T * (h1 - h0) * dim * ns)
+                for b in range(a["B"]) for h0, h1 in _blocks(nh, hpt)]
 
     def tile_route(self, op):
         a = op.attrs
@@ -137,7 +150,7 @@ class Tiler:
         a = op.attrs
         K, rows = a["K"], a["rows"]
         nweights = 2 if "SILU_MUL" in op.flags else 1
-        per = self.weight_rows_per_task(K * self.wbytes * nweights, rows)
+        per = self.weight_rows_per_task(K * self.wbytes * nweights, rows, copies=a["S"])
         return [Tile({"slot": slot, "r0": r0, "r1": r1}, (r1 - r0) * K * self.wbytes * nweights,
                      4 * a["N"] * (K + r1 - r0), 2 * a["N"] * K * (r1 - r0) * nweights)
                 for slot in range(a["S"]) for r0, r1 in _blocks(rows, per)]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from graph.compile import CompileOptions, compile_step
+from graph.compile import CompileOptions, compile_options, compile_step
 from graph.lower import StepShape
 from megakernel.interpreter import Interpreter
 from megakernel.profiler import count_launches, task_trace
@@ -117,7 +117,7 @@ def launch_config(spec: str) -> LaunchConfig:
 
 
 def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path, profile: bool,
-                variants=(), baselines=("eager", "graph", "compile")) -> dict:
+                variants=(), baselines=("eager", "graph", "compile"), plan_variants=()) -> dict:
     cfg = preset(name)
     row: dict = {"model": name, "T": T, "ctx": ctx}
     dtype = torch.bfloat16
@@ -190,6 +190,22 @@ def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path,
             v["error"] = repr(e)[:300]
         row["variants"].append(v)
 
+    row["plan_variants"] = []
+    for spec in plan_variants:  # other compile options, same weights and cache
+        v = {"plan": spec}
+        try:
+            opts, split = compile_options(spec, workers)
+            vplan = compile_step(cfg, StepShape(T=T, B=1, max_len=max_len, attn_split=split), opts)
+            vk = Megakernel(vplan, None, "cuda", share=mk.mem)
+            vk.capture()
+            out_v = vk.step(tokens, lens)
+            v.update(tasks=vplan.num_tasks, ms=time_ms(vk.graph.replay, iters=50, warmup=10),
+                     rel_err_vs_main=rel_err(out_v.logits, first.logits))
+            del vk
+        except Exception as e:
+            v["error"] = repr(e)[:300]
+        row["plan_variants"].append(v)
+
     if profile:
         pk = Megakernel(plan, None, "cuda", share=mk.mem, config=LaunchConfig(profile=True))
         pk.step(tokens, lens)
@@ -212,6 +228,8 @@ def main() -> None:
                    choices=["eager", "graph", "compile"], help="plain-PyTorch baselines to time (default: all)")
     p.add_argument("--variants", nargs="*", default=[], metavar="KEY=V,...",
                    help="also time these launch variants, e.g. PIPE=0 KC=1024,BR=4 num_warps=16")
+    p.add_argument("--plan-variants", nargs="*", default=[], metavar="KEY=V,...",
+                   help="also time plans compiled with these options, e.g. spread=0,attn_split=320 (session 1's tiling)")
     p.add_argument("--out", default=".")
     args = p.parse_args()
     out = Path(args.out)
@@ -225,7 +243,8 @@ def main() -> None:
     for name in args.models:
         for T in args.T:
             try:
-                row = bench_model(name, T, args.ctx, bw, workers, out, args.profile, args.variants, args.baselines)
+                row = bench_model(name, T, args.ctx, bw, workers, out, args.profile, args.variants, args.baselines,
+                                  args.plan_variants)
             except Exception as e:  # keep going: one failure should not hide the other rows
                 traceback.print_exc()
                 row = {"model": name, "T": T, "error": repr(e)}
@@ -248,6 +267,8 @@ def main() -> None:
         kernels = {k: r[k] for k in ("eager_kernels", "graph_kernels", "compile_kernels") if k in r}
         if kernels:
             print(f"{'':<14}kernels per step: {kernels}, megakernel {r['kernels_per_step']:.0f}")
+        for v in r.get("plan_variants", []):
+            print(f"{'':<14}plan {v['plan']}: " + (f"{v['ms']:.3f} ms, {v['tasks']} tasks" if "ms" in v else v["error"][:60]))
         for v in r.get("variants", []):
             print(f"{'':<14}variant {v['variant']}: "
                   + (f"{v['ms']:.3f} ms, {v['regs']} regs, {v['spills']} spills" if "ms" in v else v["error"][:60]))

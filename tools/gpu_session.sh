@@ -16,7 +16,7 @@ if [ "$part" = tests ] || [ "$part" = all ]; then
     timeout 300 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -15
 fi
 if [ "$part" = bench ] || [ "$part" = all ]; then
-    timeout 560 python3 tools/bench.py --models llama-1b dsv2-lite --T 1 --profile --out "$out" 2>&1 \
+    timeout 560 python3 tools/bench.py --models llama-1b dsv2-lite --T 1 --profile --plan-variants spread=0,attn_split=320 --out "$out" 2>&1 \
         | tee "$out/bench.log" | grep -v '^{"model'
 fi
 if { [ "$part" = anchors ] || [ "$part" = all ]; } && [ -f .anchors/torch_baselines.py ]; then

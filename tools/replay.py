@@ -1,0 +1,157 @@
+"""Replay a measured megakernel step offline: where the time goes, and what another plan would take.
+
+    python tools/replay.py TRACE.json --model dsv2-lite [--ctx 4096] [--workers 132]
+        [--plan KEY=V,...]      # the traced plan's compile options, if not today's defaults
+        [--variant KEY=V,...]   # also predict a plan compiled with these options
+
+TRACE.json is the Perfetto trace `tools/bench.py --profile` (or `--profile` on the CLI)
+writes: one event per task with its measured busy time.  The tool recompiles the plan the
+trace came from, then:
+1. replays its queues with the measured task times and a dependency hop: if this lands near
+   the measured step, the queue/dependency model explains the step;
+2. computes the critical path with unlimited workers and sums it by op: the ops that set
+   the step time when the chain, not the queue placement, is the limit;
+3. with --variant (tiling options of graph.tiling.TilingOptions, or attn_split), compiles that
+   plan, gives each task a time from its op family's measured bandwidth (work from the task
+   word, plus a fixed per-task overhead), and replays it the same way: a
+   prediction to check on the GPU, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from graph.compile import compile_options, compile_step  # noqa: E402
+from graph.footprint import footprint  # noqa: E402
+from graph.isa import decode  # noqa: E402
+from graph.lower import StepShape  # noqa: E402
+from graph.schedule import SchedTask, critical_path, simulate  # noqa: E402
+from model import preset  # noqa: E402
+
+
+def family(label: str) -> str:
+    """'L5.moe.expert_down[68]' -> 'moe.expert_down'."""
+    return re.sub(r"^L\d+\.", "", label.split("[")[0])
+
+
+def task_work(word) -> int:
+    """What a task's time scales with: elements it touches (its footprint), except attention, whose
+    footprint is the whole cache (for hazards) while it reads split_len positions."""
+    f = word.fields
+    if word.op.name == "ATTENTION":
+        return f["split_len"] * f["width"] * (f["h1"] - f["h0"] if not word.has("MLA") else 1)
+    if word.op.name == "ATTN_COMBINE":
+        return f["nsplits"] * (f["h1"] - f["h0"]) * f["dim"]
+    return sum((a.row1 - a.row0) * (a.col1 - a.col0) for a in footprint(word))
+
+
+def load_trace(path: str) -> dict[str, float]:
+    events = json.loads(Path(path).read_text())["traceEvents"]
+    return {e["name"]: e["dur"] * 1e-6 for e in events if e.get("ph") == "X" and e["name"] != "wait"}
+
+
+def structure(plan):
+    words = [decode(w) for w in plan.words]
+    deps: dict[int, set[int]] = defaultdict(set)
+    for w in words:
+        deps[w.signal].update(c for c, _ in w.waits)
+    queues = [list(range(plan.queue_ptr[q], plan.queue_ptr[q + 1])) for q in range(plan.workers)]
+    return words, deps, queues
+
+
+def critical_chain(plan, words, deps, seconds: list[float], hop: float):
+    """(length, [(family, seconds, tasks of the op)]) of the longest dependency chain, unlimited workers."""
+    by_op: dict[int, list[int]] = defaultdict(list)
+    for i, w in enumerate(words):
+        by_op[w.signal].append(i)
+    finish, parent = {}, {}
+    for op in sorted(by_op):  # op ids are topological
+        start, par = 0.0, None
+        for d in deps.get(op, ()):
+            if d in finish and finish[d] + hop > start:
+                start, par = finish[d] + hop, d
+        finish[op] = start + max(seconds[i] for i in by_op[op])
+        parent[op] = par
+    op = max(finish, key=finish.get)
+    length, chain = finish[op], []
+    while op is not None:
+        slowest = max(by_op[op], key=lambda i: seconds[i])
+        chain.append((family(plan.task_labels[slowest]), seconds[slowest], len(by_op[op])))
+        op = parent[op]
+    return length, chain[::-1]
+
+
+def report(title: str, plan, seconds: list[float], hop: float, top: int = 12) -> dict:
+    words, deps, queues = structure(plan)
+    tasks = [SchedTask(w.signal, s) for w, s in zip(words, seconds)]
+    replay, busy = simulate(tasks, deps, queues, hop)
+    # the same tasks list-scheduled knowing these times (what a calibrated cost model would do)
+    relisted, _ = simulate(tasks, deps, critical_path(tasks, deps, plan.workers, hop).queues, hop)
+    length, chain = critical_chain(plan, words, deps, seconds, hop)
+    per: dict[str, list] = defaultdict(lambda: [0, 0.0, 0])
+    for fam, s, n in chain:
+        per[fam][0] += 1
+        per[fam][1] += s
+        per[fam][2] = n
+    print(f"\n{title}: {plan.num_tasks} tasks; replayed step {replay * 1e3:.3f} ms, mean worker busy "
+          f"{statistics.mean(busy) * 1e3:.3f} ms; critical path {length * 1e3:.3f} ms over {len(chain)} ops; "
+          f"list-scheduled with these times {relisted * 1e3:.3f} ms")
+    print(f"  {'op on the critical path':<28}{'times':>6}{'us each':>9}{'ms':>8}{'tasks/op':>9}")
+    for fam, (n, s, k) in sorted(per.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"  {fam:<28}{n:>6}{s / n * 1e6:>9.1f}{s * 1e3:>8.3f}{k:>9}")
+    return {"tasks": plan.num_tasks, "replay_ms": replay * 1e3, "critical_path_ms": length * 1e3,
+            "relisted_ms": relisted * 1e3,
+            "chain": {fam: {"times": n, "ms": s * 1e3, "tasks_per_op": k} for fam, (n, s, k) in per.items()}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace")
+    p.add_argument("--model", required=True)
+    p.add_argument("--T", type=int, default=1)
+    p.add_argument("--ctx", type=int, default=4096)
+    p.add_argument("--workers", type=int, default=132)
+    p.add_argument("--hop-us", type=float, default=0.8)
+    p.add_argument("--overhead-us", type=float, default=2.0, help="fixed time of any task (predictions)")
+    p.add_argument("--plan", default="", metavar="KEY=V,...",
+                   help="compile options of the plan the trace came from, when not today's defaults (session "
+                        "2's traces: spread=0,attn_split=320)")
+    p.add_argument("--variant", nargs="*", default=[], metavar="KEY=V,...")
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args()
+    cfg, hop, fixed = preset(args.model), args.hop_us * 1e-6, args.overhead_us * 1e-6
+    measured = load_trace(args.trace)
+    shape = StepShape(T=args.T, B=1, max_len=args.ctx + args.T)
+    opts, attn_split = compile_options(args.plan, args.workers)
+    plan = compile_step(cfg, dataclasses.replace(shape, attn_split=attn_split), opts)
+    missing = [label for label in plan.task_labels if label not in measured]
+    if missing:
+        raise SystemExit(f"the trace is not of this plan: {len(missing)} tasks missing, e.g. {missing[:3]}")
+    seconds = [measured[label] for label in plan.task_labels]
+    out = {"measured": report("measured plan", plan, seconds, hop)}
+    # per op family: seconds per byte beyond the fixed overhead, from the measured tasks
+    rate: dict[str, list[float]] = defaultdict(list)
+    for w, label, s in zip(structure(plan)[0], plan.task_labels, seconds):
+        rate[family(label)].append(max(s - fixed, 0.0) / max(1, task_work(w)))
+    per_byte = {fam: statistics.median(v) for fam, v in rate.items()}
+    for spec in args.variant:
+        opts, attn_split = compile_options(spec, args.workers)
+        vplan = compile_step(cfg, dataclasses.replace(shape, attn_split=attn_split), opts)
+        vwords = structure(vplan)[0]
+        vsec = [fixed + per_byte[family(label)] * task_work(w) for w, label in zip(vwords, vplan.task_labels)]
+        out[spec] = report(f"predicted for {spec}", vplan, vsec, hop)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
