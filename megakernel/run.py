@@ -54,6 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plan", action="store_true", help="print the decode-step plan's description and exit")
     p.add_argument("--spec-k", type=int, default=None, metavar="K",
                    help="speculative decoding: verify K drafts per step (0..7), accept on the device")
+    p.add_argument("--adaptive-k", action="store_true",
+                   help="with --spec-k K: choose each step's k in 0..K from the moving acceptance (one graph per k)")
+    p.add_argument("--k-sweep", metavar="PATH",
+                   help="with --adaptive-k: measured step times, JSON list of {\"k\": K, \"step_ms\": MS} "
+                        "(default: a linear model, 5%% of a step per draft)")
     p.add_argument("--draft", default="mtp", metavar="SOURCE",
                    help="draft source with --spec-k: mtp (the model's MTP layers), oracle (this engine's own "
                         "greedy output: all accepted), noisy:P (the oracle, each draft wrong with probability P)")
@@ -193,20 +198,31 @@ def run_speculative(args, name, cfg, weights, source, backend, device, dtype, op
         plain = SpeculativeDecoder(cfg, weights, 0, args.batch, room, device, dtype, backend, options=options)
         oracle, _ = plain.generate(prompt, args.steps + args.spec_k + 1)
     drafts = Drafts(args.draft, oracle, cfg.vocab_size, args.seed)
+    adaptive = None
+    if args.adaptive_k:
+        from .adaptive import AdaptiveK
+        if args.k_sweep:
+            sweep = {int(r["k"]): float(r["step_ms"]) for r in json.loads(Path(args.k_sweep).read_text())}
+            adaptive = AdaptiveK(args.spec_k, {k: sweep[k] for k in sweep if k <= args.spec_k})
+        else:
+            adaptive = AdaptiveK.linear(args.spec_k)
     decoder = SpeculativeDecoder(cfg, weights, args.spec_k, args.batch, room, device, dtype, backend, options=options,
                                  temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                                 helper=helper_options(args))
+                                 helper=helper_options(args), adaptive=adaptive)
     tokens, stats = decoder.generate(prompt, args.steps, drafts, eos=None)
     spec = stats.to_dict()
     result.update(weights=source, device=str(device), dtype=str(dtype).removeprefix("torch."), backend=backend,
                   batch=args.batch, prompt_len=args.prompt_len, steps=args.steps, spec_k=args.spec_k,
                   draft=args.draft, temperature=args.temperature, top_p=args.top_p, tokens=tokens, **{k: spec[k] for k in
                   ("tokens_per_step", "acceptance_length", "per_position_acceptance", "tokens_per_s")},
-                  spec_steps=spec["steps"], step_ms_median=spec["step_ms_median"])
+                  spec_steps=spec["steps"], step_ms_median=spec["step_ms_median"], k_mean=spec["k_mean"],
+                  adaptive_k=args.adaptive_k)
     print(f"model {name} ({cfg.architecture}) on {device}, {result['dtype']}, {source}")
     mode = f"sampling at temperature {args.temperature}, top-p {args.top_p}" if args.temperature > 0 else "greedy"
     print(f"speculative decoding ({mode}), k={args.spec_k}, drafts from {args.draft}, backend {backend}: "
           f"{args.batch} sequence(s), {args.steps} tokens each")
+    if args.adaptive_k:
+        print(f"  adaptive k in 0..{args.spec_k}: mean k {spec['k_mean']:.2f}")
     print(f"  {spec['steps']} steps, {spec['tokens_per_step']:.2f} tokens per step per sequence (acceptance length), "
           f"per-position acceptance {[round(x, 2) for x in spec['per_position_acceptance']]}")
     print(f"  step median {spec['step_ms_median'] or 0:.2f} ms, {spec['tokens_per_s'] or 0:.1f} tokens/s "

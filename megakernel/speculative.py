@@ -34,6 +34,7 @@ class SpecStats:
     steps: int = 0
     emitted: int = 0  # tokens kept (after EOS / max_new_tokens cuts)
     accepted_hist: list[int] = field(default_factory=list)  # accepted drafts per (step, live sequence)
+    k_hist: list[int] = field(default_factory=list)  # drafts verified, per (step, live sequence)
     step_seconds: list[float] = field(default_factory=list)
     decode_tokens: int = 0  # tokens emitted by decode steps (the first token comes from prefill)
     decode_seconds: float = 0.0  # wall time of the whole decode loop, host work included
@@ -46,8 +47,12 @@ class SpecStats:
 
     def per_position(self) -> list[float]:
         """Fraction of sequence-steps whose draft i (1..k) was accepted."""
-        h = self.accepted_hist
-        return [sum(a >= i for a in h) / len(h) for i in range(1, self.k + 1)] if h else []
+        h, ks = self.accepted_hist, self.k_hist or [self.k] * len(self.accepted_hist)
+        out = []
+        for i in range(1, self.k + 1):  # over the sequence-steps that drafted position i
+            drafted = [a for a, k in zip(h, ks) if k >= i]
+            out.append(sum(a >= i for a in drafted) / len(drafted) if drafted else 0.0)
+        return out if h else []
 
     @property
     def tokens_per_step(self) -> float:
@@ -57,6 +62,7 @@ class SpecStats:
     def to_dict(self) -> dict:
         wall = self.decode_seconds
         return {"k": self.k, "steps": self.steps, "tokens": self.emitted,
+                "k_mean": sum(self.k_hist) / len(self.k_hist) if self.k_hist else self.k,
                 "tokens_per_step": self.tokens_per_step,
                 "acceptance_length": self.acceptance_length, "per_position_acceptance": self.per_position(),
                 "step_ms_median": sorted(self.step_seconds)[len(self.step_seconds) // 2] * 1e3 if self.step_seconds else None,
@@ -99,9 +105,10 @@ class SpeculativeDecoder:
     def __init__(self, cfg: ModelConfig, weights, k: int, batch: int, max_len: int, device="cpu",
                  dtype: torch.dtype | None = None, backend: str = "interpret", workers: int = 8,
                  options: CompileOptions | None = None, max_chunk: int = 8, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0, helper=None):
+                 top_p: float = 1.0, seed: int = 0, helper=None, adaptive=None):
         """temperature 0: greedy; > 0: speculative sampling (lossless: the target distribution).
-        helper: a helper_card.setup.HelperOptions (routed experts partly on a helper), or None."""
+        helper: a helper_card.setup.HelperOptions (routed experts partly on a helper), or None.
+        adaptive: a megakernel.adaptive.AdaptiveK choosing each step's k in 0..k, or None (always k)."""
         if not 0 <= k <= 7:
             raise ValueError(f"--spec-k must be within 0..7, got {k}")
         self.accept = "sample" if temperature > 0 else "greedy"
@@ -110,6 +117,9 @@ class SpeculativeDecoder:
         if backend not in BACKENDS:
             raise ValueError(f"speculative decoding runs on the interpret or megakernel backend, not {backend!r}")
         self.cfg, self.k, self.batch, self.max_len, self.max_chunk = cfg, k, batch, max_len, max_chunk
+        if adaptive is not None and adaptive.kmax != k:
+            raise ValueError(f"adaptive k chooses within 0..{adaptive.kmax}, the decoder was built for k={k}")
+        self.adaptive = adaptive
         self.engine = BACKENDS[backend](cfg, weights, batch, max_len, torch.device(device), dtype,
                                         options or CompileOptions(workers=workers))
         if helper is not None and helper.enabled:
@@ -158,19 +168,24 @@ class SpeculativeDecoder:
             start += c
         produced = [[int(out.next_tokens[b, 0])] for b in range(B)]
         done = [max_new_tokens <= 1 or (eos is not None and produced[b][0] == eos) for b in range(B)]
-        tokens = self._next(out.next_tokens.cpu(), self.k, drafts, produced)
+        next_tokens = out.next_tokens.cpu()
         first = sum(len(p) for p in produced)
         loop_start = time.perf_counter()
         while not all(done):
             t0 = time.perf_counter()
-            out = self.runner(self.k + 1, False).step(tokens, lens, seeds=self._seeds())
+            k = self.adaptive.choose() if self.adaptive else self.k
+            # finished sequences run too (one graph for the batch) at frozen lengths: harmless
+            tokens = self._next(next_tokens, k, drafts, produced)
+            out = self.runner(k + 1, False).step(tokens, lens, seeds=self._seeds())
             self.engine.step_done(decode=True)
             stats.step_seconds.append(time.perf_counter() - t0)
             stats.steps += 1
-            for b in range(B):
-                if done[b]:
-                    continue
+            live = [b for b in range(B) if not done[b]]
+            if self.adaptive:
+                self.adaptive.observe(k, [int(out.accepted[b]) for b in live])
+            for b in live:
                 stats.accepted_hist.append(int(out.accepted[b]))
+                stats.k_hist.append(k)
                 for tok in out.emitted[b].tolist():
                     if tok < 0 or done[b]:
                         break
@@ -180,9 +195,8 @@ class SpeculativeDecoder:
             # finished sequences stay where they are (re-running the same positions is harmless);
             # letting them advance would run them past the cache
             finished = torch.tensor(done)
-            new_tokens = self._next(out.next_tokens.cpu(), self.k, drafts, produced)
             lens = torch.where(finished, lens, out.next_lens.cpu())
-            tokens = torch.where(finished[:, None], tokens, new_tokens)
+            next_tokens = out.next_tokens.cpu()
         stats.decode_seconds = time.perf_counter() - loop_start
         stats.emitted = sum(len(p) for p in produced)
         stats.decode_tokens = stats.emitted - first
@@ -194,7 +208,9 @@ class SpeculativeDecoder:
         return torch.randint(0, 2**31 - 1, (self.batch,), generator=self.seeds)
 
     def _next(self, next_tokens: torch.Tensor, k: int, drafts: Drafts, produced) -> torch.Tensor:
-        """The next step's inputs: the bonus token and k drafts (a short prefill leaves padding)."""
+        """The next step's inputs: the bonus token and k drafts (a short prefill, or a step that drafted
+        fewer than k, leaves padding; a step that drafted more is cut to k)."""
+        next_tokens = next_tokens[:, :k + 1]
         if next_tokens.shape[1] < k + 1:
             pad = torch.zeros(next_tokens.shape[0], k + 1 - next_tokens.shape[1], dtype=next_tokens.dtype)
             next_tokens = torch.cat((next_tokens, pad), dim=1)

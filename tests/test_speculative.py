@@ -176,3 +176,40 @@ def test_sampling_is_reproducible_from_the_seed():
     cfg, w, prompts = _setup("tiny-moe", 2)
     runs = [SpeculativeDecoder(cfg, w, 2, 2, 32, temperature=0.8, seed=s).generate(prompts, 6)[0] for s in (7, 7, 8)]
     assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_adaptive_k_keeps_output_and_follows_acceptance():
+    from megakernel.adaptive import AdaptiveK
+    cfg, w, prompts = _setup("tiny-moe", 2, seed=6)
+    plain = _plain(cfg, w, prompts, NEW + 8)
+    expected = [seq[:NEW + 6] for seq in plain]
+    steep = {k: 1.0 + 0.5 * k for k in range(5)}  # each draft costs half a step: only good drafts pay
+    for kind, low, high in (("oracle", 3.5, 4.0), ("noisy:0.95", 0.0, 1.5)):
+        policy = AdaptiveK(4, steep, probe_every=0)
+        drafts = Drafts(kind, oracle=plain, vocab=cfg.vocab_size, seed=1)
+        out, stats = SpeculativeDecoder(cfg, w, 4, 2, 64, adaptive=policy).generate(prompts, NEW + 6, drafts)
+        assert out == expected, kind  # lossless whatever k each step chose
+        late = policy.chosen[len(policy.chosen) // 2:]
+        assert low <= sum(late) / len(late) <= high, (kind, policy.chosen)
+        assert stats.k_hist and max(stats.k_hist) <= 4
+
+
+def test_adaptive_k_policy_and_its_simulated_gain():
+    import sys
+    sys.path.insert(0, "tools")
+    from stepmath import simulate_adaptive
+
+    from megakernel.adaptive import AdaptiveK, expected_tokens
+    assert expected_tokens([0.5, 0.5], 2) == 1.75
+    policy = AdaptiveK(3, {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}, decay=0.5, probe_every=0)
+    for _ in range(8):
+        policy.observe(3, [0])  # the first draft is always rejected
+    assert policy.accept[0] < 0.01 and policy.choose() == 0
+    with pytest.raises(ValueError, match="missing"):
+        AdaptiveK(3, {0: 1.0, 1: 1.1})
+    times = {k: 1.0 + 0.15 * k for k in range(8)}
+    stable = simulate_adaptive([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], times, 3000)
+    assert stable["gain_over_best_fixed"] > -0.03  # within 3% of the best k known in hindsight
+    shifting = simulate_adaptive([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], times, 3000,
+                                 shift=[0.4, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1])
+    assert shifting["gain_over_best_fixed"] > 0  # no single k suits both halves

@@ -7,21 +7,49 @@ Per-position acceptance p_i is the probability that draft i is accepted given dr
 were (as `--json` of `--spec-k` reports it unconditioned, pass --unconditional).  Expected
 tokens per step with k drafts = 1 + sum_{i<=k} prod_{j<=i} p_j.  Step time per k comes from a
 measured sweep (JSON list of {"k", "step_ms"}) or the linear model step_ms + k * per_draft_ms.
-Break-even: the step time at k+2 up to which it still beats k.
+Break-even: the step time at k+2 up to which it still beats k.  --adaptive N simulates the
+adaptive-k policy (megakernel/adaptive.py) on N steps drawn from the profile, against every fixed k.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megakernel.adaptive import AdaptiveK, expected_tokens  # noqa: E402
 
 
-def expected_tokens(accept: list[float], k: int) -> float:
-    total, chain = 1.0, 1.0
-    for i in range(k):
-        chain *= accept[i] if i < len(accept) else 0.0
-        total += chain
-    return total
+def simulate_adaptive(accept: list[float], step_ms: dict[int, float], steps: int, seed: int = 0,
+                      shift: list[float] | None = None) -> dict:
+    """Tokens/s of the adaptive-k policy against every fixed k on draws from the acceptance profile
+    (conditional per position); with `shift`, the profile changes to it halfway (a topic change)."""
+    rng = random.Random(seed)
+    kmax = max(step_ms)
+    policy = AdaptiveK(kmax, step_ms)
+    tokens = {k: 0.0 for k in step_ms}
+    ms = {k: 0.0 for k in step_ms}
+    ad_tokens = ad_ms = 0.0
+    for n in range(steps):
+        profile = shift if shift and n >= steps // 2 else accept
+        run = 0  # how many drafts this step's target would accept in a row
+        while run < kmax and rng.random() < (profile[run] if run < len(profile) else 0.0):
+            run += 1
+        for k in step_ms:
+            tokens[k] += 1 + min(run, k)
+            ms[k] += step_ms[k]
+        k = policy.choose()
+        ad_tokens += 1 + min(run, k)
+        ad_ms += step_ms[k]
+        policy.observe(k, [min(run, k)])
+    fixed = {k: tokens[k] / ms[k] * 1e3 for k in step_ms}
+    best = max(fixed, key=fixed.get)
+    return {"adaptive_tokens_per_s": ad_tokens / ad_ms * 1e3, "fixed_tokens_per_s": fixed, "best_fixed_k": best,
+            "gain_over_best_fixed": ad_tokens / ad_ms * 1e3 / fixed[best] - 1, "k_mean": sum(policy.chosen) / steps}
 
 
 def conditional(unconditional: list[float]) -> list[float]:
@@ -55,6 +83,9 @@ def main() -> None:
     p.add_argument("--per-draft-ms", type=float, default=0.05, help="extra step time per draft (linear model)")
     p.add_argument("--sweep", help="measured step times: JSON list of {\"k\": K, \"step_ms\": MS}")
     p.add_argument("--kmax", type=int, default=7)
+    p.add_argument("--adaptive", type=int, default=0, metavar="STEPS",
+                   help="also simulate the adaptive-k policy over STEPS steps drawn from the profile")
+    p.add_argument("--shift", nargs="*", type=float, help="with --adaptive: the profile after a topic change halfway")
     args = p.parse_args()
     accept = args.accept or []
     if args.from_json:
@@ -73,6 +104,12 @@ def main() -> None:
         print(f"{r['k']:>2}{r['tokens_per_step']:>13.3f}{r['step_ms']:>10.3f}{r['tokens_per_s']:>10.1f}{be}")
     best = max(rows, key=lambda r: r["tokens_per_s"])
     print(f"best k = {best['k']} at {best['tokens_per_s']:.1f} tokens/s")
+    if args.adaptive:
+        sim = simulate_adaptive(accept, step_ms, args.adaptive, shift=args.shift)
+        fixed = sim["fixed_tokens_per_s"]
+        print(f"adaptive k over {args.adaptive} simulated steps{' (profile shifts halfway)' if args.shift else ''}: "
+              f"{sim['adaptive_tokens_per_s']:.1f} tokens/s, mean k {sim['k_mean']:.2f}; best fixed k="
+              f"{sim['best_fixed_k']} {fixed[sim['best_fixed_k']]:.1f} tokens/s ({sim['gain_over_best_fixed']:+.1%})")
 
 
 if __name__ == "__main__":
