@@ -8,6 +8,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from .placement import HELPER, Placement
 
@@ -139,3 +140,51 @@ class SkewedRouter:
             picks = [self.rng.choice(self.n_experts, size=self.top_k, replace=False, p=self.p) for _ in range(tokens)]
             out[layer] = self.perm[layer][np.array(picks)]
         return out
+
+
+class BiasSkew:
+    """A skewed router inside the model, for DeepSeek-V3-style routing (noaux_tc): the routing
+    correction bias, which steers which experts are chosen but not how they are weighted, set to
+    a Zipf profile (scale x rank^-a) over a per-layer permutation redrawn every `shift_every`
+    steps.  Written into a plan's fp32 weight arena, which every plan of an engine shares."""
+
+    def __init__(self, cfg, layers: list[int], a: float = 1.2, scale: float = 1.0, shift_every: int = 0,
+                 seed: int = 0):
+        if cfg.topk_method != "noaux_tc":
+            raise ValueError("BiasSkew needs routing with a correction bias (topk_method noaux_tc)")
+        self.layers, self.n_experts, self.shift_every = list(layers), cfg.n_routed_experts, shift_every
+        self.rng = np.random.default_rng(seed)
+        ranks = np.arange(1, self.n_experts + 1, dtype=np.float64)
+        self.profile = scale * ranks ** -a
+        self.steps = 0
+        self._reshuffle()
+
+    def _reshuffle(self) -> None:
+        self.perm = {layer: self.rng.permutation(self.n_experts) for layer in self.layers}
+
+    def hot_set(self, layer: int, n: int) -> set[int]:
+        return {int(e) for e in self.perm[layer][:n]}
+
+    def bias(self, layer: int) -> np.ndarray:
+        out = np.zeros(self.n_experts, dtype=np.float32)
+        out[self.perm[layer]] = self.profile
+        return out
+
+    def apply(self, runner) -> None:
+        """Write the current biases into the runner's weights (call before the first step)."""
+        from graph.isa import Buf
+        slots = {w.name: w for w in runner.plan.weights}
+        WF = runner.mem.bufs[Buf.WF]
+        for layer in self.layers:
+            slot = slots.get(f"model.layers.{layer}.mlp.gate.e_score_correction_bias")
+            if slot is not None:
+                WF[slot.offset: slot.offset + self.n_experts] = torch.from_numpy(self.bias(layer)).to(WF.device)
+
+    def step(self, runner) -> bool:
+        """A step boundary: the hot set moves every `shift_every` steps.  True when it moved."""
+        self.steps += 1
+        if self.shift_every and self.steps % self.shift_every == 0:
+            self._reshuffle()
+            self.apply(runner)
+            return True
+        return False

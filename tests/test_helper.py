@@ -211,3 +211,38 @@ def test_cli_reports_the_helper_and_refuses_what_is_not_built(tmp_path, capsys):
     assert main(["--steps", "2", "--helper", "cuda:1"]) == 2
     assert "not built yet" in capsys.readouterr().err
     assert main(["--steps", "2", "--helper", "emulate", "--backend", "reference"]) == 2
+
+
+def test_migration_follows_a_skewed_router_inside_the_model():
+    """A Zipf routing bias whose hot set moves: the hot experts reach main slots within a bounded
+    number of steps after each shift, the helper's share of rows falls, and the output stays the
+    all-on-main engine's."""
+    from helper_card.migration import BiasSkew
+    cfg = preset("tiny-moe").replace(n_routed_experts=16)
+    w = init_weights(cfg, seed=7)
+    layers = [layer for layer in moe_layers(cfg) if layer < cfg.num_hidden_layers]
+    shift, steps, B = 40, 80, 2
+    opts = HelperOptions(kind="emulate", fraction=0.75, migrate=True, window=8)
+    engines = [make_engine(cfg, w, "interpret", B, 4 + steps, "cpu", torch.float32, workers=4, helper=h)
+               for h in (None, opts)]
+    skews = [BiasSkew(cfg, layers, a=1.2, scale=1.0, shift_every=shift, seed=3) for _ in engines]
+    runners = [e.backend.runner(1) for e in engines]
+    for s, r in zip(skews, runners):
+        s.apply(r)
+    prompts = torch.randint(0, cfg.vocab_size, (B, 1), generator=torch.Generator().manual_seed(7))
+    tok, settled = prompts, {}
+    helper = engines[1].backend.helper
+    for n in range(steps):
+        a, b = (e._step(tok)[:, -1] for e in engines)
+        assert torch.equal(a, b), n
+        tok = a.argmax(-1, keepdim=True)
+        for s, r in zip(skews, runners):
+            s.step(r)
+        hot = {(layer, e) for layer in layers for e in skews[1].hot_set(layer, 2)}
+        if all(not helper.placement.on_helper(layer, e) for layer, e in hot):
+            settled.setdefault(n // shift, n % shift)
+    assert set(settled) == {0, 1} and max(settled.values()) <= 20, settled  # within 20 steps of each shift
+    share = [s["rows"] / (B * cfg.num_experts_per_tok * len(layers)) for s in engines[1].backend.helper_steps]
+    for start in (0, shift):
+        assert np.mean(share[start + 25: start + shift]) < np.mean(share[start: start + 3]) - 0.2, share
+    helper.close()
