@@ -213,3 +213,12 @@ def test_adaptive_k_policy_and_its_simulated_gain():
     shifting = simulate_adaptive([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], times, 3000,
                                  shift=[0.4, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1])
     assert shifting["gain_over_best_fixed"] > 0  # no single k suits both halves
+
+
+def test_thirty_two_sequences_per_step():
+    cfg, w, prompts = _setup("tiny-moe", 32, seed=8)
+    plain = _plain(cfg, w, prompts, 12)
+    out, stats = SpeculativeDecoder(cfg, w, 3, 32, 40).generate(
+        prompts, 8, Drafts("noisy:0.3", oracle=plain, vocab=cfg.vocab_size, seed=8))
+    assert out == [seq[:8] for seq in plain]
+    assert 1.5 < stats.acceptance_length < 4  # drafts were accepted and rejected across the batch
