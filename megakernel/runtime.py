@@ -73,7 +73,9 @@ def check_operand_buffers(plan: Plan, tasks: list[Decoded]) -> None:
     for i, t in enumerate(tasks):
         if t.op.name in ("HELPER_CALL", "HELPER_WAIT"):
             raise MegakernelError("experts on a helper run on the plan interpreter only for now (the device-side "
-                                  "mailbox is not built); use --backend interpreter with --helper")
+                                  "mailbox is not built); use --backend interpret with --helper")
+        if t.op.name == "ROUTE" and t["topk"] > 16:
+            raise MegakernelError(f"task {i}: {t['topk']} experts per token; the ROUTE body handles at most 16")
         if t.op.name == "ACCEPT" and t.has("SAMPLE"):
             raise MegakernelError("speculative sampling runs on the plan interpreter only for now (greedy runs on the "
                                   "megakernel)")

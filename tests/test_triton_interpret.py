@@ -6,11 +6,14 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from graph.compile import CompileOptions, compile_step
 from graph.lower import StepShape
 from graph.tiling import TilingOptions
 from megakernel.interpreter import Interpreter
+from megakernel.ops import moe
 from model import TINY_PRESETS, init_weights, preset
 
 from .conftest import rel_err
@@ -90,3 +93,26 @@ def test_odd_dimensions_fall_back_to_scalar_alignment():
     interp = Interpreter(plan, w)
     mk = Megakernel(plan, w, device="cpu", config=LaunchConfig(max_spins=2000))
     _compare(cfg, interp, mk, torch.tensor([0, 4]))
+
+
+@triton.jit
+def _slot_table_kernel(ids, st, P, E, S, BE: tl.constexpr, BP: tl.constexpr):
+    moe.slot_table(ids, st, P, E, S, BE, BP)
+
+
+def test_slot_table_body_equals_the_reference_layout():
+    """The vectorised SLOTS stage against the reference's layout, for pair counts across chunks."""
+    gen = torch.Generator().manual_seed(5)
+    for E, P in ((8, 6), (64, 6), (64, 300), (256, 48)):
+        ids = torch.randint(0, E, (P,), generator=gen, dtype=torch.int32)
+        S = min(E, P)
+        st = torch.full((2 * S + S * P,), -7, dtype=torch.int32)
+        _slot_table_kernel[(1,)](ids, st, P, E, S, BE=max(16, triton.next_power_of_2(E)), BP=256)
+        want = torch.full_like(st, -7)
+        experts = torch.unique(ids)
+        want[:S], want[S:2 * S] = -1, 0
+        for s, e in enumerate(experts.tolist()):
+            pairs = torch.nonzero(ids == e).flatten().int()
+            want[s], want[S + s] = e, pairs.numel()
+            want[2 * S + s * P: 2 * S + s * P + pairs.numel()] = pairs
+        assert torch.equal(st, want), (E, P)

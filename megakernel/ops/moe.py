@@ -124,6 +124,9 @@ def reference_combine(task, mem) -> None:
 
 
 # ---- GPU body ----------------------------------------------------------------------------
+KMAX = tl.constexpr(16)  # most experts per token a ROUTE body handles (the runtime checks)
+
+
 @triton.jit
 def route_body(word, WF, A, I, BE: tl.constexpr, BP: tl.constexpr):
     flags = fld(word, ROUTE_FLAGS)
@@ -169,35 +172,56 @@ def route_body(word, WF, A, I, BE: tl.constexpr, BP: tl.constexpr):
                     kept = kept | (ex // per == g)
                     gscore = tl.where(ex == g, float("-inf"), gscore)
                 choice = tl.where(kept & emask, choice, float("-inf"))
+            # k rounds of argmax (ties to the lower id, as the reference's sort); the choices stay in
+            # registers and are stored once, so no round waits on memory
+            jj = tl.arange(0, KMAX)
+            chosen = tl.zeros((KMAX,), tl.int32)
+            weight = tl.zeros((KMAX,), tl.float32)
             total = 0.0
             for j in range(k):
                 best = tl.argmax(choice, axis=0, tie_break_left=True)
                 w = tl.sum(tl.where(ex == best, scores, 0.0), axis=0)
-                tl.store(ids + n * k + j, best.to(tl.int32))
-                tl.store(wts + n * k + j, w)
+                chosen = tl.where(jj == j, best.to(tl.int32), chosen)
+                weight = tl.where(jj == j, w, weight)
                 total += w
                 choice = tl.where(ex == best, float("-inf"), choice)
             denom = total + 1e-20 if has(flags, FLAG_ROUTE_NORM) else 1.0
-            for j in range(k):
-                tl.store(wts + n * k + j, tl.load(wts + n * k + j) / denom * scale)
+            tl.store(ids + n * k + jj, chosen, mask=jj < k)
+            tl.store(wts + n * k + jj, weight / denom * scale, mask=jj < k)
     if has(flags, FLAG_ROUTE_SLOTS):
         tl.debug_barrier()  # ids written above by this program
-        P = N * k
-        slot = 0
-        for e in range(E):
-            count = 0
-            for pb in range(0, P, BP):
-                p = pb + tl.arange(0, BP)
-                hit = (tl.load(ids + p, mask=p < P, other=-1, cache_modifier=".cg") == e) & (p < P)
-                where = count + tl.cumsum(hit.to(tl.int32), axis=0) - 1
-                tl.store(st + 2 * S + slot * P + where, p.to(tl.int32), mask=hit)
-                count += tl.sum(hit.to(tl.int32), axis=0)
-            tl.store(st + slot, e, mask=count > 0)
-            tl.store(st + S + slot, count, mask=count > 0)
-            slot += (count > 0).to(tl.int32)
-        for s in range(slot, S):
-            tl.store(st + s, -1)
-            tl.store(st + S + s, 0)
+        slot_table(ids, st, N * k, E, S, BE, BP)
+
+
+@triton.jit
+def slot_table(ids, st, P, E, S, BE: tl.constexpr, BP: tl.constexpr):
+    """st = [expert of slot s] * S + [pairs in slot s] * S + [pair ids of slot s, ascending] * (S x P):
+    the distinct experts of ids[0:P] in ascending order, found for all experts at once ([experts x
+    pairs] comparisons, pairs in chunks) rather than expert by expert."""
+    PC: tl.constexpr = min(BP, 8192 // BE)  # pairs per chunk: keeps the comparison matrix in registers
+    ex = tl.arange(0, BE)
+    count = tl.zeros((BE,), tl.int32)
+    for pb in range(0, P, PC):
+        p = pb + tl.arange(0, PC)
+        e_of_p = tl.load(ids + p, mask=p < P, other=-1, cache_modifier=".cg")
+        count += tl.sum((e_of_p[None, :] == ex[:, None]).to(tl.int32), axis=1)
+    present = (count > 0) & (ex < E)
+    slot_of = tl.cumsum(present.to(tl.int32), axis=0) - 1  # slots in ascending expert order
+    used = tl.sum(present.to(tl.int32), axis=0)
+    tl.store(st + slot_of, ex, mask=present)
+    tl.store(st + S + slot_of, count, mask=present)
+    tl.store(st + ex, tl.full((BE,), -1, tl.int32), mask=(ex >= used) & (ex < S))
+    tl.store(st + S + ex, tl.zeros((BE,), tl.int32), mask=(ex >= used) & (ex < S))
+    seen = tl.zeros((BE,), tl.int32)  # pairs of each expert already placed
+    for pb in range(0, P, PC):
+        p = pb + tl.arange(0, PC)
+        e_of_p = tl.load(ids + p, mask=p < P, other=-1, cache_modifier=".cg")
+        hit = (e_of_p[None, :] == ex[:, None]).to(tl.int32)  # [experts, pairs]
+        rank = seen[:, None] + tl.cumsum(hit, axis=1) - 1  # the pair's place within its expert's slot
+        where = tl.sum(hit * rank, axis=0)
+        slot = tl.sum(hit * slot_of[:, None], axis=0)
+        tl.store(st + 2 * S + slot * P + where, p.to(tl.int32), mask=p < P)
+        seen += tl.sum(hit, axis=1)
 
 
 @triton.jit
