@@ -27,9 +27,34 @@ def reference(task, mem) -> None:
 
 # ---- GPU body ----------------------------------------------------------------------------
 @triton.jit
+def step_tiles(s, total, h0, nob, nib, N, w_ptr, w_hs, w_ld, trans, x_ptr, x_ld, x_hs, x_col0, i_dim, o_dim,
+               BI: tl.constexpr, BO: tl.constexpr):
+    """Step s's weight tile [BI, BO] and activation slice [BI] (steps: head, output block, token,
+    input block, innermost last); nothing is read when s == total."""
+    on = s < total
+    ib = (s % nib) * BI
+    n = (s // nib) % N
+    ob = ((s // (nib * N)) % nob) * BO
+    h = h0 + s // (nib * N * nob)
+    i = ib + tl.arange(0, BI)
+    o = ob + tl.arange(0, BO)
+    imask = (i < i_dim) & on
+    omask = o < o_dim
+    if trans:  # W_h[i, o] at o*ld + i
+        w_offs = o[None, :] * w_ld + i[:, None]
+    else:
+        w_offs = i[:, None] * w_ld + o[None, :]
+    w = tl.load(w_ptr + h * w_hs.to(tl.int64) + w_offs, mask=imask[:, None] & omask[None, :], other=0.0)
+    x = tl.load(x_ptr + n * x_ld + h * x_hs + x_col0 + i, mask=imask, other=0.0, cache_modifier=".cg")
+    return w, x
+
+
+@triton.jit
 def body(word, W, A, BI: tl.constexpr, BO: tl.constexpr, ALIGN: tl.constexpr):
     """Per head and token, a GEMV on CUDA cores over whole [BI, BO] weight tiles (fp32 sums in a
-    fixed order: batch invariant)."""
+    fixed order: batch invariant).  One flat loop over (head, output block, token, input block)
+    requests the next step's tiles before reducing the current ones: a head's few tiles would
+    otherwise each wait out a full memory latency."""
     flags, N = fld(word, HEAD_MATMUL_FLAGS), fld(word, HEAD_MATMUL_N)
     i_dim, o_dim = fld(word, HEAD_MATMUL_IN_DIM), fld(word, HEAD_MATMUL_OUT_DIM)
     x_ptr, x_ld, x_hs, x_col0 = (A + off(word, HEAD_MATMUL_X_OFF), fld(word, HEAD_MATMUL_X_LD),
@@ -38,21 +63,20 @@ def body(word, W, A, BI: tl.constexpr, BO: tl.constexpr, ALIGN: tl.constexpr):
     w_hs, w_ld = aligned(fld(word, HEAD_MATMUL_W_HS), ALIGN), aligned(fld(word, HEAD_MATMUL_W_LD), ALIGN)
     o_ptr, o_ld, o_hs = A + off(word, HEAD_MATMUL_OUT_OFF), fld(word, HEAD_MATMUL_OUT_LD), fld(word, HEAD_MATMUL_OUT_HS)
     trans = has(flags, FLAG_HEAD_MATMUL_TRANS)
-    for h in range(fld(word, HEAD_MATMUL_H0), fld(word, HEAD_MATMUL_H1)):
-        w_h = w_ptr + h * w_hs.to(tl.int64)
-        for ob in range(0, o_dim, BO):
-            o = ob + tl.arange(0, BO)
-            omask = o < o_dim
-            for n in range(N):
-                acc = tl.zeros((BO,), tl.float32)
-                for ib in range(0, i_dim, BI):
-                    i = ib + tl.arange(0, BI)
-                    imask = i < i_dim
-                    if trans:  # W_h[i, o] at o*ld + i
-                        w_offs = o[None, :] * w_ld + i[:, None]
-                    else:
-                        w_offs = i[:, None] * w_ld + o[None, :]
-                    w = tl.load(w_h + w_offs, mask=imask[:, None] & omask[None, :], other=0.0)
-                    x = tl.load(x_ptr + n * x_ld + h * x_hs + x_col0 + i, mask=imask, other=0.0, cache_modifier=".cg")
-                    acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)
-                tl.store(o_ptr + n * o_ld + h * o_hs + o, acc, mask=omask)
+    h0, h1 = fld(word, HEAD_MATMUL_H0), fld(word, HEAD_MATMUL_H1)
+    nib, nob = tl.cdiv(i_dim, BI), tl.cdiv(o_dim, BO)
+    total = (h1 - h0) * nob * N * nib
+    w, x = step_tiles(0, total, h0, nob, nib, N, w_ptr, w_hs, w_ld, trans, x_ptr, x_ld, x_hs, x_col0, i_dim, o_dim,
+                      BI, BO)
+    acc = tl.zeros((BO,), tl.float32)
+    for s in range(total):
+        w_next, x_next = step_tiles(s + 1, total, h0, nob, nib, N, w_ptr, w_hs, w_ld, trans, x_ptr, x_ld, x_hs,
+                                    x_col0, i_dim, o_dim, BI, BO)
+        acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)
+        if s % nib == nib - 1:  # this (head, output block, token) is complete
+            n = (s // nib) % N
+            o = ((s // (nib * N)) % nob) * BO + tl.arange(0, BO)
+            h = h0 + s // (nib * N * nob)
+            tl.store(o_ptr + n * o_ld + h * o_hs + o, acc, mask=o < o_dim)
+            acc = tl.zeros((BO,), tl.float32)
+        w, x = w_next, x_next
