@@ -198,13 +198,13 @@ def footprint(task: Decoded) -> list[Access]:
         out += _acc(task, "out", 0, N * k, r0, r1, True,
                     exclusive=(task.signal, "slot", f["st.off"], f["out.off"], f["slot"], f["slot"] + 1))
     elif name == "MOE_COMBINE":
-        r0, r1, H, k = f["r0"], f["r1"], f["H"], f["topk"]
-        out += _acc(task, "y", r0 * k, r1 * k, 0, H, False, ld=H) + _flat(task, "wts", r0 * k, r1 * k, False)
+        r0, r1, H, k, c0, c1 = f["r0"], f["r1"], f["H"], f["topk"], f["c0"], f["c1"]
+        out += _acc(task, "y", r0 * k, r1 * k, c0, c1, False, ld=H) + _flat(task, "wts", r0 * k, r1 * k, False)
         if task.has("SHARED"):
-            out += _acc(task, "sh", r0, r1, 0, H, False)
+            out += _acc(task, "sh", r0, r1, c0, c1, False)
         if task.has("RES"):
-            out += _acc(task, "res", r0, r1, 0, H, False)
-        out += _acc(task, "out", r0, r1, 0, H, True)
+            out += _acc(task, "res", r0, r1, c0, c1, False)
+        out += _acc(task, "out", r0, r1, c0, c1, True)
     elif name == "HC_COEFF":
         r0, r1, n, H = f["r0"], f["r1"], f["n"], f["H"]
         width = (2 + n) * n

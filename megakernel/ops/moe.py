@@ -21,7 +21,7 @@ from .fields import (EXPERT_LINEAR_FLAGS, EXPERT_LINEAR_K, EXPERT_LINEAR_TOPK, E
                      FLAG_EXPERT_LINEAR_GATHER, FLAG_EXPERT_LINEAR_SILU_MUL, FLAG_MOE_COMBINE_RES,
                      FLAG_MOE_COMBINE_SHARED, FLAG_ROUTE_GROUPED, FLAG_ROUTE_NOAUX, FLAG_ROUTE_NORM, FLAG_ROUTE_SCORE,
                      FLAG_ROUTE_SIGMOID, FLAG_ROUTE_SLOTS, FLAG_ROUTE_TOPK, MOE_COMBINE_FLAGS, MOE_COMBINE_H,
-                     MOE_COMBINE_TOPK, MOE_COMBINE_OUT_LD, MOE_COMBINE_OUT_OFF, MOE_COMBINE_R0, MOE_COMBINE_R1,
+                     MOE_COMBINE_TOPK, MOE_COMBINE_C0, MOE_COMBINE_C1, MOE_COMBINE_OUT_LD, MOE_COMBINE_OUT_OFF, MOE_COMBINE_R0, MOE_COMBINE_R1,
                      MOE_COMBINE_RES_LD, MOE_COMBINE_RES_OFF, MOE_COMBINE_SH_LD, MOE_COMBINE_SH_OFF,
                      MOE_COMBINE_WTS_OFF, MOE_COMBINE_Y_OFF, ROUTE_BIAS_OFF, ROUTE_E, ROUTE_FLAGS, ROUTE_IDS_OFF,
                      ROUTE_TOPK, ROUTE_LG_LD, ROUTE_LG_OFF, ROUTE_N, ROUTE_N_GROUP, ROUTE_S, ROUTE_SC_BUF, ROUTE_SC_OFF,
@@ -110,17 +110,18 @@ def reference_expert(task, mem) -> None:
 
 
 def reference_combine(task, mem) -> None:
-    r0, r1, H, k = task["r0"], task["r1"], task["H"], task["topk"]
-    y = mem.mat(task, "y", (r1 - r0) * k, H, row0=r0 * k, ld=H).float().view(r1 - r0, k, H)
+    r0, r1, H, k, c0, c1 = task["r0"], task["r1"], task["H"], task["topk"], task["c0"], task["c1"]
+    C = c1 - c0
+    y = mem.mat(task, "y", (r1 - r0) * k, C, row0=r0 * k, col0=c0, ld=H).float().view(r1 - r0, k, C)
     w = mem.flat(task, "wts", r0 * k, (r1 - r0) * k).view(r1 - r0, k, 1)
-    out = torch.zeros(r1 - r0, H, device=mem.device)
+    out = torch.zeros(r1 - r0, C, device=mem.device)
     for j in range(k):  # fixed order: a token's sum never depends on its neighbours
         out = out + w[:, j] * y[:, j]
     if task.has("SHARED"):
-        out = out + mem.mat(task, "sh", r1 - r0, H, row0=r0).float()
+        out = out + mem.mat(task, "sh", r1 - r0, C, row0=r0, col0=c0).float()
     if task.has("RES"):
-        out = out + mem.mat(task, "res", r1 - r0, H, row0=r0).float()
-    mem.mat(task, "out", r1 - r0, H, row0=r0).copy_(out)
+        out = out + mem.mat(task, "res", r1 - r0, C, row0=r0, col0=c0).float()
+    mem.mat(task, "out", r1 - r0, C, row0=r0, col0=c0).copy_(out)
 
 
 # ---- GPU body ----------------------------------------------------------------------------
@@ -252,10 +253,11 @@ def combine_body(word, A, BD: tl.constexpr):
     sh, sh_ld = A + off(word, MOE_COMBINE_SH_OFF), fld(word, MOE_COMBINE_SH_LD)
     res, res_ld = A + off(word, MOE_COMBINE_RES_OFF), fld(word, MOE_COMBINE_RES_LD)
     o_ptr, o_ld = A + off(word, MOE_COMBINE_OUT_OFF), fld(word, MOE_COMBINE_OUT_LD)
+    c1 = fld(word, MOE_COMBINE_C1)
     for r in range(fld(word, MOE_COMBINE_R0), fld(word, MOE_COMBINE_R1)):
-        for cb in range(0, H, BD):
+        for cb in range(fld(word, MOE_COMBINE_C0), c1, BD):
             c = cb + tl.arange(0, BD)
-            m = c < H
+            m = c < c1
             acc = tl.zeros((BD,), tl.float32)
             for j in range(k):  # fixed order: a token's sum never depends on its neighbours
                 w = tl.load(wts + r * k + j, cache_modifier=".cg")
