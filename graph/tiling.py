@@ -159,9 +159,10 @@ class Tiler:
         a = op.attrs
         H, k = a["H"], a["topk"]
         rows = _blocks(a["rows"], self.opts.act_rows)
-        cols = H  # with spread: column blocks (multiples of 256) so that the op makes up to `spread` tasks
+        cols = H  # with spread: column blocks (multiples of 32, >= 256 where H allows) for up to `spread` tasks
         if self.opts.spread:
-            cols = max(256, -(-H // max(1, self.opts.spread // len(rows)) // 256) * 256)
+            want = max(1, self.opts.spread // len(rows))
+            cols = max(min(256, max(32, H // 2)), -(-H // want // 32) * 32)
         return [Tile({"r0": r0, "r1": r1, "c0": c0, "c1": c1}, 0, 4 * (r1 - r0) * (c1 - c0) * (k + 3),
                      2 * (r1 - r0) * (c1 - c0) * k) for r0, r1 in rows for c0, c1 in _blocks(H, cols)]
 
