@@ -47,6 +47,9 @@ class HelperBackend:
     def result(self, layer: int, seq: int, timeout_s: float):
         raise NotImplementedError
 
+    def abandon(self, layer: int, seq: int) -> None:
+        """The main side gave up on this call (timeout): skip it if it has not started."""
+
     def close(self) -> None:
         pass
 
@@ -80,6 +83,7 @@ class CpuHelper(HelperBackend):
         super().__init__(store, placement)
         self.inbox: queue.Queue = queue.Queue()
         self.answers: dict[tuple[int, int], object] = {}
+        self.abandoned: set[tuple[int, int]] = set()
         self.ready = threading.Condition()
         self.thread = threading.Thread(target=self._serve, name="helper-cpu", daemon=True)
         self.thread.start()
@@ -92,6 +96,10 @@ class CpuHelper(HelperBackend):
             job, layer, seq, slots, x = item
             if self.stall_s:
                 time.sleep(self.stall_s)
+            with self.ready:
+                if (layer, seq) in self.abandoned:
+                    self.abandoned.discard((layer, seq))
+                    continue
             try:
                 answer = job([(e, p.cpu()) for e, p in slots], x)
             except Exception as e:  # delivered to the waiting side, never swallowed
@@ -119,6 +127,11 @@ class CpuHelper(HelperBackend):
         if isinstance(answer, Exception):
             raise RuntimeError(f"cpu helper failed on layer {layer} call {seq}: {answer!r}") from answer
         return answer
+
+    def abandon(self, layer, seq):
+        with self.ready:
+            if self.answers.pop((layer, seq), None) is None:
+                self.abandoned.add((layer, seq))
 
     def close(self) -> None:
         self.inbox.put(None)

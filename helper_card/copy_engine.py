@@ -74,14 +74,19 @@ class CopyEngine:
 
     def finished(self) -> list[Move]:
         """Moves whose copy has landed (removed from the in-flight list)."""
-        done = [c for c in self.in_flight if c.done()]
-        self.in_flight = [c for c in self.in_flight if not c.done()]
+        flags = [(c, c.done()) for c in self.in_flight]  # once each: a copy may land in between
+        done = [c for c, d in flags if d]
+        self.in_flight = [c for c, d in flags if not d]
         for c in done:
             c.wait()  # re-raises a failed CPU copy
         return [c.move for c in done]
 
     def busy_slots(self) -> set[int]:
         return {c.move.slot for c in self.in_flight}
+
+    def moving(self) -> set[tuple[int, int]]:
+        """(layer, expert) of every copy in flight."""
+        return {(c.move.layer, c.move.expert) for c in self.in_flight}
 
     def drain(self, timeout_s: float = 10.0) -> list[Move]:
         """Wait for every copy in flight (tests, shutdown); bounded."""

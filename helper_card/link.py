@@ -112,7 +112,9 @@ class HelperProgramRunner:
     """Runs layer programs against a helper store (the compute half of every backend)."""
 
     def __init__(self, plan: Plan, store: torch.Tensor, layers: list[int], n_experts: int):
+        self.plan = plan
         self.mem = HelperMemory(plan, store)
+        self.task_delay_s = 0.0  # test hook: a slow helper, mid-computation when the main side gives up
         self.programs = layer_programs(plan)
         self.row_of = {layer: i * n_experts for i, layer in enumerate(layers)}  # store row of (layer, 0)
         self.n_experts = n_experts
@@ -133,6 +135,8 @@ class HelperProgramRunner:
         A[off: off + rows * cols] = x.reshape(-1).to(A.device, torch.float32)
         for task in prog.tasks:
             REFERENCE[task.op.name](task, mem)
+            if self.task_delay_s:
+                time.sleep(self.task_delay_s)
         y_off, y_ld = prog.y
         y = A[y_off: y_off + P * y_ld].view(P, y_ld)
         return [(pairs, y[pairs.to(y.device)].clone()) for _, pairs in slots]
@@ -189,6 +193,7 @@ class PlanLink:
 
     link: HelperLink
     program: HelperProgramRunner
+    fallback_program: HelperProgramRunner | None = None  # its own buffers: a timed-out call may still be running
 
     def skipped(self, layer: int) -> None:
         self.link.metrics.skipped += 1
@@ -208,9 +213,8 @@ class PlanLink:
         seq = link.seq.get(layer, 0) + 1
         link.seq[layer] = seq
         x = x.detach().clone()
-        job = functools.partial(self.program.run, site)
-        link.pending[(layer, seq)] = (job, slots, x)
-        link.backend.submit(job, layer, seq, slots, x)
+        link.pending[(layer, seq)] = (site, slots, x)
+        link.backend.submit(functools.partial(self.program.run, site), layer, seq, slots, x)
         link.metrics.calls += 1
         link.metrics.rows += sum(int(p.numel()) for _, p in slots)
         return seq
@@ -218,14 +222,18 @@ class PlanLink:
     def wait(self, layer: int, seq: int):
         link = self.link
         t0 = time.perf_counter()
-        job, slots, x = link.pending.pop((layer, seq))
+        site, slots, x = link.pending.pop((layer, seq))
         try:
             return link.backend.result(layer, seq, link.timeout_s)
         except HelperTimeout:
+            link.backend.abandon(layer, seq)
             if not link.fallback:
                 raise
             link.metrics.fallbacks += 1
-            return job(slots, x)  # the same program, on the main side
+            if self.fallback_program is None:
+                self.fallback_program = HelperProgramRunner(self.program.plan, link.backend.store, link.layers,
+                                                            link.n_experts)
+            return self.fallback_program.run(site, slots, x)  # the same program, main side, own buffers
         finally:
             link.metrics.exposed_wait_s += time.perf_counter() - t0
 

@@ -73,10 +73,12 @@ class MigrationPolicy:
     min_gain: float = 2.0
     max_moves: int = 2
 
-    def plan(self, placement: Placement, counts: dict[int, np.ndarray], busy: set[int] = frozenset()) -> list[Move]:
-        """Moves for this step boundary; slots in `busy` (a copy in flight) are left alone."""
+    def plan(self, placement: Placement, counts: dict[int, np.ndarray], busy: set[int] = frozenset(),
+             moving: set[tuple[int, int]] = frozenset()) -> list[Move]:
+        """Moves for this step boundary; slots in `busy` and experts in `moving` (a copy in flight)
+        are left alone."""
         hot = sorted(((float(counts[layer][e]), layer, e) for layer in placement.tables
-                      for e in placement.helper_experts(layer) if counts[layer][e] > 0),
+                      for e in placement.helper_experts(layer) if counts[layer][e] > 0 and (layer, e) not in moving),
                      key=lambda item: (-item[0], item[1], item[2]))
         free = [s for s in placement.free_slots() if s not in busy]
         cold = sorted(((float(counts[layer][e]), slot, layer, e)

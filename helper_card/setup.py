@@ -59,7 +59,9 @@ class Helper:
         self.layers, E = moe_layers(cfg), cfg.n_routed_experts
         self.capacity = capacity_for(cfg, opts.fraction)
         self.placement = Placement.with_fraction(self.layers, E, opts.fraction, counts)
-        store = expert_store(cfg, weights, self.layers, device, dtype)
+        # every routed expert, where the helper keeps them: the main device only for the same-device
+        # emulation; otherwise host memory (the copy engine pins it), so main holds only its slots
+        store = expert_store(cfg, weights, self.layers, device if opts.kind == "emulate" else "cpu", dtype)
         self.backend = make_backend(opts.kind, store, self.placement)
         self.link = HelperLink(self.backend, self.placement, self.layers, E, opts.timeout_s, opts.fallback)
         if opts.migrate:
@@ -108,7 +110,7 @@ class Helper:
         landed = copier.finished()
         for m in landed:  # copies done: the expert now reads from its main slot
             placement.tables[m.layer][m.expert] = m.slot
-        moves = self.opts.policy.plan(placement, stats.counts(), busy=copier.busy_slots())
+        moves = self.opts.policy.plan(placement, stats.counts(), busy=copier.busy_slots(), moving=copier.moving())
         for m in moves:
             if m.evict is not None:  # its rows go to the helper from the next step on (it has every expert)
                 placement.tables[m.evict[0]][m.evict[1]] = HELPER

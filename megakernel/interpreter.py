@@ -63,7 +63,7 @@ class Interpreter(PlanRunner):
         self.epoch += 1
         try:
             self._run(order, rng or random.Random(0), stop_after)
-        except Exception:
+        except BaseException:  # KeyboardInterrupt too
             self._settle()  # a task raised (e.g. a helper timeout): the next step must still be able to run
             raise
         return self.result()

@@ -246,3 +246,34 @@ def test_migration_follows_a_skewed_router_inside_the_model():
     for start in (0, shift):
         assert np.mean(share[start + 25: start + shift]) < np.mean(share[start: start + 3]) - 0.2, share
     helper.close()
+
+
+def test_fallback_never_shares_buffers_with_a_late_helper():
+    """Every call times out while the helper keeps computing the late ones: the fallback must not
+    read or write the helper's buffers (it did, and returned the other call's rows)."""
+    cfg = preset("tiny-moe")
+    w = init_weights(cfg, seed=4)
+    plain = Interpreter(compile_step(cfg, StepShape(T=1, B=1, max_len=24), CompileOptions(workers=4)), w)
+    opts = HelperOptions(kind="cpu", fraction=1.0, timeout_s=0.02, fallback=True)
+    helper = Helper(cfg, w, opts, "cpu", torch.float32)
+    runner = Interpreter(compile_step(cfg, StepShape(T=1, B=1, max_len=24, helper_slots=helper.capacity),
+                                      CompileOptions(workers=4)), w)
+    helper.attach(runner)
+    runner.mem.helper.program.task_delay_s = 0.01  # every call times out while the helper is mid-computation
+    tok = torch.tensor([[5]])
+    for n in range(8):
+        lens = torch.tensor([n])
+        got, want = runner.step(tok, lens), plain.step(tok, lens)
+        assert torch.equal(got.logits, want.logits), n
+        tok = want.tokens
+    assert helper.end_step()["fallbacks"] == 16
+    helper.close()
+
+
+def test_an_expert_being_copied_is_not_planned_again():
+    placement = Placement(2, {1: np.array([0, 1, HELPER, HELPER], dtype=np.int32)})
+    counts = {1: np.array([1.0, 1.0, 50.0, 0.0])}
+    policy = MigrationPolicy(max_moves=1)
+    first = policy.plan(placement, counts)
+    assert [(m.expert, m.evict) for m in first] == [(2, (1, 0))]
+    assert policy.plan(placement, counts, busy={first[0].slot}, moving={(1, 2)}) == []
