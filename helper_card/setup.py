@@ -15,6 +15,7 @@ import torch
 
 from graph.isa import Buf
 from model.config import ModelConfig
+from model.schema import layer_prefix
 
 from .backends import make_backend
 from .copy_engine import CopyEngine
@@ -41,6 +42,18 @@ class HelperOptions:
     @property
     def enabled(self) -> bool:
         return self.kind != "none"
+
+
+def routed_expert_names(cfg: ModelConfig, names) -> set[str]:
+    marks = tuple(layer_prefix(layer) + "mlp.experts." for layer in moe_layers(cfg))
+    return {k for k in names if k.startswith(marks)}
+
+
+def offload_experts(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights with every routed expert moved to host memory: with a cpu helper, main needs them
+    only to fill its slots (from the helper's host store), so the device copies can go."""
+    routed = routed_expert_names(cfg, weights)
+    return {k: (v.cpu() if k in routed else v) for k, v in weights.items()}
 
 
 def capacity_for(cfg: ModelConfig, fraction: float) -> int:

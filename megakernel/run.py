@@ -258,6 +258,9 @@ def run(args: argparse.Namespace) -> dict:
 
     dtype = DTYPES[args.dtype] if args.dtype else (DTYPES[cfg.dtype] if device.type == "cuda" else torch.float32)
     cfg, weights, source = load_weights(cfg, path, args.seed, device, dtype)
+    if args.helper == "cpu" and not args.check and cfg.n_routed_experts:  # --check's reference needs them all here
+        from helper_card.setup import offload_experts
+        weights = offload_experts(cfg, weights)  # main keeps only its slots; the loaded device copies go
     if args.spec_k is not None:
         return run_speculative(args, name, cfg, weights, source, backend, device, dtype, options, result)
     engine = make_engine(cfg, weights, backend, args.batch, max_len, device, dtype, workers=args.workers,

@@ -277,3 +277,13 @@ def test_an_expert_being_copied_is_not_planned_again():
     first = policy.plan(placement, counts)
     assert [(m.expert, m.evict) for m in first] == [(2, (1, 0))]
     assert policy.plan(placement, counts, busy={first[0].slot}, moving={(1, 2)}) == []
+
+
+def test_offload_moves_only_the_routed_experts():
+    from helper_card.setup import routed_expert_names
+    cfg = preset("tiny-moe")
+    w = init_weights(cfg, seed=0)
+    routed = routed_expert_names(cfg, w)
+    E, layers = cfg.n_routed_experts, len(moe_layers(cfg))
+    assert len(routed) == 3 * E * layers  # gate, up, down of every routed expert, MTP layers included
+    assert not any("shared_experts" in k or ".gate." in k for k in routed)
