@@ -113,51 +113,14 @@ def apply_moves(placement: Placement, moves: list[Move]) -> Placement:
     return new
 
 
-class SkewedRouter:
-    """Synthetic routing: expert popularity follows Zipf(a) over a per-layer permutation that is
-    redrawn every `shift_every` steps (the hot set moves, as when a session changes topic)."""
+class ShiftingHotSet:
+    """Zipf(a) popularity over a per-layer permutation of the experts, redrawn every `shift_every`
+    steps (the hot set moves, as when a session changes topic)."""
 
-    def __init__(self, layers: list[int], n_experts: int, top_k: int, a: float = 1.2, shift_every: int = 0,
-                 seed: int = 0):
-        self.layers, self.n_experts, self.top_k, self.shift_every = list(layers), n_experts, top_k, shift_every
+    def __init__(self, layers: list[int], n_experts: int, a: float = 1.2, shift_every: int = 0, seed: int = 0):
+        self.layers, self.n_experts, self.shift_every = list(layers), n_experts, shift_every
         self.rng = np.random.default_rng(seed)
-        ranks = np.arange(1, n_experts + 1, dtype=np.float64)
-        self.p = ranks ** -a / (ranks ** -a).sum()
-        self.step = 0
-        self._reshuffle()
-
-    def _reshuffle(self) -> None:
-        self.perm = {layer: self.rng.permutation(self.n_experts) for layer in self.layers}
-
-    def hot_set(self, layer: int, n: int) -> set[int]:
-        return {int(e) for e in self.perm[layer][:n]}
-
-    def route(self, tokens: int) -> dict[int, np.ndarray]:
-        """[tokens, top_k] distinct expert ids per layer for one step."""
-        if self.shift_every and self.step and self.step % self.shift_every == 0:
-            self._reshuffle()
-        self.step += 1
-        out = {}
-        for layer in self.layers:
-            picks = [self.rng.choice(self.n_experts, size=self.top_k, replace=False, p=self.p) for _ in range(tokens)]
-            out[layer] = self.perm[layer][np.array(picks)]
-        return out
-
-
-class BiasSkew:
-    """A skewed router inside the model, for DeepSeek-V3-style routing (noaux_tc): the routing
-    correction bias, which steers which experts are chosen but not how they are weighted, set to
-    a Zipf profile (scale x rank^-a) over a per-layer permutation redrawn every `shift_every`
-    steps.  Written into a plan's fp32 weight arena, which every plan of an engine shares."""
-
-    def __init__(self, cfg, layers: list[int], a: float = 1.2, scale: float = 1.0, shift_every: int = 0,
-                 seed: int = 0):
-        if cfg.topk_method != "noaux_tc":
-            raise ValueError("BiasSkew needs routing with a correction bias (topk_method noaux_tc)")
-        self.layers, self.n_experts, self.shift_every = list(layers), cfg.n_routed_experts, shift_every
-        self.rng = np.random.default_rng(seed)
-        ranks = np.arange(1, self.n_experts + 1, dtype=np.float64)
-        self.profile = scale * ranks ** -a
+        self.zipf = np.arange(1, n_experts + 1, dtype=np.float64) ** -a  # by popularity rank
         self.steps = 0
         self._reshuffle()
 
@@ -166,6 +129,49 @@ class BiasSkew:
 
     def hot_set(self, layer: int, n: int) -> set[int]:
         return {int(e) for e in self.perm[layer][:n]}
+
+    def tick(self) -> bool:
+        """A step boundary; True when the hot set moved."""
+        self.steps += 1
+        if self.shift_every and self.steps % self.shift_every == 0:
+            self._reshuffle()
+            return True
+        return False
+
+
+class SkewedRouter(ShiftingHotSet):
+    """Synthetic routing drawn from a shifting Zipf popularity (tests and benchmarks of the policy)."""
+
+    def __init__(self, layers: list[int], n_experts: int, top_k: int, a: float = 1.2, shift_every: int = 0,
+                 seed: int = 0):
+        super().__init__(layers, n_experts, a, shift_every, seed)
+        self.top_k, self.started = top_k, False
+        self.p = self.zipf / self.zipf.sum()
+
+    def route(self, tokens: int) -> dict[int, np.ndarray]:
+        """[tokens, top_k] distinct expert ids per layer for one step (the boundary before it first)."""
+        if self.started:
+            self.tick()
+        self.started = True
+        out = {}
+        for layer in self.layers:
+            picks = [self.rng.choice(self.n_experts, size=self.top_k, replace=False, p=self.p) for _ in range(tokens)]
+            out[layer] = self.perm[layer][np.array(picks)]
+        return out
+
+
+class BiasSkew(ShiftingHotSet):
+    """A skewed router inside the model, for DeepSeek-V3-style routing (noaux_tc): the routing
+    correction bias, which steers which experts are chosen but not how they are weighted, set to
+    scale x Zipf over the shifting permutation.  Written into a plan's fp32 weight arena, which
+    every plan of an engine shares."""
+
+    def __init__(self, cfg, layers: list[int], a: float = 1.2, scale: float = 1.0, shift_every: int = 0,
+                 seed: int = 0):
+        if cfg.topk_method != "noaux_tc":
+            raise ValueError("BiasSkew needs routing with a correction bias (topk_method noaux_tc)")
+        super().__init__(layers, cfg.n_routed_experts, a, shift_every, seed)
+        self.profile = scale * self.zipf
 
     def bias(self, layer: int) -> np.ndarray:
         out = np.zeros(self.n_experts, dtype=np.float32)
@@ -183,10 +189,8 @@ class BiasSkew:
                 WF[slot.offset: slot.offset + self.n_experts] = torch.from_numpy(self.bias(layer)).to(WF.device)
 
     def step(self, runner) -> bool:
-        """A step boundary: the hot set moves every `shift_every` steps.  True when it moved."""
-        self.steps += 1
-        if self.shift_every and self.steps % self.shift_every == 0:
-            self._reshuffle()
+        """A step boundary: when the hot set moves, the new biases are written.  True when it moved."""
+        moved = self.tick()
+        if moved:
             self.apply(runner)
-            return True
-        return False
+        return moved
