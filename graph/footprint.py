@@ -149,7 +149,7 @@ def footprint(task: Decoded) -> list[Access]:
         for h in range(h0, h1):
             c = h * f["x_hs"] + f["x_col0"]
             out += _acc(task, "x", 0, N, c, c + f["in_dim"], False)
-            out += _acc(task, "out", 0, N, h * f["out_hs"], h * f["out_hs"] + f["out_dim"], True)
+            out += _acc(task, "out", 0, N, h * f["out_hs"] + f["o0"], h * f["out_hs"] + f["o1"], True)
         span = (f["in_dim"] - 1) * f["w_ld"] + f["out_dim"] if not task.has("TRANS") else \
             (f["out_dim"] - 1) * f["w_ld"] + f["in_dim"]
         out += _flat(task, "w", h0 * f["w_hs"], (h1 - 1) * f["w_hs"] + span, False)

@@ -111,10 +111,15 @@ class Tiler:
         a = op.attrs
         per_head = a["in_dim"] * a["out_dim"] * self.wbytes
         hpt = max(1, min(a["heads"], self.opts.tile_bytes // max(1, per_head)))
+        heads, O = _blocks(a["heads"], hpt), a["out_dim"]
+        cols = O  # with spread and heads alone too few: output column blocks (multiples of 16, >= 128 where O allows)
         if self.opts.spread:
-            hpt = max(1, min(hpt, -(-a["heads"] // self.opts.spread)))
-        return [Tile({"h0": h0, "h1": h1}, (h1 - h0) * per_head, 4 * a["N"] * (h1 - h0) * (a["in_dim"] + a["out_dim"]),
-                     2 * a["N"] * (h1 - h0) * a["in_dim"] * a["out_dim"]) for h0, h1 in _blocks(a["heads"], hpt)]
+            heads = _blocks(a["heads"], max(1, min(hpt, -(-a["heads"] // self.opts.spread))))
+            want = max(1, self.opts.spread // len(heads))
+            cols = max(min(128, max(16, O // 2)), -(-O // want // 16) * 16)
+        return [Tile({"h0": h0, "h1": h1, "o0": o0, "o1": o1}, (h1 - h0) * a["in_dim"] * (o1 - o0) * self.wbytes,
+                     4 * a["N"] * (h1 - h0) * (a["in_dim"] + o1 - o0), 2 * a["N"] * (h1 - h0) * a["in_dim"] * (o1 - o0))
+                for h0, h1 in heads for o0, o1 in _blocks(O, cols)]
 
     def tile_attention(self, op):
         a = op.attrs

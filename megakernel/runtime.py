@@ -93,7 +93,7 @@ def check_operand_buffers(plan: Plan, tasks: list[Decoded]) -> None:
 ALIGNED_FIELDS = {
     "LINEAR": ("K", "w.off", "w2.off", "x.off", "x.ld"),
     "EXPERT_LINEAR": ("K", "w.off", "w2.off", "w_es", "x.off", "x.ld"),
-    "HEAD_MATMUL": ("w.off", "w_hs", "w_ld", "x.ld", "x_hs", "x_col0", "x.off"),
+    "HEAD_MATMUL": ("w.off", "w_hs", "w_ld", "x.ld", "x_hs", "x_col0", "x.off", "o0"),
     "ATTENTION": ("width", "cache.off", "dim", "q.off", "q.ld", "q_hs", "kv_hs", "v_col0"),
 }
 

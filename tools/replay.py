@@ -44,11 +44,13 @@ def family(label: str) -> str:
 
 
 def task_work(word) -> int:
-    """What a task's time scales with: elements it touches (its footprint), except attention, whose
-    footprint is the whole cache (for hazards) while it reads split_len positions."""
+    """What a task's time scales with: elements it touches (its footprint), except where the footprint
+    is deliberately wider than the reads (attention: the whole cache; per-head matmuls: whole heads)."""
     f = word.fields
     if word.op.name == "ATTENTION":
         return f["split_len"] * f["width"] * (f["h1"] - f["h0"] if not word.has("MLA") else 1)
+    if word.op.name == "HEAD_MATMUL":  # its footprint spans each head's whole weight block
+        return (f["h1"] - f["h0"]) * f["in_dim"] * (f["o1"] - f["o0"])
     if word.op.name == "ATTN_COMBINE":
         return f["nsplits"] * (f["h1"] - f["h0"]) * f["dim"]
     return sum((a.row1 - a.row0) * (a.col1 - a.col0) for a in footprint(word))

@@ -7,39 +7,39 @@ import triton.language as tl
 
 from .common import aligned, fld, has, off
 from .fields import (FLAG_HEAD_MATMUL_TRANS, HEAD_MATMUL_FLAGS, HEAD_MATMUL_H0, HEAD_MATMUL_H1,
-                     HEAD_MATMUL_IN_DIM, HEAD_MATMUL_N, HEAD_MATMUL_OUT_DIM, HEAD_MATMUL_OUT_HS, HEAD_MATMUL_OUT_LD,
+                     HEAD_MATMUL_IN_DIM, HEAD_MATMUL_N, HEAD_MATMUL_O0, HEAD_MATMUL_O1, HEAD_MATMUL_OUT_HS, HEAD_MATMUL_OUT_LD,
                      HEAD_MATMUL_OUT_OFF, HEAD_MATMUL_W_HS, HEAD_MATMUL_W_LD, HEAD_MATMUL_W_OFF, HEAD_MATMUL_X_COL0,
                      HEAD_MATMUL_X_HS, HEAD_MATMUL_X_LD, HEAD_MATMUL_X_OFF)
 
 
 def reference(task, mem) -> None:
-    N, i_dim, o_dim = task["N"], task["in_dim"], task["out_dim"]
+    N, i_dim, o0, o1 = task["N"], task["in_dim"], task["o0"], task["o1"]
     w_buf = mem.bufs[task["w.buf"]]
     for h in range(task["h0"], task["h1"]):
         x = mem.mat(task, "x", N, i_dim, col0=h * task["x_hs"] + task["x_col0"]).float()
         base = task["w.off"] + h * task["w_hs"]
         if task.has("TRANS"):  # W_h[i, o] at o*ld + i
-            w = w_buf.as_strided((o_dim, i_dim), (task["w_ld"], 1), base).float().T
+            w = w_buf.as_strided((o1 - o0, i_dim), (task["w_ld"], 1), base + o0 * task["w_ld"]).float().T
         else:
-            w = w_buf.as_strided((i_dim, o_dim), (task["w_ld"], 1), base).float()
-        mem.mat(task, "out", N, o_dim, col0=h * task["out_hs"]).copy_(x @ w)
+            w = w_buf.as_strided((i_dim, o1 - o0), (task["w_ld"], 1), base + o0).float()
+        mem.mat(task, "out", N, o1 - o0, col0=h * task["out_hs"] + o0).copy_(x @ w)
 
 
 # ---- GPU body ----------------------------------------------------------------------------
 @triton.jit
-def step_tiles(s, total, h0, nob, nib, N, w_ptr, w_hs, w_ld, trans, x_ptr, x_ld, x_hs, x_col0, i_dim, o_dim,
+def step_tiles(s, total, h0, nob, nib, N, w_ptr, w_hs, w_ld, trans, x_ptr, x_ld, x_hs, x_col0, i_dim, o0, o1,
                BI: tl.constexpr, BO: tl.constexpr):
     """Step s's weight tile [BI, BO] and activation slice [BI] (steps: head, output block, token,
     input block, innermost last); nothing is read when s == total."""
     on = s < total
     ib = (s % nib) * BI
     n = (s // nib) % N
-    ob = ((s // (nib * N)) % nob) * BO
+    ob = o0 + ((s // (nib * N)) % nob) * BO
     h = h0 + s // (nib * N * nob)
     i = ib + tl.arange(0, BI)
     o = ob + tl.arange(0, BO)
     imask = (i < i_dim) & on
-    omask = o < o_dim
+    omask = o < o1
     if trans:  # W_h[i, o] at o*ld + i
         w_offs = o[None, :] * w_ld + i[:, None]
     else:
@@ -56,7 +56,7 @@ def body(word, W, A, BI: tl.constexpr, BO: tl.constexpr, ALIGN: tl.constexpr):
     requests the next step's tiles before reducing the current ones: a head's few tiles would
     otherwise each wait out a full memory latency."""
     flags, N = fld(word, HEAD_MATMUL_FLAGS), fld(word, HEAD_MATMUL_N)
-    i_dim, o_dim = fld(word, HEAD_MATMUL_IN_DIM), fld(word, HEAD_MATMUL_OUT_DIM)
+    i_dim = fld(word, HEAD_MATMUL_IN_DIM)
     x_ptr, x_ld, x_hs, x_col0 = (A + off(word, HEAD_MATMUL_X_OFF), fld(word, HEAD_MATMUL_X_LD),
                                  fld(word, HEAD_MATMUL_X_HS), fld(word, HEAD_MATMUL_X_COL0))
     w_ptr = W + aligned(off(word, HEAD_MATMUL_W_OFF), ALIGN)
@@ -64,19 +64,20 @@ def body(word, W, A, BI: tl.constexpr, BO: tl.constexpr, ALIGN: tl.constexpr):
     o_ptr, o_ld, o_hs = A + off(word, HEAD_MATMUL_OUT_OFF), fld(word, HEAD_MATMUL_OUT_LD), fld(word, HEAD_MATMUL_OUT_HS)
     trans = has(flags, FLAG_HEAD_MATMUL_TRANS)
     h0, h1 = fld(word, HEAD_MATMUL_H0), fld(word, HEAD_MATMUL_H1)
-    nib, nob = tl.cdiv(i_dim, BI), tl.cdiv(o_dim, BO)
+    o0, o1 = aligned(fld(word, HEAD_MATMUL_O0), ALIGN), fld(word, HEAD_MATMUL_O1)  # output columns of this task
+    nib, nob = tl.cdiv(i_dim, BI), tl.cdiv(o1 - o0, BO)
     total = (h1 - h0) * nob * N * nib
-    w, x = step_tiles(0, total, h0, nob, nib, N, w_ptr, w_hs, w_ld, trans, x_ptr, x_ld, x_hs, x_col0, i_dim, o_dim,
+    w, x = step_tiles(0, total, h0, nob, nib, N, w_ptr, w_hs, w_ld, trans, x_ptr, x_ld, x_hs, x_col0, i_dim, o0, o1,
                       BI, BO)
     acc = tl.zeros((BO,), tl.float32)
     for s in range(total):
         w_next, x_next = step_tiles(s + 1, total, h0, nob, nib, N, w_ptr, w_hs, w_ld, trans, x_ptr, x_ld, x_hs,
-                                    x_col0, i_dim, o_dim, BI, BO)
+                                    x_col0, i_dim, o0, o1, BI, BO)
         acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)
         if s % nib == nib - 1:  # this (head, output block, token) is complete
             n = (s // nib) % N
-            o = ((s // (nib * N)) % nob) * BO + tl.arange(0, BO)
+            o = o0 + ((s // (nib * N)) % nob) * BO + tl.arange(0, BO)
             h = h0 + s // (nib * N * nob)
-            tl.store(o_ptr + n * o_ld + h * o_hs + o, acc, mask=o < o_dim)
+            tl.store(o_ptr + n * o_ld + h * o_hs + o, acc, mask=o < o1)
             acc = tl.zeros((BO,), tl.float32)
         w, x = w_next, x_next
