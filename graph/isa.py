@@ -22,6 +22,7 @@ WORDS = 64
 MAX_WAITS = 4
 HEADER = 12
 NO_COUNTER = -1
+ON_HELPER = -1  # expert-map value (helper plans' in.L{l}.expert_map) of an expert the helper computes
 
 
 class Buf(IntEnum):

@@ -35,6 +35,12 @@ class Tile:
     flops: int = 0
 
 
+def _spread_block(n: int, want: int, unit: int, preferred: int) -> int:
+    """A block of a dimension n for about `want` blocks: a multiple of `unit`, at least `preferred`
+    where n allows (else half of n, but not below unit), so small blocks only appear on small ops."""
+    return max(min(preferred, max(unit, n // 2)), -(-n // max(1, want) // unit) * unit)
+
+
 def _blocks(n: int, size: int) -> list[tuple[int, int]]:
     size = max(1, size)
     return [(i, min(i + size, n)) for i in range(0, n, size)]
@@ -112,11 +118,10 @@ class Tiler:
         per_head = a["in_dim"] * a["out_dim"] * self.wbytes
         hpt = max(1, min(a["heads"], self.opts.tile_bytes // max(1, per_head)))
         heads, O = _blocks(a["heads"], hpt), a["out_dim"]
-        cols = O  # with spread and heads alone too few: output column blocks (multiples of 16, >= 128 where O allows)
+        cols = O  # with spread, when heads alone make too few tasks: output column blocks too
         if self.opts.spread:
             heads = _blocks(a["heads"], max(1, min(hpt, -(-a["heads"] // self.opts.spread))))
-            want = max(1, self.opts.spread // len(heads))
-            cols = max(min(128, max(16, O // 2)), -(-O // want // 16) * 16)
+            cols = _spread_block(O, self.opts.spread // len(heads), 16, 128)
         return [Tile({"h0": h0, "h1": h1, "o0": o0, "o1": o1}, (h1 - h0) * a["in_dim"] * (o1 - o0) * self.wbytes,
                      4 * a["N"] * (h1 - h0) * (a["in_dim"] + o1 - o0), 2 * a["N"] * (h1 - h0) * a["in_dim"] * (o1 - o0))
                 for h0, h1 in heads for o0, o1 in _blocks(O, cols)]
@@ -164,10 +169,9 @@ class Tiler:
         a = op.attrs
         H, k = a["H"], a["topk"]
         rows = _blocks(a["rows"], self.opts.act_rows)
-        cols = H  # with spread: column blocks (multiples of 32, >= 256 where H allows) for up to `spread` tasks
+        cols = H  # with spread: column blocks so that the op makes up to `spread` tasks
         if self.opts.spread:
-            want = max(1, self.opts.spread // len(rows))
-            cols = max(min(256, max(32, H // 2)), -(-H // want // 32) * 32)
+            cols = _spread_block(H, self.opts.spread // len(rows), 32, 256)
         return [Tile({"r0": r0, "r1": r1, "c0": c0, "c1": c1}, 0, 4 * (r1 - r0) * (c1 - c0) * (k + 3),
                      2 * (r1 - r0) * (c1 - c0) * k) for r0, r1 in rows for c0, c1 in _blocks(H, cols)]
 

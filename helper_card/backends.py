@@ -33,8 +33,8 @@ class HelperBackend:
         self.placement = placement.copy()  # the helper's own copy of the map, checked against main's
         self.stall_s = 0.0  # test hook: the helper stops answering for this long
 
-    def digest(self, placement: Placement) -> str:
-        """The helper's own digest of the map it was given (compared by the main side)."""
+    def digest(self) -> str:
+        """The helper's own digest of the map it holds (compared by the main side)."""
         return self.placement.digest()
 
     def set_placement(self, placement: Placement) -> None:

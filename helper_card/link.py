@@ -169,7 +169,7 @@ class HelperLink:
         self.stats = None  # a migration.RoutingStats, when migration is on
         self.seq: dict[int, int] = {}
         self.pending: dict[tuple[int, int], tuple] = {}
-        if backend.digest(placement) != placement.digest():
+        if backend.digest() != placement.digest():
             raise RuntimeError("helper and main disagree on the expert placement (digest mismatch)")
 
     def attach(self, runner) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-HELPER = -1  # table value of an expert the helper computes
+from graph.isa import ON_HELPER as HELPER  # table value of an expert the helper computes
 
 
 @dataclass

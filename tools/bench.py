@@ -176,35 +176,31 @@ def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path,
     row["rel_err_vs_interpreter"] = rel_err(again.logits, got.logits)
     row["run_to_run_bitexact"] = bool(torch.equal(again.logits, first.logits))
 
-    row["variants"] = []
-    for spec in variants:
-        v = {"variant": spec}
+    def time_variant(row_key: str, spec: str, build) -> None:
+        """Time the megakernel build() returns (sharing weights and cache) against the main one."""
+        v = {row_key: spec}
         try:
-            vk = Megakernel(plan, None, "cuda", share=mk.mem, config=launch_config(spec))
+            vk = build()
             vk.capture()
             out_v = vk.step(tokens, lens)
-            v.update(ms=time_ms(vk.graph.replay, iters=50, warmup=10), regs=vk.compiled.n_regs,
-                     spills=vk.compiled.n_spills, rel_err_vs_main=rel_err(out_v.logits, first.logits))
-            del vk
-        except Exception as e:
-            v["error"] = repr(e)[:300]
-        row["variants"].append(v)
-
-    row["plan_variants"] = []
-    for spec in plan_variants:  # other compile options, same weights and cache
-        v = {"plan": spec}
-        try:
-            opts, split = compile_options(spec, workers)
-            vplan = compile_step(cfg, StepShape(T=T, B=1, max_len=max_len, attn_split=split), opts)
-            vk = Megakernel(vplan, None, "cuda", share=mk.mem)
-            vk.capture()
-            out_v = vk.step(tokens, lens)
-            v.update(tasks=vplan.num_tasks, ms=time_ms(vk.graph.replay, iters=50, warmup=10),
+            v.update(tasks=vk.plan.num_tasks, ms=time_ms(vk.graph.replay, iters=50, warmup=10),
+                     regs=vk.compiled.n_regs, spills=vk.compiled.n_spills,
                      rel_err_vs_main=rel_err(out_v.logits, first.logits))
             del vk
         except Exception as e:
             v["error"] = repr(e)[:300]
-        row["plan_variants"].append(v)
+        row.setdefault(row_key + "s", []).append(v)
+
+    def plan_variant(spec: str):
+        opts, split = compile_options(spec, workers)
+        vplan = compile_step(cfg, StepShape(T=T, B=1, max_len=max_len, attn_split=split), opts)
+        return Megakernel(vplan, None, "cuda", share=mk.mem)
+
+    row["variants"], row["plan_variants"] = [], []
+    for spec in variants:  # launch options of the same plan
+        time_variant("variant", spec, lambda: Megakernel(plan, None, "cuda", share=mk.mem, config=launch_config(spec)))
+    for spec in plan_variants:  # other compile options, same weights and cache
+        time_variant("plan_variant", spec, lambda: plan_variant(spec))
 
     if profile:
         pk = Megakernel(plan, None, "cuda", share=mk.mem, config=LaunchConfig(profile=True))
@@ -268,7 +264,7 @@ def main() -> None:
         if kernels:
             print(f"{'':<14}kernels per step: {kernels}, megakernel {r['kernels_per_step']:.0f}")
         for v in r.get("plan_variants", []):
-            print(f"{'':<14}plan {v['plan']}: " + (f"{v['ms']:.3f} ms, {v['tasks']} tasks" if "ms" in v else v["error"][:60]))
+            print(f"{'':<14}plan {v['plan_variant']}: " + (f"{v['ms']:.3f} ms, {v['tasks']} tasks" if "ms" in v else v["error"][:60]))
         for v in r.get("variants", []):
             print(f"{'':<14}variant {v['variant']}: "
                   + (f"{v['ms']:.3f} ms, {v['regs']} regs, {v['spills']} spills" if "ms" in v else v["error"][:60]))

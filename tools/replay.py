@@ -92,8 +92,8 @@ def critical_chain(plan, words, deps, seconds: list[float], hop: float):
     return length, chain[::-1]
 
 
-def report(title: str, plan, seconds: list[float], hop: float, top: int = 12) -> dict:
-    words, deps, queues = structure(plan)
+def report(title: str, plan, seconds: list[float], hop: float, top: int = 12, parsed=None) -> dict:
+    words, deps, queues = parsed or structure(plan)
     tasks = [SchedTask(w.signal, s) for w, s in zip(words, seconds)]
     replay, busy = simulate(tasks, deps, queues, hop)
     # the same tasks list-scheduled knowing these times (what a calibrated cost model would do)
@@ -139,18 +139,19 @@ def main() -> None:
     if missing:
         raise SystemExit(f"the trace is not of this plan: {len(missing)} tasks missing, e.g. {missing[:3]}")
     seconds = [measured[label] for label in plan.task_labels]
-    out = {"measured": report("measured plan", plan, seconds, hop)}
+    parsed = structure(plan)
+    out = {"measured": report("measured plan", plan, seconds, hop, parsed=parsed)}
     # per op family: seconds per byte beyond the fixed overhead, from the measured tasks
     rate: dict[str, list[float]] = defaultdict(list)
-    for w, label, s in zip(structure(plan)[0], plan.task_labels, seconds):
+    for w, label, s in zip(parsed[0], plan.task_labels, seconds):
         rate[family(label)].append(max(s - fixed, 0.0) / max(1, task_work(w)))
     per_byte = {fam: statistics.median(v) for fam, v in rate.items()}
     for spec in args.variant:
         opts, attn_split = compile_options(spec, args.workers)
         vplan = compile_step(cfg, dataclasses.replace(shape, attn_split=attn_split), opts)
-        vwords = structure(vplan)[0]
-        vsec = [fixed + per_byte[family(label)] * task_work(w) for w, label in zip(vwords, vplan.task_labels)]
-        out[spec] = report(f"predicted for {spec}", vplan, vsec, hop)
+        vparsed = structure(vplan)
+        vsec = [fixed + per_byte[family(label)] * task_work(w) for w, label in zip(vparsed[0], vplan.task_labels)]
+        out[spec] = report(f"predicted for {spec}", vplan, vsec, hop, parsed=vparsed)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
 

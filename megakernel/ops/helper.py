@@ -1,7 +1,7 @@
 """HELPER_CALL / HELPER_WAIT: experts that live on a helper device (see helper_card/).
 
 The step routes as usual (ROUTE's slot table).  HELPER_CALL then splits the
-table: slots whose expert the placement map marks HELPER are published to the
+table: slots whose expert the placement map marks ON_HELPER are published to the
 helper (their token rows, expert ids and a sequence number) and emptied in the
 main table, so the main expert tasks skip them.  The helper computes those
 experts' rows (the same tiles, in the same order) into `hy`.  HELPER_WAIT runs
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from .moe import slot_pairs
+from graph.isa import ON_HELPER
 
-HELPER = -1  # expert-map value of an expert on the helper
+from .moe import slot_pairs
 
 
 def helper_slots(task, mem) -> list[tuple[int, int, torch.Tensor]]:
@@ -30,7 +30,7 @@ def helper_slots(task, mem) -> list[tuple[int, int, torch.Tensor]]:
     out = []
     for slot in range(task["S"]):
         expert, pairs = slot_pairs(task, mem, slot)
-        if expert >= 0 and int(emap[expert]) == HELPER:
+        if expert >= 0 and int(emap[expert]) == ON_HELPER:
             out.append((slot, expert, pairs))
     return out
 
