@@ -32,7 +32,8 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                BR: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr, BD: tl.constexpr,
                BH: tl.constexpr,
                BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr, BI: tl.constexpr,
-               BO: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr, BW: tl.constexpr, BHC: tl.constexpr,
+               BO: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr, BW: tl.constexpr, BSC: tl.constexpr,
+               BN: tl.constexpr, BK: tl.constexpr, DEPTH: tl.constexpr,
                ALIGN: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
@@ -50,19 +51,19 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
             t_ready = now_ns(USE_TIMER)
             if ok == 1:
-                linear.body(word, W, A, w, BR, KC, ALIGN)
+                linear.body(word, W, A, w, BR, KC, ALIGN, DEPTH)
         else:
             ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
             t_ready = now_ns(USE_TIMER)
         if (ok == 1) & (op != OP_LINEAR):
             if op == OP_EXPERT_LINEAR:
-                moe.expert_body(word, W, A, I, BR, KC, ALIGN)
+                moe.expert_body(word, W, A, I, BR, KC, ALIGN, DEPTH)
             elif op == OP_RMSNORM:
-                norm.body(word, W, A, BD)
+                norm.body(word, W, A, BN)
             elif op == OP_ATTENTION:
                 attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC)
             elif op == OP_ATTN_COMBINE:
-                attention.combine_body(word, A, BHC, DMAX)
+                attention.combine_body(word, A, BSC, DMAX)
             elif op == OP_HEAD_MATMUL:
                 head_matmul.body(word, W, A, BI, BO, ALIGN)
             elif op == OP_ROPE:
@@ -72,7 +73,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             elif op == OP_ROPE_TABLE:
                 rope.table_body(word, WF, A, I, BH)
             elif op == OP_MOE_COMBINE:
-                moe.combine_body(word, A, BD)
+                moe.combine_body(word, A, BD, BK)
             elif op == OP_ROUTE:
                 moe.route_body(word, WF, A, I, BE, BP)
             elif op == OP_EMBED:

@@ -116,6 +116,7 @@ def alignment(tasks: list[Decoded]) -> int:
 def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     """Compile-time block sizes fitted to the plan's dimensions."""
     dmax = rmax = experts = width = spec_t = 16
+    splits = norm_width = topk = 2
     for t in tasks:
         f = t.fields
         if t.op.name == "ATTENTION":
@@ -126,13 +127,21 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
             width = max(width, _pow2((2 + f["n"]) * f["n"]))
         elif t.op.name == "ACCEPT":
             spec_t = max(spec_t, _pow2(f["T"]))
+        elif t.op.name == "ATTN_COMBINE":
+            splits = max(splits, _pow2(f["nsplits"], 2))
+        elif t.op.name == "RMSNORM":
+            norm_width = max(norm_width, _pow2(f["D"], 2))
+        elif t.op.name == "MOE_COMBINE":
+            topk = max(topk, _pow2(f["topk"], 2))
     # Measured on an H200 (docs/PERF.md, run 7): with a wide attention row (MLA's 512-wide latent, the
     # heaviest body, which sets every worker's register budget) a cache-block prefetch spills and costs
     # 5%, and 8 x 2048 weight chunks beat 16 x 1024; with GQA the prefetch gains 3% and 16 x 1024 chunks 8%.
     stages, br, kc = (1, 8, 2048) if dmax > 128 else (2, 16, 1024)
     # bf16 weights: activations enter the tensor cores as a bf16 (high, low) pair, ~16 mantissa bits
     return dict(BR=br, KC=kc, STAGES=stages, BD=256, BH=32, BM=16, BJ=32, DMAX=dmax, RMAX=rmax, BI=64, BO=128,
-                BE=experts, BP=256, BW=width, BHC=max(1, 4096 // dmax), ALIGN=alignment(tasks), BT=spec_t,
+                BE=experts, BP=256, BW=width, ALIGN=alignment(tasks), BT=spec_t,
+                # whole rows per load where registers allow: each block is one memory round trip
+                BSC=min(splits, max(1, 8192 // dmax)), BN=min(norm_width, 8192), BK=topk, DEPTH=1,
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2")
 
 
@@ -168,6 +177,10 @@ class Megakernel(PlanRunner):
         self.expected = np.bincount(plan.words[:, 2], minlength=plan.num_counters).astype(np.int64)
         self.epoch = 0
         self.blocks = {**block_sizes(tasks, self.mem.dtype), **(self.config.blocks or {})}
+        topk = max((t.fields["topk"] for t in tasks if t.op.name == "MOE_COMBINE"), default=0)
+        if self.blocks["BK"] < topk or self.blocks["DEPTH"] not in (1, 2):
+            raise MegakernelError(f"block sizes BK={self.blocks['BK']}, DEPTH={self.blocks['DEPTH']}: MOE_COMBINE reads "
+                                  f"all {topk} expert rows in one block of BK, DEPTH (chunks in flight) is 1 or 2")
         self.graph: torch.cuda.CUDAGraph | None = None
         self.compiled = None
         pinned = self.device.type == "cuda"

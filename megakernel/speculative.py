@@ -15,6 +15,7 @@ emits, so everything is accepted); `noisy:P` (the oracle, each draft wrong with 
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from dataclasses import dataclass, field
@@ -129,6 +130,14 @@ class SpeculativeDecoder:
                                  "mailbox yet")
             self.engine.set_helper(Helper(cfg, weights, helper, torch.device(device),
                                           dtype or next(iter(weights.values())).dtype))
+
+    def with_k(self, k: int) -> SpeculativeDecoder:
+        """This decoder drafting k <= self.k tokens per step: the same engine (plans, graphs, weights, cache)."""
+        if not 0 <= k <= self.k:
+            raise ValueError(f"k={k} is outside the decoder's 0..{self.k}")
+        other = copy.copy(self)
+        other.k, other.adaptive = k, None
+        return other
 
     def runner(self, T: int, prefill: bool):
         return self.engine.runner(StepShape(T=T, B=self.batch, max_len=self.max_len, speculative=True,

@@ -222,3 +222,17 @@ def test_thirty_two_sequences_per_step():
         prompts, 8, Drafts("noisy:0.3", oracle=plain, vocab=cfg.vocab_size, seed=8))
     assert out == [seq[:8] for seq in plain]
     assert 1.5 < stats.acceptance_length < 4  # drafts were accepted and rejected across the batch
+
+
+def test_spec_sweep_tool_dry_run(tmp_path):
+    """tools/spec_sweep.py (the GPU k sweep + equality check) runs end to end on the CPU interpreter."""
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "tools/spec_sweep.py", "--models", "tiny-moe", "--device", "cpu", "--ctx", "24",
+                          "--kmax", "2", "--tokens", "8", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads((tmp_path / "sweep_tiny-moe.json").read_text())
+    assert [r["k"] for r in rows] == [0, 1, 2]
+    assert all(r["equal_mtp"] and r["equal_noisy"] for r in rows)
+    assert rows[2]["acceptance_length_noisy"] > 1.0  # some drafts were accepted: the accept path ran

@@ -21,7 +21,7 @@ from .conftest import rel_err
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton interpreter only")
 
 
-def _pair(name, workers=1, scheduler="critical_path", fuse=True, T=2, B=2, passes=1, tiling=None):
+def _pair(name, workers=1, scheduler="critical_path", fuse=True, T=2, B=2, passes=1, tiling=None, blocks=None):
     from megakernel.runtime import LaunchConfig, Megakernel
     cfg = preset(name)
     w = init_weights(cfg, seed=3)
@@ -29,7 +29,7 @@ def _pair(name, workers=1, scheduler="critical_path", fuse=True, T=2, B=2, passe
     plan = compile_step(cfg, shape, CompileOptions(workers=workers, scheduler=scheduler, fuse=fuse,
                                                    tiling=tiling or TilingOptions()))
     interp = Interpreter(plan, w)
-    mk = Megakernel(plan, w, device="cpu", config=LaunchConfig(max_spins=2000))
+    mk = Megakernel(plan, w, device="cpu", config=LaunchConfig(max_spins=2000, blocks=blocks))
     cache = torch.randn(interp.cache().shape, generator=torch.Generator().manual_seed(0))
     interp.cache().copy_(cache)
     mk.cache().copy_(cache)
@@ -50,6 +50,15 @@ def _compare(cfg, interp, mk, lens):
 def test_kernel_equals_interpreter_one_worker(name):
     cfg, plan, interp, mk = _pair(name)
     _compare(cfg, interp, mk, torch.tensor([0, 9]))
+
+
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-dense"])
+def test_kernel_small_blocks_and_two_chunks_in_flight(name):
+    """The bodies' other paths: the attention combine over several blocks of splits (online maximum),
+    RMSNorm rows longer than a block (two passes), the weight stream with two chunks in flight."""
+    cfg, plan, interp, mk = _pair(name, blocks=dict(BSC=2, BN=16, DEPTH=2))
+    assert cfg.hidden_size > 16 and plan.shape["max_len"] // plan.shape["attn_split"] > 2
+    _compare(cfg, interp, mk, torch.tensor([3, 11]))
 
 
 @pytest.mark.parametrize("name", ["tiny-moe", "tiny-mhc"])

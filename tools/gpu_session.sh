@@ -1,24 +1,40 @@
 #!/usr/bin/env bash
 # Everything a GPU session checks (device time is the scarce resource):
-#   bash tools/gpu_session.sh [tests|bench|anchors|all] [OUT_DIR]
-# tests: the gpu-marked tests; bench: floors, plain-PyTorch baselines, megakernel and per-op
-# profile for llama-1b and dsv2-lite; anchors: the outside yardstick, if a copy of
-# ../shared/anchors sits in .anchors/ (git-ignored; carry it with the device tool).
-# One part per call keeps each under the device tool's 10-minute limit.
+#   [MODELS="..."] [VARIANTS="..."] [PLAN_VARIANTS="..."] bash tools/gpu_session.sh PARTS [OUT_DIR]
+# PARTS: a comma list of
+#   tests    the gpu-marked tests;
+#   bench    floors, plain-PyTorch baselines, the megakernel, launch/plan variants and a per-op
+#            profile for $MODELS (default: llama-1b dsv2-lite);
+#   spec     the speculative k sweep (k = 0..7, one graph replay each) and speculative-equals-plain
+#            check on dsv2-lite with one MTP layer (tools/spec_sweep.py);
+#   anchors  the outside yardstick, if a copy of ../shared/anchors sits in .anchors/ (git-ignored;
+#            carry it with the device tool);
+#   all      tests,bench,spec,anchors.
+# Keep each call under the device tool's 10-minute limit (tests ~150 s, bench ~250 s per model
+# with two variants, spec ~200 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part="${1:-all}"
+parts=",${1:-all},"
+[ "$parts" = ",all," ] && parts=",tests,bench,spec,anchors,"
 out="${2:-${OUT:-out}}"
+models="${MODELS:-llama-1b dsv2-lite}"
+variants="${VARIANTS-DEPTH=2}"
+plan_variants="${PLAN_VARIANTS-attn_split=32}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$out/gpu.txt"
-if [ "$part" = tests ] || [ "$part" = all ]; then
+if [[ "$parts" == *,tests,* ]]; then
     timeout 300 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -15
 fi
-if [ "$part" = bench ] || [ "$part" = all ]; then
-    timeout 560 python3 tools/bench.py --models llama-1b dsv2-lite --T 1 --profile --plan-variants spread=0,attn_split=320 --out "$out" 2>&1 \
-        | tee "$out/bench.log" | grep -v '^{"model'
+if [[ "$parts" == *,bench,* ]]; then
+    # shellcheck disable=SC2086
+    timeout 560 python3 tools/bench.py --models $models --T 1 --profile --variants $variants \
+        --plan-variants $plan_variants --out "$out" 2>&1 | tee "$out/bench.log" | grep -v '^{"model'
 fi
-if { [ "$part" = anchors ] || [ "$part" = all ]; } && [ -f .anchors/torch_baselines.py ]; then
+if [[ "$parts" == *,spec,* ]]; then
+    timeout 400 python3 tools/spec_sweep.py --models dsv2-lite --mtp 1 --ctx 4096 --kmax 7 --out "$out" 2>&1 \
+        | tee "$out/spec.log" | tail -12
+fi
+if [[ "$parts" == *,anchors,* ]] && [ -f .anchors/torch_baselines.py ]; then
     timeout 560 python3 .anchors/torch_baselines.py 2>&1 | tee "$out/anchors.log" | tail -12
 fi

@@ -162,8 +162,11 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
 
 
 @triton.jit
-def combine_body(word, A, BHC: tl.constexpr, DMAX: tl.constexpr):
-    """All heads of a token at once: out[h, :] = sum_s exp(lse[s, h] - LSE[h]) o[s, h, :]."""
+def combine_body(word, A, BSC: tl.constexpr, DMAX: tl.constexpr):
+    """Per token and head: out[:] = sum_s exp(lse[s] - LSE) o[s, :], with LSE = log sum_s exp(lse[s]).
+    BSC splits per load and an online maximum: ceil(nsplits / BSC) memory round trips per head, not
+    2 x nsplits dependent ones (that serial loop took 33 µs per dsv2-lite layer: docs/PERF.md).
+    Each lane keeps its own partial sum until the end: a fixed order, whatever the neighbours."""
     b, T, nh, ns, dim = (fld(word, ATTN_COMBINE_B), fld(word, ATTN_COMBINE_T), fld(word, ATTN_COMBINE_NHEADS),
                          fld(word, ATTN_COMBINE_NSPLITS), fld(word, ATTN_COMBINE_DIM))
     h0, h1 = fld(word, ATTN_COMBINE_H0), fld(word, ATTN_COMBINE_H1)
@@ -172,24 +175,24 @@ def combine_body(word, A, BHC: tl.constexpr, DMAX: tl.constexpr):
     d = tl.arange(0, DMAX)
     dmask = d < dim
     for t in range(T):
-        for hb in range(h0, h1, BHC):
-            h = hb + tl.arange(0, BHC)
-            hmask = h < h1
-            big = tl.full((BHC,), float("-inf"), tl.float32)
-            for s in range(ns):
-                lse = tl.load(lse_ptr + ((b * ns + s) * T + t) * nh + h, mask=hmask, other=float("-inf"),
-                              cache_modifier=".cg")
-                big = tl.maximum(big, lse)
-            safe = tl.where(big == float("-inf"), 0.0, big)
-            total = tl.zeros((BHC,), tl.float32)
-            acc = tl.zeros((BHC, DMAX), tl.float32)
-            for s in range(ns):
-                rows = ((b * ns + s) * T + t) * nh + h
-                wgt = tl.exp(tl.load(lse_ptr + rows, mask=hmask, other=float("-inf"), cache_modifier=".cg") - safe)
-                total += wgt
+        for h in range(h0, h1):
+            first = (b * ns * T + t) * nh + h  # split s's row: first + s * T * nh
+            m = tl.full([], -float("inf"), tl.float32)
+            total = tl.zeros((BSC,), tl.float32)
+            acc = tl.zeros((BSC, DMAX), tl.float32)
+            for sb in range(0, ns, BSC):
+                s = sb + tl.arange(0, BSC)
+                rows = first + s * (T * nh)
+                lse = tl.load(lse_ptr + rows, mask=s < ns, other=-float("inf"), cache_modifier=".cg")
                 part = tl.load(op_ptr + rows[:, None].to(tl.int64) * dim + d[None, :],
-                               mask=hmask[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
-                acc += wgt[:, None] * part
-            acc = acc / tl.where(total > 0, total, 1.0)[:, None]
-            tl.store(o_ptr + (b * T + t) * o_ld + h[:, None] * dim + d[None, :], acc,
-                     mask=hmask[:, None] & dmask[None, :])
+                               mask=(s < ns)[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m, tl.max(lse, axis=0))
+                m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+                scale = tl.exp(m - m_safe)  # rescales what the earlier blocks summed
+                wgt = tl.exp(lse - m_safe)
+                total = total * scale + wgt
+                acc = acc * scale + wgt[:, None] * part
+                m = m_new
+            den = tl.sum(total, axis=0)
+            out = tl.sum(acc, axis=0) / tl.where(den > 0, den, 1.0)
+            tl.store(o_ptr + (b * T + t) * o_ld + h * dim + d, out, mask=dmask)

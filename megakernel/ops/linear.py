@@ -36,50 +36,76 @@ def weight_rows(w_ptr, rows, rmask, K, kb, on, KC: tl.constexpr, ALIGN: tl.const
 
 
 @triton.jit
-def step_x(i, total, x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, nsub, nk, K, KC: tl.constexpr, ALIGN: tl.constexpr):
-    """Step i's activation chunk and output row (stream_chunks' step order; nothing read when i == total)."""
-    on = i < total
-    n = (i // (nsub * nk)) % n_rows
-    xrow = n
-    orow = n
+def step_row(j, total, xrows_ptr, xrows_div, n_rows, nsub, nk):
+    """Step j's row: its entry in the row list (xrows_div > 0), else the token index itself.  Loaded
+    an iteration before the activations it addresses, so no load waits on another inside the loop
+    (that chain cost the expert tasks a memory round trip per chunk: docs/PERF.md)."""
+    n = (j // (nsub * nk)) % n_rows
     if xrows_div > 0:
-        pair = tl.load(xrows_ptr + n, mask=on, other=0, cache_modifier=".cg")
-        xrow = pair // xrows_div
-        orow = pair
-    ks = tl.max_contiguous(tl.multiple_of(((i // nsub) % nk) * KC + tl.arange(0, KC), ALIGN), KC)
+        n = tl.load(xrows_ptr + n, mask=j < total, other=0, cache_modifier=".cg")
+    return n
+
+
+@triton.jit
+def step_act(j, row, total, x_ptr, x_ld, xrows_div, res_ptr, res_ld, use_res, nsub, nk, per_block, r0, r1, K,
+             BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
+    """Step j's activation chunk, output row and residual (row: step_row(j); nothing read when j >= total)."""
+    on = j < total
+    rows = r0 + (j // per_block) * BR + tl.arange(0, BR)
+    xrow = row
+    if xrows_div > 0:
+        xrow = row // xrows_div
+    ks = tl.max_contiguous(tl.multiple_of(((j // nsub) % nk) * KC + tl.arange(0, KC), ALIGN), KC)
     x = tl.load(x_ptr + xrow.to(tl.int64) * aligned(x_ld, ALIGN) + ks, mask=(ks < K) & on, other=0.0,
                 cache_modifier=".cg")
-    return x, orow
+    res = tl.load(res_ptr + row * res_ld + rows, mask=(rows < r1) & use_res & on, other=0.0, cache_modifier=".cg")
+    return x, row, res
+
+
+@triton.jit
+def step_loads(j, row, total, x_ptr, x_ld, xrows_div, res_ptr, res_ld, use_res, w_ptr, w2_ptr, nsub, nk, per_block,
+               r0, r1, K, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
+    """Step j's weight chunk, then step_act's loads."""
+    rows = r0 + (j // per_block) * BR + tl.arange(0, BR)
+    w = weight_rows(tl.where((j % nsub) == 1, w2_ptr, w_ptr), rows, rows < r1, K, ((j // nsub) % nk) * KC, j < total,
+                    KC, ALIGN)
+    x, orow, res = step_act(j, row, total, x_ptr, x_ld, xrows_div, res_ptr, res_ld, use_res, nsub, nk, per_block, r0,
+                            r1, K, BR, KC, ALIGN)
+    return w, x, orow, res
 
 
 @triton.jit
 def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, res_ptr, res_ld, use_res,
-                  w_ptr, w2_ptr, two, r0, r1, K, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
+                  w_ptr, w2_ptr, two, r0, r1, K, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr,
+                  DEPTH: tl.constexpr):
     """out[orow(n), r0:r1] = f(x[xrow(n)] @ W[r0:r1].T) for n < n_rows, f = identity, + residual, or
     SiLU(x@W.T) * (x@W2.T).  Rows come from a list (xrows_div > 0: row = list[n] // xrows_div, out row
     = list[n]) or are n itself.  One token at a time on CUDA cores, fp32 products and sums, K in
     chunks of KC in a fixed order: a token's result never depends on its neighbours (batch
     invariance).  Every (row block, token, K chunk, gate|up) chunk is one step of a flat loop that
-    requests the next step's weights, activations and residual before reducing its own, so load
+    requests step i+DEPTH's weights, activations and residual before reducing step i's, so load
     latency hides behind the arithmetic (waiting for each chunk cost 2x on the GPU: docs/PERF.md).
-    w: step 0's weight chunk, already requested (before the dependency wait)."""
+    DEPTH 2 keeps two chunks in flight (more registers).  w: step 0's weight chunk, already
+    requested (before the dependency wait)."""
     nsub = 1 + two.to(tl.int32)
     nk = tl.cdiv(K, KC)
     per_block = nsub * nk * n_rows
     total = tl.cdiv(r1 - r0, BR) * per_block
-    x, orow = step_x(0, total, x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, nsub, nk, K, KC, ALIGN)
-    rows0 = r0 + tl.arange(0, BR)
-    res = tl.load(res_ptr + orow * res_ld + rows0, mask=(rows0 < r1) & use_res, other=0.0, cache_modifier=".cg")
+    row0 = step_row(0, total, xrows_ptr, xrows_div, n_rows, nsub, nk)
+    ahead = step_row(DEPTH, total, xrows_ptr, xrows_div, n_rows, nsub, nk)  # the first step the loop requests
+    if DEPTH == 2:
+        row1 = step_row(1, total, xrows_ptr, xrows_div, n_rows, nsub, nk)
+    x, orow, res = step_act(0, row0, total, x_ptr, x_ld, xrows_div, res_ptr, res_ld, use_res, nsub, nk, per_block, r0,
+                            r1, K, BR, KC, ALIGN)
+    if DEPTH == 2:
+        w1, x1, orow1, res1 = step_loads(1, row1, total, x_ptr, x_ld, xrows_div, res_ptr, res_ld, use_res, w_ptr,
+                                         w2_ptr, nsub, nk, per_block, r0, r1, K, BR, KC, ALIGN)
     acc = tl.zeros((BR,), tl.float32)
     acc2 = tl.zeros((BR,), tl.float32)
     for i in range(total):
-        j = i + 1  # request the next step's chunks now
-        rows_j = r0 + (j // per_block) * BR + tl.arange(0, BR)
-        w_next = weight_rows(tl.where((j % nsub) == 1, w2_ptr, w_ptr), rows_j, rows_j < r1, K, ((j // nsub) % nk) * KC,
-                             j < total, KC, ALIGN)
-        x_next, orow_next = step_x(j, total, x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, nsub, nk, K, KC, ALIGN)
-        res_next = tl.load(res_ptr + orow_next * res_ld + rows_j, mask=(rows_j < r1) & use_res & (j < total),
-                           other=0.0, cache_modifier=".cg")  # the residual, if any, is ready too
+        row_next = step_row(i + DEPTH + 1, total, xrows_ptr, xrows_div, n_rows, nsub, nk)  # used next iteration
+        w_j, x_j, orow_j, res_j = step_loads(i + DEPTH, ahead, total, x_ptr, x_ld, xrows_div, res_ptr, res_ld,
+                                             use_res, w_ptr, w2_ptr, nsub, nk, per_block, r0, r1, K, BR, KC, ALIGN)
         part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         sub, kc = i % nsub, (i // nsub) % nk
         if sub == 0:
@@ -95,7 +121,12 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
             tl.store(out_ptr + orow.to(tl.int64) * out_ld + rows, y + res, mask=rmask)
             acc = tl.zeros((BR,), tl.float32)
             acc2 = tl.zeros((BR,), tl.float32)
-        w, x, orow, res = w_next, x_next, orow_next, res_next
+        ahead = row_next
+        if DEPTH == 2:
+            w, x, orow, res = w1, x1, orow1, res1
+            w1, x1, orow1, res1 = w_j, x_j, orow_j, res_j
+        else:
+            w, x, orow, res = w_j, x_j, orow_j, res_j
 
 
 @triton.jit
@@ -118,10 +149,10 @@ def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
+def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, DEPTH: tl.constexpr):
     flags = fld(word, LINEAR_FLAGS)
     stream_chunks(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
                   A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
                   fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), aligned_base(W, word, LINEAR_W_OFF, ALIGN),
                   aligned_base(W, word, LINEAR_W2_OFF, ALIGN), has(flags, FLAG_LINEAR_SILU_MUL), fld(word, LINEAR_R0),
-                  fld(word, LINEAR_R1), fld(word, LINEAR_K), w, BR, KC, ALIGN)
+                  fld(word, LINEAR_R1), fld(word, LINEAR_K), w, BR, KC, ALIGN, DEPTH)

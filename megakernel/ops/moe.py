@@ -226,7 +226,7 @@ def slot_table(ids, st, P, E, S, BE: tl.constexpr, BP: tl.constexpr):
 
 
 @triton.jit
-def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
+def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, DEPTH: tl.constexpr):
     flags, S, slot = fld(word, EXPERT_LINEAR_FLAGS), fld(word, EXPERT_LINEAR_S), fld(word, EXPERT_LINEAR_SLOT)
     st = I + off(word, EXPERT_LINEAR_ST_OFF)
     expert = tl.load(st + slot, cache_modifier=".cg")
@@ -243,25 +243,28 @@ def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.con
         div = tl.where(has(flags, FLAG_EXPERT_LINEAR_GATHER), kk, 1)  # gate/up read token rows, down pair rows
         o_ptr, o_ld = A + off(word, EXPERT_LINEAR_OUT_OFF), fld(word, EXPERT_LINEAR_OUT_LD)
         stream_chunks(aligned_base(A, word, EXPERT_LINEAR_X_OFF, ALIGN), fld(word, EXPERT_LINEAR_X_LD), pairs, div,
-                      count, o_ptr, o_ld, o_ptr, o_ld, False, w_ptr, w2_ptr, two, r0, r1, K, w, BR, KC, ALIGN)
+                      count, o_ptr, o_ld, o_ptr, o_ld, False, w_ptr, w2_ptr, two, r0, r1, K, w, BR, KC, ALIGN, DEPTH)
 
 
 @triton.jit
-def combine_body(word, A, BD: tl.constexpr):
+def combine_body(word, A, BD: tl.constexpr, BK: tl.constexpr):
+    """out = sum_j wts[j] y[j] (+ shared) (+ residual): the k expert rows are requested together,
+    [BK, BD] at a time (one memory round trip, not k), and summed in a fixed tree order."""
     flags, H, k = fld(word, MOE_COMBINE_FLAGS), fld(word, MOE_COMBINE_H), fld(word, MOE_COMBINE_TOPK)
     y, wts = A + off(word, MOE_COMBINE_Y_OFF), A + off(word, MOE_COMBINE_WTS_OFF)
     sh, sh_ld = A + off(word, MOE_COMBINE_SH_OFF), fld(word, MOE_COMBINE_SH_LD)
     res, res_ld = A + off(word, MOE_COMBINE_RES_OFF), fld(word, MOE_COMBINE_RES_LD)
     o_ptr, o_ld = A + off(word, MOE_COMBINE_OUT_OFF), fld(word, MOE_COMBINE_OUT_LD)
     c1 = fld(word, MOE_COMBINE_C1)
+    j = tl.arange(0, BK)
     for r in range(fld(word, MOE_COMBINE_R0), fld(word, MOE_COMBINE_R1)):
+        w = tl.load(wts + r * k + j, mask=j < k, other=0.0, cache_modifier=".cg")
         for cb in range(fld(word, MOE_COMBINE_C0), c1, BD):
             c = cb + tl.arange(0, BD)
             m = c < c1
-            acc = tl.zeros((BD,), tl.float32)
-            for j in range(k):  # fixed order: a token's sum never depends on its neighbours
-                w = tl.load(wts + r * k + j, cache_modifier=".cg")
-                acc += w * tl.load(y + (r * k + j) * H.to(tl.int64) + c, mask=m, other=0.0, cache_modifier=".cg")
+            rows = tl.load(y + (r * k + j)[:, None].to(tl.int64) * H + c[None, :], mask=(j < k)[:, None] & m[None, :],
+                           other=0.0, cache_modifier=".cg")
+            acc = tl.sum(w[:, None] * rows, axis=0)  # fixed order: a token's sum never depends on its neighbours
             if has(flags, FLAG_MOE_COMBINE_SHARED):
                 acc += tl.load(sh + r * sh_ld + c, mask=m, other=0.0, cache_modifier=".cg")
             if has(flags, FLAG_MOE_COMBINE_RES):

@@ -1,0 +1,129 @@
+"""Speculative decoding on the GPU: the step time for each k, and speculative output equal to plain.
+
+    python tools/spec_sweep.py [--models dsv2-lite llama-1b] [--mtp 1] [--ctx 4096] [--kmax 7]
+                               [--tokens 48] [--out DIR]
+
+For each model (with --mtp N MTP layers added where the preset has none: DeepSeek-V2-Lite and
+Llama ship without, the seed's engine drafts with DeepSeek-V3's one):
+1. the k sweep: for k = 0..kmax, one CUDA-graph replay of the verify step (k+1 tokens, accept on
+   the device, k MTP draft passes) against a cache of ctx positions, median of many replays, and
+   the launches one replay makes (torch.profiler);
+2. equality: from the same start token, greedy output for every k with MTP drafts and with
+   noisy:0.5 oracle drafts (half the drafts wrong: every accept length occurs) equals k=0's,
+   token for token.  Every k runs on one engine, so one set of plans serves both parts.
+Writes DIR/sweep_<model>.json (a list of {"k", "step_ms", ...}: `tools/stepmath.py --sweep` reads it)
+and prints a table.  Random weights: MTP acceptance here says nothing about a trained model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from graph.compile import CompileOptions  # noqa: E402
+from megakernel.profiler import count_launches  # noqa: E402
+from megakernel.speculative import Drafts, SpeculativeDecoder  # noqa: E402
+from model import init_weights  # noqa: E402
+from model.config import ModelConfig  # noqa: E402
+from model.presets import PRESETS  # noqa: E402
+from tools.bench import time_ms  # noqa: E402
+
+
+def with_mtp(name: str, mtp: int) -> ModelConfig:
+    hf = dict(PRESETS[name])
+    if mtp and not hf.get("num_nextn_predict_layers"):
+        hf["num_nextn_predict_layers"] = mtp
+    return ModelConfig.from_hf_dict(hf, source=f"preset {name}" + (f" + {mtp} MTP layer(s)" if mtp else ""))
+
+
+def time_step(dec: SpeculativeDecoder, k: int, ctx: int, gen: torch.Generator) -> dict:
+    """One verify step of k+1 tokens at cache length ctx-1: median graph replay and launches
+    (on a CPU, a dry run of the tool: the interpreter's wall time, no launches)."""
+    runner = dec.runner(k + 1, False)
+    tokens = torch.randint(0, dec.cfg.vocab_size, (dec.batch, k + 1), generator=gen)
+    lens = torch.full((dec.batch,), ctx - 1)
+    t0 = time.perf_counter()
+    runner.step(tokens, lens)  # on the GPU: stages the inputs every replay copies in
+    if getattr(runner, "graph", None) is None:
+        return {"k": k, "step_ms": (time.perf_counter() - t0) * 1e3, "tasks": runner.plan.num_tasks}
+    ms = time_ms(runner.graph.replay, iters=50, warmup=10)
+    launches = count_launches(runner.graph.replay, steps=3)
+    runner.epoch += 63  # the replays above, for the counters' expected values
+    torch.cuda.synchronize()
+    runner.check_error()
+    return {"k": k, "step_ms": ms, "tasks": runner.plan.num_tasks, **launches}
+
+
+def sweep_model(name: str, args, workers: int) -> list[dict]:
+    cfg = with_mtp(name, args.mtp)
+    t0 = time.perf_counter()
+    gpu = args.device.startswith("cuda")
+    dtype = torch.bfloat16 if gpu else torch.float32
+    weights = init_weights(cfg, seed=0, device=args.device, dtype=dtype)
+    max_len = args.ctx + 2 * (args.kmax + 1) + args.tokens
+    dec = SpeculativeDecoder(cfg, weights, k=args.kmax, batch=1, max_len=max_len, device=args.device, dtype=dtype,
+                             backend="megakernel" if gpu else "interpret", options=CompileOptions(workers=workers))
+    del weights  # the engine packed its own copy
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for k in range(args.kmax + 1):
+        if k == 0:  # a random (not zero) cache for the timing
+            first = dec.runner(1, False)
+            first.cache().normal_(generator=torch.Generator(device=args.device).manual_seed(2))
+        rows.append(time_step(dec, k, args.ctx, gen))
+        print(f"{name} k={k}: {rows[-1]['step_ms']:.3f} ms", flush=True)
+
+    # equality: one start token (every k shares the one prefill plan), greedy
+    prompt = torch.randint(0, cfg.vocab_size, (1, 1), generator=gen)
+    plain, _ = dec.with_k(0).generate(prompt, args.tokens + args.kmax + 1)
+    for row in rows[1:]:
+        k = row["k"]
+        for source in ("mtp", "noisy:0.5"):
+            drafts = Drafts(source, plain, cfg.vocab_size, seed=k)
+            out, stats = dec.with_k(k).generate(prompt, args.tokens, drafts)
+            key = source.split(":")[0]
+            row[f"equal_{key}"] = out[0] == plain[0][:args.tokens]
+            row[f"acceptance_length_{key}"] = stats.acceptance_length
+    rows[0].update(equal_mtp=True, equal_noisy=True, tokens_checked=args.tokens, setup_s=time.perf_counter() - t0)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="*", default=["dsv2-lite"])
+    p.add_argument("--mtp", type=int, default=1, help="MTP layers to add where a preset has none (default 1)")
+    p.add_argument("--ctx", type=int, default=4096)
+    p.add_argument("--kmax", type=int, default=7)
+    p.add_argument("--tokens", type=int, default=48, help="tokens generated per equality check (default 48)")
+    p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a dry run on the interpreter)")
+    p.add_argument("--out", default=".")
+    args = p.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("spec_sweep times CUDA-graph replays: it needs a GPU (or --device cpu for a dry run)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    workers = torch.cuda.get_device_properties(0).multi_processor_count if args.device.startswith("cuda") else 4
+    table = []
+    for name in args.models:
+        rows = sweep_model(name, args, workers)
+        (out / f"sweep_{name}.json").write_text(json.dumps(rows, indent=1))
+        table += [(name, r) for r in rows]
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    print(f"\n{'model':<11}{'k':>3}{'step ms':>9}{'launch':>8}{'tasks':>7}  equal mtp/noisy  accept len mtp/noisy")
+    for name, r in table:
+        launch = r.get("launches_per_step", 0.0)
+        acc = f"{r.get('acceptance_length_mtp', 1.0):.2f}/{r.get('acceptance_length_noisy', 1.0):.2f}"
+        print(f"{name:<11}{r['k']:>3}{r['step_ms']:>9.3f}{launch:>8.1f}{r['tasks']:>7}  "
+              f"{str(r['equal_mtp']):>5}/{str(r['equal_noisy']):<5}      {acc}")
+
+
+if __name__ == "__main__":
+    main()
