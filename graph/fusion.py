@@ -146,8 +146,11 @@ def _residual_norm(ctx: _Ctx) -> str | None:
     return None
 
 
-def _merge_stages(ctx: _Ctx, opcode: str, stages: tuple[str, ...], label_suffix: str) -> str | None:
-    """Merge an op running stage s with the op running the next stage on its private outputs."""
+def _merge_stages(ctx: _Ctx, opcode: str, stages: tuple[str, ...], label_suffix: str,
+                  scratch: tuple[str, ...] = ()) -> str | None:
+    """Merge an op running stage s with the op running the next stage on its private outputs.
+    Outputs named in `scratch` stay in memory even when private: the fused task body hands them
+    from one stage to the next through memory."""
     for first in ctx.g.ops:
         if first.opcode != opcode:
             continue
@@ -167,7 +170,7 @@ def _merge_stages(ctx: _Ctx, opcode: str, stages: tuple[str, ...], label_suffix:
                 break  # another op reads a stage output before the second stage: fusing would move the write past it
             reads = dict(first.reads)
             reads.update({k: v for k, v in second.reads.items() if v.tensor not in produced})
-            writes = {k: v for k, v in first.writes.items() if not ctx.private(v.tensor, second)}
+            writes = {k: v for k, v in first.writes.items() if k in scratch or not ctx.private(v.tensor, second)}
             writes.update(second.writes)
             flags = first.flags | second.flags
             label = first.label.rsplit(".", 1)[0] + label_suffix
@@ -188,7 +191,8 @@ def fuse(graph: Graph, rules: tuple[str, ...] = RULES) -> dict:
         "residual_into_linear": _residual_into_linear,
         "moe_epilogue": _moe_epilogue,
         "residual_norm": _residual_norm,
-        "route": lambda c: _merge_stages(c, "ROUTE", ("SCORE", "TOPK", "SLOTS"), ".route"),
+        # ROUTE's slot-table stage reads the top-k ids back from memory (megakernel/ops/moe.py)
+        "route": lambda c: _merge_stages(c, "ROUTE", ("SCORE", "TOPK", "SLOTS"), ".route", scratch=("ids",)),
         "hc_coeff": lambda c: _merge_stages(c, "HC_COEFF", ("MIX", "ACT", "SINK", "COLLAPSE"), ".coeff"),
     }
     changes, per_rule = [], {}

@@ -33,7 +33,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                BH: tl.constexpr,
                BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr, BI: tl.constexpr,
                BO: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr, BW: tl.constexpr, BSC: tl.constexpr,
-               BN: tl.constexpr, BK: tl.constexpr, DEPTH: tl.constexpr,
+               BN: tl.constexpr, BK: tl.constexpr, DEPTH: tl.constexpr, CPF: tl.constexpr,
                ALIGN: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
@@ -63,7 +63,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             elif op == OP_ATTENTION:
                 attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC)
             elif op == OP_ATTN_COMBINE:
-                attention.combine_body(word, A, BSC, DMAX)
+                attention.combine_body(word, A, BSC, DMAX, CPF)
             elif op == OP_HEAD_MATMUL:
                 head_matmul.body(word, W, A, BI, BO, ALIGN)
             elif op == OP_ROPE:

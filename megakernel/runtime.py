@@ -76,6 +76,9 @@ def check_operand_buffers(plan: Plan, tasks: list[Decoded]) -> None:
                                   "mailbox is not built); use --backend interpret with --helper")
         if t.op.name == "ROUTE" and t["topk"] > 16:
             raise MegakernelError(f"task {i}: {t['topk']} experts per token; the ROUTE body handles at most 16")
+        if t.op.name == "ROUTE" and t.has("TOPK") and t.fields["ids.buf"] < 0:
+            raise MegakernelError(f"task {i} ({plan.task_labels[i]}): ROUTE has no ids buffer; its body stores the "
+                                  "top-k ids (and its slot-table stage reads them back) in memory")
         if t.op.name == "ACCEPT" and t.has("SAMPLE"):
             raise MegakernelError("speculative sampling runs on the plan interpreter only for now (greedy runs on the "
                                   "megakernel)")
@@ -141,7 +144,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     return dict(BR=br, KC=kc, STAGES=stages, BD=256, BH=32, BM=16, BJ=32, DMAX=dmax, RMAX=rmax, BI=64, BO=128,
                 BE=experts, BP=256, BW=width, ALIGN=alignment(tasks), BT=spec_t,
                 # whole rows per load where registers allow: each block is one memory round trip
-                BSC=min(splits, max(1, 8192 // dmax)), BN=min(norm_width, 8192), BK=topk, DEPTH=1,
+                BSC=min(splits, max(1, 8192 // dmax)), BN=min(norm_width, 8192), BK=topk, DEPTH=1, CPF=0,
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2")
 
 

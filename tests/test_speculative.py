@@ -76,14 +76,21 @@ def test_prefill_longer_than_a_chunk_and_shorter_than_k():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton interpreter only")
-def test_triton_accept_and_gather_bodies():
-    """The whole speculative step (ACCEPT, GATHER, the MTP chain) through the persistent kernel."""
-    cfg, w, _ = _setup("tiny-dense", 2, seed=4)
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
+def test_triton_accept_and_gather_bodies(name):
+    """The whole speculative step (ACCEPT, GATHER, the MTP chain) through the persistent kernel: the same
+    tokens as plain decoding and the same accepted drafts, step by step, as the plan interpreter (equal
+    output alone hid a fused ROUTE that overwrote the drafts, so nothing was ever accepted)."""
+    cfg, w, _ = _setup(name, 2, seed=4)
     prompts = torch.randint(0, cfg.vocab_size, (2, 3), generator=torch.Generator().manual_seed(4))
     plain = _plain(cfg, w, prompts, 8)
-    dec = SpeculativeDecoder(cfg, w, 2, 2, 24, backend="megakernel", options=CompileOptions(workers=1))
-    out, stats = dec.generate(prompts, 4, Drafts("noisy:0.4", plain, cfg.vocab_size, seed=1))
-    assert out == [seq[:4] for seq in plain] and stats.steps >= 1
+    runs = {}
+    for backend in ("megakernel", "interpret"):
+        dec = SpeculativeDecoder(cfg, w, 2, 2, 24, backend=backend, options=CompileOptions(workers=1))
+        runs[backend] = dec.generate(prompts, 6, Drafts("noisy:0.4", plain, cfg.vocab_size, seed=1))
+    (out, stats), (_, want) = runs["megakernel"], runs["interpret"]
+    assert out == [seq[:6] for seq in plain] and stats.steps >= 1
+    assert stats.accepted_hist == want.accepted_hist and sum(stats.accepted_hist) > 0
 
 
 def test_bad_requests_are_refused():

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from graph.compile import CompileOptions, compile_step
+from graph.isa import Buf
 from graph.lower import StepShape
 from graph.tiling import TilingOptions
 from megakernel.interpreter import Interpreter
@@ -44,6 +45,10 @@ def _compare(cfg, interp, mk, lens):
     for a, b in zip(got.mtp_logits, want.mtp_logits):
         assert rel_err(a, b) <= 1e-5
     assert rel_err(mk.cache(), interp.cache()) <= 1e-5
+    # every int the step leaves behind (inputs, routing tables, argmax, accept results) is the same: a
+    # body writing outside its operands (a fused ROUTE once stored its ids over the input tokens) shows here
+    assert torch.equal(mk.mem.bufs[Buf.I], interp.mem.bufs[Buf.I])
+    torch.testing.assert_close(mk.mem.bufs[Buf.A], interp.mem.bufs[Buf.A], rtol=1e-4, atol=1e-5, equal_nan=True)
 
 
 @pytest.mark.parametrize("name", TINY_PRESETS)
@@ -55,8 +60,9 @@ def test_kernel_equals_interpreter_one_worker(name):
 @pytest.mark.parametrize("name", ["tiny-moe", "tiny-dense"])
 def test_kernel_small_blocks_and_two_chunks_in_flight(name):
     """The bodies' other paths: the attention combine over several blocks of splits (online maximum),
-    RMSNorm rows longer than a block (two passes), the weight stream with two chunks in flight."""
-    cfg, plan, interp, mk = _pair(name, blocks=dict(BSC=2, BN=16, DEPTH=2))
+    RMSNorm rows longer than a block (two passes), the weight stream with two chunks in flight, the
+    combine's next block requested early."""
+    cfg, plan, interp, mk = _pair(name, blocks=dict(BSC=2, BN=16, DEPTH=2, CPF=1))
     assert cfg.hidden_size > 16 and plan.shape["max_len"] // plan.shape["attn_split"] > 2
     _compare(cfg, interp, mk, torch.tensor([3, 11]))
 

@@ -7,19 +7,22 @@
 #            profile for $MODELS (default: llama-1b dsv2-lite);
 #   spec     the speculative k sweep (k = 0..7, one graph replay each) and speculative-equals-plain
 #            check on dsv2-lite with one MTP layer (tools/spec_sweep.py);
+#   stream   the weight stream alone (tools/stream_bench.py): GB/s per SM of LINEAR and expert
+#            tasks, default launch beside $STREAM_VARIANTS;
 #   anchors  the outside yardstick, if a copy of ../shared/anchors sits in .anchors/ (git-ignored;
 #            carry it with the device tool);
 #   all      tests,bench,spec,anchors.
 # Keep each call under the device tool's 10-minute limit (tests ~150 s, bench ~250 s per model
-# with two variants, spec ~200 s).
+# with two variants, spec ~200 s, stream ~150 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 parts=",${1:-all},"
-[ "$parts" = ",all," ] && parts=",tests,bench,spec,anchors,"
+[ "$parts" = ",all," ] && parts=",tests,bench,spec,stream,anchors,"
 out="${2:-${OUT:-out}}"
 models="${MODELS:-llama-1b dsv2-lite}"
 variants="${VARIANTS-DEPTH=2}"
 plan_variants="${PLAN_VARIANTS-attn_split=32}"
+stream_variants="${STREAM_VARIANTS-BR=4 BR=16,KC=1024 DEPTH=2}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$out/gpu.txt"
@@ -34,6 +37,13 @@ fi
 if [[ "$parts" == *,spec,* ]]; then
     timeout 400 python3 tools/spec_sweep.py --models dsv2-lite --mtp 1 --ctx 4096 --kmax 7 --out "$out" 2>&1 \
         | tee "$out/spec.log" | tail -12
+fi
+if [[ "$parts" == *,stream,* ]]; then
+    for kind in dense moe; do
+        # shellcheck disable=SC2086
+        timeout 280 python3 tools/stream_bench.py --kind $kind --variants $stream_variants --out "$out" 2>&1 \
+            | tee "$out/stream_$kind.log" | tail -6
+    done
 fi
 if [[ "$parts" == *,anchors,* ]] && [ -f .anchors/torch_baselines.py ]; then
     timeout 560 python3 .anchors/torch_baselines.py 2>&1 | tee "$out/anchors.log" | tail -12

@@ -162,10 +162,22 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
 
 
 @triton.jit
-def combine_body(word, A, BSC: tl.constexpr, DMAX: tl.constexpr):
+def combine_block(sb, first, stride, ns, dim, d, dmask, lse_ptr, op_ptr, BSC: tl.constexpr):
+    """Splits sb..sb+BSC of one (token, head): their log-sum-exps and partial outputs (-inf / 0 past ns)."""
+    s = sb + tl.arange(0, BSC)
+    rows = first + s * stride
+    lse = tl.load(lse_ptr + rows, mask=s < ns, other=-float("inf"), cache_modifier=".cg")
+    part = tl.load(op_ptr + rows[:, None].to(tl.int64) * dim + d[None, :], mask=(s < ns)[:, None] & dmask[None, :],
+                   other=0.0, cache_modifier=".cg")
+    return lse, part
+
+
+@triton.jit
+def combine_body(word, A, BSC: tl.constexpr, DMAX: tl.constexpr, CPF: tl.constexpr):
     """Per token and head: out[:] = sum_s exp(lse[s] - LSE) o[s, :], with LSE = log sum_s exp(lse[s]).
     BSC splits per load and an online maximum: ceil(nsplits / BSC) memory round trips per head, not
     2 x nsplits dependent ones (that serial loop took 33 µs per dsv2-lite layer: docs/PERF.md).
+    CPF 1: the next block is requested before this one is summed (more registers).
     Each lane keeps its own partial sum until the end: a fixed order, whatever the neighbours."""
     b, T, nh, ns, dim = (fld(word, ATTN_COMBINE_B), fld(word, ATTN_COMBINE_T), fld(word, ATTN_COMBINE_NHEADS),
                          fld(word, ATTN_COMBINE_NSPLITS), fld(word, ATTN_COMBINE_DIM))
@@ -174,18 +186,17 @@ def combine_body(word, A, BSC: tl.constexpr, DMAX: tl.constexpr):
     o_ptr, o_ld = A + off(word, ATTN_COMBINE_OUT_OFF), fld(word, ATTN_COMBINE_OUT_LD)
     d = tl.arange(0, DMAX)
     dmask = d < dim
+    stride = T * nh  # from one split's row of a (token, head) to the next split's
     for t in range(T):
         for h in range(h0, h1):
-            first = (b * ns * T + t) * nh + h  # split s's row: first + s * T * nh
+            first = (b * ns * T + t) * nh + h
             m = tl.full([], -float("inf"), tl.float32)
             total = tl.zeros((BSC,), tl.float32)
             acc = tl.zeros((BSC, DMAX), tl.float32)
+            lse, part = combine_block(0, first, stride, ns, dim, d, dmask, lse_ptr, op_ptr, BSC)
             for sb in range(0, ns, BSC):
-                s = sb + tl.arange(0, BSC)
-                rows = first + s * (T * nh)
-                lse = tl.load(lse_ptr + rows, mask=s < ns, other=-float("inf"), cache_modifier=".cg")
-                part = tl.load(op_ptr + rows[:, None].to(tl.int64) * dim + d[None, :],
-                               mask=(s < ns)[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
+                if CPF:
+                    lse_n, part_n = combine_block(sb + BSC, first, stride, ns, dim, d, dmask, lse_ptr, op_ptr, BSC)
                 m_new = tl.maximum(m, tl.max(lse, axis=0))
                 m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
                 scale = tl.exp(m - m_safe)  # rescales what the earlier blocks summed
@@ -193,6 +204,10 @@ def combine_body(word, A, BSC: tl.constexpr, DMAX: tl.constexpr):
                 total = total * scale + wgt
                 acc = acc * scale + wgt[:, None] * part
                 m = m_new
+                if CPF:
+                    lse, part = lse_n, part_n
+                else:
+                    lse, part = combine_block(sb + BSC, first, stride, ns, dim, d, dmask, lse_ptr, op_ptr, BSC)
             den = tl.sum(total, axis=0)
             out = tl.sum(acc, axis=0) / tl.where(den > 0, den, 1.0)
             tl.store(o_ptr + (b * T + t) * o_ld + h * dim + d, out, mask=dmask)

@@ -59,17 +59,18 @@ def reference_route(task, mem) -> None:
     if task.has("SLOTS"):
         if ids is None:
             ids = mem.flat(task, "ids", 0, N * k).view(N, k).long()
-        table = torch.full((2 * S + S * N * k,), -1, dtype=torch.int32)
+        # experts and counts of all S slots; a slot's pair list only up to its count (the rest is not read)
+        head = torch.full((2 * S,), -1, dtype=torch.int32)
+        head[S:] = 0
         flat = ids.reshape(-1).cpu()
         experts = torch.unique(flat)  # sorted ascending
+        st = mem.flat(task, "st", 0, 2 * S + S * N * k)
         for s, e in enumerate(experts.tolist()):
             pairs = torch.nonzero(flat == e).flatten()
-            table[s] = e
-            table[S + s] = pairs.numel()
-            table[2 * S + s * N * k: 2 * S + s * N * k + pairs.numel()] = pairs.int()
-        for s in range(len(experts), S):
-            table[S + s] = 0
-        mem.flat(task, "st", 0, table.numel()).copy_(table.to(mem.device))
+            head[s] = e
+            head[S + s] = pairs.numel()
+            st[2 * S + s * N * k: 2 * S + s * N * k + pairs.numel()] = pairs.int().to(mem.device)
+        st[:2 * S] = head.to(mem.device)
 
 
 def slot_pairs(task, mem, slot: int) -> tuple[int, torch.Tensor]:
