@@ -34,6 +34,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr, BI: tl.constexpr,
                BO: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr, BW: tl.constexpr, BSC: tl.constexpr,
                BN: tl.constexpr, BK: tl.constexpr, DEPTH: tl.constexpr, CPF: tl.constexpr,
+               SAMPLE: tl.constexpr, BV: tl.constexpr,
                ALIGN: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
@@ -89,7 +90,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             elif op == OP_ARGMAX:
                 argmax.body(word, A, I, BD)
             elif op == OP_ACCEPT:
-                spec.accept_body(word, I, BT)
+                spec.accept_body(word, A, I, BT, SAMPLE, BV)
             elif op == OP_GATHER:
                 spec.gather_body(word, A, I, BD)
         if ok == 1:

@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "greedy output: all accepted), noisy:P (the oracle, each draft wrong with probability P)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="with --spec-k: 0 = greedy (default); > 0 samples, with speculative rejection sampling "
-                        "that keeps the target distribution (plan interpreter only for now)")
+                        "that keeps the target distribution")
     p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling mass (default 1)")
     p.add_argument("--check", action="store_true",
                    help="run the reference on the same tokens and exit non-zero on a mismatch")

@@ -79,9 +79,6 @@ def check_operand_buffers(plan: Plan, tasks: list[Decoded]) -> None:
         if t.op.name == "ROUTE" and t.has("TOPK") and t.fields["ids.buf"] < 0:
             raise MegakernelError(f"task {i} ({plan.task_labels[i]}): ROUTE has no ids buffer; its body stores the "
                                   "top-k ids (and its slot-table stage reads them back) in memory")
-        if t.op.name == "ACCEPT" and t.has("SAMPLE"):
-            raise MegakernelError("speculative sampling runs on the plan interpreter only for now (greedy runs on the "
-                                  "megakernel)")
         roles = dict(OPERAND_BUFFERS[t.op.name])
         if t.op.name == "GATHER":
             roles.update(src=Buf.I if t.has("INT") else Buf.A, out=Buf.I if t.has("INT") else Buf.A)
@@ -120,6 +117,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     """Compile-time block sizes fitted to the plan's dimensions."""
     dmax = rmax = experts = width = spec_t = 16
     splits = norm_width = topk = 2
+    sample = 0
     for t in tasks:
         f = t.fields
         if t.op.name == "ATTENTION":
@@ -130,6 +128,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
             width = max(width, _pow2((2 + f["n"]) * f["n"]))
         elif t.op.name == "ACCEPT":
             spec_t = max(spec_t, _pow2(f["T"]))
+            sample = sample or int(t.has("SAMPLE"))
         elif t.op.name == "ATTN_COMBINE":
             splits = max(splits, _pow2(f["nsplits"], 2))
         elif t.op.name == "RMSNORM":
@@ -145,6 +144,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 BE=experts, BP=256, BW=width, ALIGN=alignment(tasks), BT=spec_t,
                 # whole rows per load where registers allow: each block is one memory round trip
                 BSC=min(splits, max(1, 8192 // dmax)), BN=min(norm_width, 8192), BK=topk, DEPTH=1, CPF=0,
+                SAMPLE=sample, BV=1024,
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2")
 
 

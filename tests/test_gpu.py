@@ -186,3 +186,21 @@ def test_speculative_greedy_is_bit_exact_with_plain_on_gpu(name):
             assert out == [seq[:12] for seq in plain], (k, kind)
             if kind.startswith("noisy"):  # 70% of drafts are right: some must be accepted
                 assert stats.acceptance_length > 1.2, (k, stats.accepted_hist)
+
+
+def test_speculative_sampling_on_the_megakernel_equals_the_interpreter():
+    """The SAMPLE body on the GPU: fp32 weights keep both backends' logits ~1e-6 apart, far below
+    what could move a sampled token, so tokens and accepted drafts must be the same."""
+    from megakernel.speculative import Drafts, SpeculativeDecoder
+    cfg = preset("tiny-dense").replace(vocab_size=64)
+    w = init_weights(cfg, seed=3, device="cuda", dtype=torch.float32)
+    prompts = torch.randint(0, cfg.vocab_size, (2, 3), generator=torch.Generator().manual_seed(4))
+    greedy = SpeculativeDecoder(cfg, w, 0, 2, 32, "cuda", torch.float32).generate(prompts, 16)[0]
+    runs = {}
+    for backend in ("interpret", "megakernel"):
+        dec = SpeculativeDecoder(cfg, w, 2, 2, 32, "cuda", torch.float32, backend, options=CompileOptions(workers=16),
+                                 temperature=0.5, top_p=0.9, seed=5)
+        runs[backend] = dec.generate(prompts, 10, Drafts("oracle", greedy, cfg.vocab_size))
+    (out, stats), (want, want_stats) = runs["megakernel"], runs["interpret"]
+    assert out == want and stats.accepted_hist == want_stats.accepted_hist
+    assert 0 < sum(stats.accepted_hist) < 2 * len(stats.accepted_hist)

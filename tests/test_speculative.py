@@ -243,3 +243,22 @@ def test_spec_sweep_tool_dry_run(tmp_path):
     assert [r["k"] for r in rows] == [0, 1, 2]
     assert all(r["equal_mtp"] and r["equal_noisy"] for r in rows)
     assert rows[2]["acceptance_length_noisy"] > 1.0  # some drafts were accepted: the accept path ran
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton interpreter only")
+def test_triton_sampling_accept_equals_the_interpreter():
+    """Speculative sampling through the persistent kernel (the SAMPLE body: fp64 softmax, top-p cut
+    by bisection, counter-based uniforms): the same tokens and accepted drafts as the plan
+    interpreter's reference, drafts accepted and rejected."""
+    cfg = preset("tiny-dense").replace(vocab_size=64)
+    w = init_weights(cfg, seed=3)
+    prompts = torch.randint(0, cfg.vocab_size, (2, 3), generator=torch.Generator().manual_seed(4))
+    greedy = SpeculativeDecoder(cfg, w, 0, 2, 24).generate(prompts, 10)[0]
+    runs = {}
+    for backend in ("interpret", "megakernel"):
+        dec = SpeculativeDecoder(cfg, w, 2, 2, 24, backend=backend, options=CompileOptions(workers=1),
+                                 temperature=0.5, top_p=0.9, seed=5)
+        runs[backend] = dec.generate(prompts, 5, Drafts("oracle", greedy, cfg.vocab_size))
+    (out, stats), (want, want_stats) = runs["megakernel"], runs["interpret"]
+    assert out == want and stats.accepted_hist == want_stats.accepted_hist
+    assert 0 < sum(stats.accepted_hist) < 2 * len(stats.accepted_hist)  # both paths ran

@@ -7,10 +7,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import fld, has, off
+from .common import ffld, fld, has, off
 from .fields import (ACCEPT_ACC_OFF, ACCEPT_B0, ACCEPT_B1, ACCEPT_BASE_OFF, ACCEPT_CL_OFF, ACCEPT_EMIT_OFF,
-                     ACCEPT_FLAGS, ACCEPT_FOLLOW_OFF, ACCEPT_LENS_OFF, ACCEPT_MTP_OFF, ACCEPT_NEXT_LD, ACCEPT_NEXT_OFF,
-                     ACCEPT_T, ACCEPT_TGT_OFF, ACCEPT_TOK_OFF, FLAG_ACCEPT_ALL, FLAG_GATHER_INT, GATHER_B0, GATHER_B1,
+                     ACCEPT_FLAGS, ACCEPT_FOLLOW_OFF, ACCEPT_LENS_OFF, ACCEPT_LG_LD, ACCEPT_LG_OFF, ACCEPT_MTP_OFF,
+                     ACCEPT_NEXT_LD, ACCEPT_NEXT_OFF, ACCEPT_RNG_OFF, ACCEPT_T, ACCEPT_TEMPERATURE, ACCEPT_TGT_OFF,
+                     ACCEPT_TOK_OFF, ACCEPT_TOP_P, ACCEPT_V, FLAG_ACCEPT_ALL, FLAG_ACCEPT_SAMPLE, FLAG_GATHER_INT,
+                     GATHER_B0, GATHER_B1,
                      GATHER_COLS, GATHER_FLAGS, GATHER_IDX_OFF, GATHER_OUT_LD, GATHER_OUT_OFF, GATHER_SRC_LD,
                      GATHER_SRC_OFF, GATHER_T)
 
@@ -110,7 +112,135 @@ def reference_gather(task, mem) -> None:
 
 # ---- GPU bodies ------------------------------------------------------------------------------
 @triton.jit
-def accept_body(word, I, BT: tl.constexpr):
+def mix64(x):
+    """_mix on uint64 (wrapping arithmetic)."""
+    x = x + 0x9E3779B97F4A7C15
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def uniform_dev(seed, row, draw: tl.constexpr):
+    """uniform() on the device: the same bits."""
+    zero = tl.zeros([], tl.int64)  # row may be a constant
+    x = (((zero + seed) & 0xFFFFFFFF).to(tl.uint64) << 32) ^ ((zero + row).to(tl.uint64) << 8) ^ draw
+    return (mix64(x) >> 11).to(tl.float64) / 9007199254740992.0
+
+
+@triton.jit
+def probs_chunk(row, v, V, temp, mx, z, cut):
+    """softmax(logits / temp) at columns v, fp64, zero outside the vocabulary and at or below `cut`."""
+    lg = tl.load(row + v, mask=v < V, other=-float("inf"), cache_modifier=".cg").to(tl.float64)
+    p = tl.exp(lg / temp - mx) / z
+    return tl.where((v < V) & (p > cut), p, 0.0)
+
+
+@triton.jit
+def row_dist(row, V, temp, top_p, BV: tl.constexpr):
+    """target_probs() of one logits row, as (max, partition, cut, kept mass): p_j = exp(l_j/temp - max)
+    / partition, kept where p_j > cut (the smallest top set with mass >= top_p), then / kept mass.
+    The cut is found without sorting: bisection on the probability value until one probability
+    lies between the bounds (the mass strictly above a value falls as the value rises)."""
+    v0 = tl.arange(0, BV)
+    mx = tl.full([], -float("inf"), tl.float64)
+    for vb in range(0, V, BV):
+        lg = tl.load(row + vb + v0, mask=vb + v0 < V, other=-float("inf"), cache_modifier=".cg").to(tl.float64)
+        mx = tl.maximum(mx, tl.max(lg / temp, axis=0))
+    z = tl.zeros([], tl.float64)
+    for vb in range(0, V, BV):
+        lg = tl.load(row + vb + v0, mask=vb + v0 < V, other=-float("inf"), cache_modifier=".cg").to(tl.float64)
+        z += tl.sum(tl.exp(lg / temp - mx), axis=0)
+    cut = tl.full([], -1.0, tl.float64)
+    kept = tl.full([], 1.0, tl.float64)
+    if top_p < 1.0:
+        lo = tl.zeros([], tl.float64)  # mass above lo >= top_p
+        hi = 1.0 / z  # the largest probability: nothing above it
+        between = V
+        steps = 0
+        while (between > 1) & (steps < 200):
+            mid = (lo + hi) * 0.5
+            above = tl.zeros([], tl.float64)
+            n_low = 0
+            n_high = 0
+            for vb in range(0, V, BV):
+                p = probs_chunk(row, vb + v0, V, temp, mx, z, -1.0)
+                above += tl.sum(tl.where(p > mid, p, 0.0), axis=0)
+                n_low += tl.sum(((p > lo) & (p <= mid)).to(tl.int32), axis=0)
+                n_high += tl.sum(((p > mid) & (p <= hi)).to(tl.int32), axis=0)
+            if above >= top_p:
+                lo = mid
+                between = n_high
+            else:
+                hi = mid
+                between = n_low
+            steps += 1
+        cut = lo
+        kept = tl.zeros([], tl.float64)
+        for vb in range(0, V, BV):
+            kept += tl.sum(probs_chunk(row, vb + v0, V, temp, mx, z, cut), axis=0)
+    return mx, z, cut, kept
+
+
+@triton.jit
+def sample_row(row, V, temp, mx, z, cut, kept, exclude, u, BV: tl.constexpr):
+    """sample(): the first column whose cumulative mass exceeds u x total, over the kept
+    probabilities without column `exclude`.  The total comes from the same chunked scan the
+    search runs, so the search always ends on a column with mass."""
+    v0 = tl.arange(0, BV)
+    total = tl.zeros([], tl.float64)
+    for vb in range(0, V, BV):
+        q = tl.where(vb + v0 == exclude, 0.0, probs_chunk(row, vb + v0, V, temp, mx, z, cut) / kept)
+        total += tl.sum(tl.where(v0 == BV - 1, tl.cumsum(q, axis=0), 0.0), axis=0)
+    target = u * total
+    run = tl.zeros([], tl.float64)
+    pick = V - 1
+    found = 0
+    for vb in range(0, V, BV):
+        q = tl.where(vb + v0 == exclude, 0.0, probs_chunk(row, vb + v0, V, temp, mx, z, cut) / kept)
+        c = run + tl.cumsum(q, axis=0)
+        first = tl.min(tl.where(c > target, vb + v0, V), axis=0)
+        if (found == 0) & (first < V):
+            pick = first
+            found = 1
+        run += tl.sum(tl.where(v0 == BV - 1, tl.cumsum(q, axis=0), 0.0), axis=0)
+    return pick
+
+
+@triton.jit
+def sample_accept(word, A, I, b, T, all_mode, tok, BV: tl.constexpr):
+    """_accept_sampling() on the device: (accepted drafts, bonus token) of sequence b."""
+    lg, lg_ld, V = A + off(word, ACCEPT_LG_OFF), fld(word, ACCEPT_LG_LD), fld(word, ACCEPT_V)
+    temp = ffld(word, ACCEPT_TEMPERATURE).to(tl.float64)
+    top_p = ffld(word, ACCEPT_TOP_P).to(tl.float64)
+    seed = tl.load(I + off(word, ACCEPT_RNG_OFF) + b, cache_modifier=".cg")
+    drafts = tl.where(all_mode, 0, T - 1)
+    a = T - 1
+    bonus = 0
+    rejected = 0
+    i = 0
+    while (i < drafts) & (rejected == 0):
+        row = lg + (b * T + i).to(tl.int64) * lg_ld
+        mx, z, cut, kept = row_dist(row, V, temp, top_p, BV)
+        d = tl.load(tok + b * T + i + 1, cache_modifier=".cg")
+        two = d + tl.arange(0, 2)
+        p_d = tl.sum(tl.where(two == d, probs_chunk(row, two, V, temp, mx, z, cut), 0.0), axis=0) / kept
+        if uniform_dev(seed, i, 0) >= p_d:
+            rejected = 1
+            a = i
+            bonus = sample_row(row, V, temp, mx, z, cut, kept, d, uniform_dev(seed, i, 1), BV)
+        i += 1
+    if rejected == 0:
+        row = lg + (b * T + T - 1).to(tl.int64) * lg_ld
+        mx, z, cut, kept = row_dist(row, V, temp, top_p, BV)
+        bonus = sample_row(row, V, temp, mx, z, cut, kept, -1, uniform_dev(seed, T - 1, 1), BV)
+    return a, bonus
+
+
+@triton.jit
+def accept_body(word, A, I, BT: tl.constexpr, SAMPLE: tl.constexpr, BV: tl.constexpr):
+    """Greedy: the longest prefix of drafts equal to the targets, then the target after it.  SAMPLE
+    (a constexpr: compiled only into kernels for sampling plans): speculative sampling."""
     T, all_mode = fld(word, ACCEPT_T), has(fld(word, ACCEPT_FLAGS), FLAG_ACCEPT_ALL)
     tok, tgt, cl, follow = (I + off(word, ACCEPT_TOK_OFF), I + off(word, ACCEPT_TGT_OFF), I + off(word, ACCEPT_CL_OFF),
                             I + off(word, ACCEPT_FOLLOW_OFF))
@@ -127,6 +257,9 @@ def accept_body(word, I, BT: tl.constexpr):
         miss = tl.where((drafts != targets) & (i < T - 1), i, T - 1)
         a = tl.where(all_mode, T - 1, tl.min(miss, axis=0))
         bonus = tl.sum(tl.where(i == a, targets, 0), axis=0)
+        if SAMPLE:
+            if has(fld(word, ACCEPT_FLAGS), FLAG_ACCEPT_SAMPLE):
+                a, bonus = sample_accept(word, A, I, b, T, all_mode, tok, BV)
         tl.store(emit + b * T + i, tl.where(i < a, drafts, tl.where(i == a, bonus, -1)), mask=valid)
         f = tl.load(follow + b, cache_modifier=".cg")
         m = tl.where(i < a, drafts, bonus)
