@@ -44,16 +44,16 @@ class HelperOptions:
         return self.kind != "none"
 
 
-def routed_expert_names(cfg: ModelConfig, names) -> set[str]:
+def is_routed_expert(cfg: ModelConfig):
+    """name -> whether it is a routed expert's weight.  With a cpu helper the loader keeps these in host
+    memory from the start: main needs them only to fill its slots (from the helper's host store)."""
     marks = tuple(layer_prefix(layer) + "mlp.experts." for layer in moe_layers(cfg))
-    return {k for k in names if k.startswith(marks)}
+    return lambda name: name.startswith(marks)
 
 
-def offload_experts(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The weights with every routed expert moved to host memory: with a cpu helper, main needs them
-    only to fill its slots (from the helper's host store), so the device copies can go."""
-    routed = routed_expert_names(cfg, weights)
-    return {k: (v.cpu() if k in routed else v) for k, v in weights.items()}
+def routed_expert_names(cfg: ModelConfig, names) -> set[str]:
+    routed = is_routed_expert(cfg)
+    return {k for k in names if routed(k)}
 
 
 def capacity_for(cfg: ModelConfig, fraction: float) -> int:

@@ -126,13 +126,15 @@ def resolve_config(name: str) -> tuple[ModelConfig, Path | None]:
     raise ConfigError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
 
 
-def load_weights(cfg: ModelConfig, path: Path | None, seed: int, device: torch.device,
-                 dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
-    """Checkpoint weights if the directory has any, else seeded random ones (and say which)."""
+def load_weights(cfg: ModelConfig, path: Path | None, seed: int, device: torch.device, dtype: torch.dtype,
+                 host=None) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
+    """Checkpoint weights if the directory has any, else seeded random ones (and say which); tensors
+    `host` names stay in host memory."""
     if path is not None and any(path.glob("*.safetensors")):
-        cfg, weights = load_checkpoint(path, device=device, dtype=dtype)
+        cfg, weights = load_checkpoint(path, device=device, dtype=dtype, host=host)
         return cfg, weights, f"checkpoint {path}"
-    return cfg, init_weights(cfg, seed=seed, device=device, dtype=dtype), f"seeded random weights (seed {seed})"
+    return (cfg, init_weights(cfg, seed=seed, device=device, dtype=dtype, host=host),
+            f"seeded random weights (seed {seed})")
 
 
 def _fmt_bytes(n: float) -> str:
@@ -257,10 +259,11 @@ def run(args: argparse.Namespace) -> dict:
         return result
 
     dtype = DTYPES[args.dtype] if args.dtype else (DTYPES[cfg.dtype] if device.type == "cuda" else torch.float32)
-    cfg, weights, source = load_weights(cfg, path, args.seed, device, dtype)
+    host = None
     if args.helper == "cpu" and not args.check and cfg.n_routed_experts:  # --check's reference needs them all here
-        from helper_card.setup import offload_experts
-        weights = offload_experts(cfg, weights)  # main keeps only its slots; the loaded device copies go
+        from helper_card.setup import is_routed_expert
+        host = is_routed_expert(cfg)  # main keeps only its slots: the experts never pass through the device
+    cfg, weights, source = load_weights(cfg, path, args.seed, device, dtype, host)
     if args.spec_k is not None:
         return run_speculative(args, name, cfg, weights, source, backend, device, dtype, options, result)
     engine = make_engine(cfg, weights, backend, args.batch, max_len, device, dtype, workers=args.workers,

@@ -15,7 +15,7 @@ import math
 import struct
 import zlib
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from safetensors import safe_open
@@ -78,17 +78,21 @@ def init_tensor(spec: TensorSpec, cfg: ModelConfig, seed: int, device: torch.dev
 
 
 def init_weights(cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu",
-                 dtype: torch.dtype | None = None, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+                 dtype: torch.dtype | None = None, names: Iterable[str] | None = None,
+                 host: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
     """Seeded random weights (optional tensors such as MTP copies of the embedding are left out).
 
-    dtype overrides the config's dtype for every tensor that is not fp32 by definition.
+    dtype overrides the config's dtype for every tensor that is not fp32 by definition.  Tensors
+    whose name `host` accepts are drawn on `device` (the same values) and moved to host memory
+    at once, so the device never holds more than one of them.
     """
     wanted = None if names is None else set(names)
     out = {}
     for spec in tensor_specs(cfg):
         if spec.optional or (wanted is not None and spec.name not in wanted):
             continue
-        out[spec.name] = init_tensor(spec, cfg, seed, device, dtype)
+        t = init_tensor(spec, cfg, seed, device, dtype)
+        out[spec.name] = t.cpu() if host is not None and host(spec.name) else t
     return out
 
 
@@ -169,11 +173,13 @@ def read_safetensors_header(file: Path) -> dict[str, tuple[tuple[int, ...], torc
 
 # ---------------------------------------------------------------- load
 def load_checkpoint(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                    check_finite: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+                    check_finite: bool = True,
+                    host: Callable[[str], bool] | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Config and weights from an HF-style directory; raises CheckpointError naming every problem.
 
     Validation runs on the headers before any tensor is read.  dtype converts
-    every non-fp32 tensor (e.g. bf16 checkpoints into an fp32 reference).
+    every non-fp32 tensor (e.g. bf16 checkpoints into an fp32 reference).  Tensors whose name
+    `host` accepts stay in host memory (a cpu helper's experts never pass through the device).
     """
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
@@ -197,7 +203,7 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu", dtype:
             for name in f.keys():
                 t = f.get_tensor(name)
                 target = dtype if (dtype is not None and t.dtype != torch.float32) else t.dtype
-                t = t.to(device=device, dtype=target)
+                t = t.to(device=torch.device("cpu") if host is not None and host(name) else device, dtype=target)
                 if check_finite and not bool(torch.isfinite(t).all()):
                     raise CheckpointError(f"{file}: tensor {name} contains NaN or inf")
                 weights[name] = t

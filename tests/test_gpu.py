@@ -204,3 +204,14 @@ def test_speculative_sampling_on_the_megakernel_equals_the_interpreter():
     (out, stats), (want, want_stats) = runs["megakernel"], runs["interpret"]
     assert out == want and stats.accepted_hist == want_stats.accepted_hist
     assert 0 < sum(stats.accepted_hist) < 2 * len(stats.accepted_hist)
+
+
+def test_host_tensors_keep_their_values():
+    """init_weights(host=...) draws on the device and moves to host: the same values as a device-only init."""
+    from helper_card.setup import is_routed_expert
+    cfg = preset("tiny-moe")
+    on_device = init_weights(cfg, seed=0, device="cuda")
+    mixed = init_weights(cfg, seed=0, device="cuda", host=is_routed_expert(cfg))
+    routed = is_routed_expert(cfg)
+    assert all(mixed[k].device.type == ("cpu" if routed(k) else "cuda") for k in mixed)
+    assert all(torch.equal(mixed[k].cpu(), on_device[k].cpu()) for k in on_device)

@@ -287,3 +287,20 @@ def test_offload_moves_only_the_routed_experts():
     E, layers = cfg.n_routed_experts, len(moe_layers(cfg))
     assert len(routed) == 3 * E * layers  # gate, up, down of every routed expert, MTP layers included
     assert not any("shared_experts" in k or ".gate." in k for k in routed)
+
+
+def test_loader_keeps_host_tensors_in_host_memory(tmp_path):
+    """With a cpu helper the loader never puts routed experts on the device (peak memory): the
+    predicate reaches both the seeded init and the checkpoint reader, values unchanged."""
+    from helper_card.setup import is_routed_expert
+    from model import load_checkpoint, save_checkpoint
+    cfg = preset("tiny-moe")
+    routed = is_routed_expert(cfg)
+    seen = []
+    w = init_weights(cfg, seed=0, host=lambda name: seen.append(name) or routed(name))
+    assert set(seen) == set(w) and torch.equal(w["model.layers.1.mlp.experts.0.up_proj.weight"],
+                                               init_weights(cfg, seed=0)["model.layers.1.mlp.experts.0.up_proj.weight"])
+    save_checkpoint(cfg, w, tmp_path)
+    asked = []
+    _, loaded = load_checkpoint(tmp_path, host=lambda name: asked.append(name) or routed(name))
+    assert sorted(asked) == sorted(w) and all(torch.equal(loaded[k], w[k]) for k in w)
