@@ -180,6 +180,8 @@ class Megakernel(PlanRunner):
         self.expected = np.bincount(plan.words[:, 2], minlength=plan.num_counters).astype(np.int64)
         self.epoch = 0
         self.blocks = {**block_sizes(tasks, self.mem.dtype), **(self.config.blocks or {})}
+        if any(t.op.name == "ACCEPT" and t.has("SAMPLE") for t in tasks) and not self.blocks["SAMPLE"]:
+            raise MegakernelError("block override SAMPLE=0 on a sampling plan: ACCEPT would decode greedily")
         topk = max((t.fields["topk"] for t in tasks if t.op.name == "MOE_COMBINE"), default=0)
         if self.blocks["BK"] < topk or self.blocks["DEPTH"] not in (1, 2):
             raise MegakernelError(f"block sizes BK={self.blocks['BK']}, DEPTH={self.blocks['DEPTH']}: MOE_COMBINE reads "

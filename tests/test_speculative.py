@@ -5,8 +5,11 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from graph.compile import CompileOptions
+from megakernel.ops.spec import row_dist, sample_row, uniform_dev
 from megakernel.speculative import Drafts, SpeculativeDecoder
 from model import TINY_PRESETS, init_weights, preset
 
@@ -262,3 +265,36 @@ def test_triton_sampling_accept_equals_the_interpreter():
     (out, stats), (want, want_stats) = runs["megakernel"], runs["interpret"]
     assert out == want and stats.accepted_hist == want_stats.accepted_hist
     assert 0 < sum(stats.accepted_hist) < 2 * len(stats.accepted_hist)  # both paths ran
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton interpreter only")
+def test_triton_sampling_primitives_equal_the_reference():
+    """row_dist + sample_row (device) against target_probs + sample (reference), one logits row at a
+    time, including exact ties at the top-p cut (kept whole on both sides) and rows longer than a chunk."""
+    from megakernel.ops.spec import sample, target_probs, uniform
+    gen = torch.Generator().manual_seed(0)
+    cases = 0
+    for V, top_p, tied in ((62, 0.5, True), (62, 0.9, False), (300, 0.7, False), (300, 1.0, False), (40, 0.3, True)):
+        for seed in range(6):
+            lg = torch.randn(V, generator=gen)
+            if tied:
+                lg[::2] = 0.25  # half the vocabulary shares one logit
+            out = torch.zeros(1, dtype=torch.int32)
+            exclude = seed - 1  # -1: none
+            _draw[(1,)](lg, out, V, 1.3, top_p, seed, exclude, BV=64)
+            p = target_probs(lg, 1.3, top_p)
+            if exclude >= 0:
+                p[exclude] = 0.0
+                p = p / p.sum()
+            assert int(out[0]) == sample(p, uniform(seed, 3, 1)), (V, top_p, seed)
+            assert p[int(out[0])] > 0
+            cases += 1
+    assert cases == 30
+
+
+@triton.jit
+def _draw(lg, out, V, temp, top_p, seed, exclude, BV: tl.constexpr):
+    """One sampled token of a logits row through the device's sampling primitives."""
+    temp, top_p = tl.zeros([], tl.float64) + temp, tl.zeros([], tl.float64) + top_p
+    mx, z, cut, kept = row_dist(lg, V, temp, top_p, BV)
+    tl.store(out, sample_row(lg, V, temp, mx, z, cut, kept, exclude, uniform_dev(seed, 3, 1), BV))

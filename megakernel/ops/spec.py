@@ -34,14 +34,14 @@ def uniform(seed: int, row: int, draw: int) -> float:
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """softmax(logits / temperature) restricted to the smallest top set with mass >= top_p (fp64)."""
+    """softmax(logits / temperature) restricted to the smallest top set with mass >= top_p, and the
+    tokens tied with its least likely one (fp64)."""
     p = torch.softmax(logits.double() / temperature, dim=-1)
     if top_p < 1.0:
-        sorted_p, order = p.sort(descending=True)
+        sorted_p = p.sort(descending=True).values
         keep = sorted_p.cumsum(0) - sorted_p < top_p  # the tokens needed to reach top_p
-        mask = torch.zeros_like(p, dtype=torch.bool)
-        mask[order[keep]] = True
-        p = torch.where(mask, p, torch.zeros_like(p))
+        # tokens tied with the last one needed all stay: the set does not depend on how a sort orders ties
+        p = torch.where(p >= sorted_p[keep].min(), p, torch.zeros_like(p))
         p = p / p.sum()
     return p
 
@@ -141,7 +141,8 @@ def row_dist(row, V, temp, top_p, BV: tl.constexpr):
     """target_probs() of one logits row, as (max, partition, cut, kept mass): p_j = exp(l_j/temp - max)
     / partition, kept where p_j > cut (the smallest top set with mass >= top_p), then / kept mass.
     The cut is found without sorting: bisection on the probability value until one probability
-    lies between the bounds (the mass strictly above a value falls as the value rises)."""
+    lies between the bounds (the mass strictly above a value falls as the value rises), or only
+    tied ones do (they all stay, as in target_probs)."""
     v0 = tl.arange(0, BV)
     mx = tl.full([], -float("inf"), tl.float64)
     for vb in range(0, V, BV):
@@ -157,9 +158,10 @@ def row_dist(row, V, temp, top_p, BV: tl.constexpr):
         lo = tl.zeros([], tl.float64)  # mass above lo >= top_p
         hi = 1.0 / z  # the largest probability: nothing above it
         between = V
-        steps = 0
-        while (between > 1) & (steps < 200):
+        progress = 1
+        while (between > 1) & (progress == 1):  # > 1 left only when tied: stops where fp64 cannot split
             mid = (lo + hi) * 0.5
+            progress = ((mid > lo) & (mid < hi)).to(tl.int32)
             above = tl.zeros([], tl.float64)
             n_low = 0
             n_high = 0
@@ -174,7 +176,6 @@ def row_dist(row, V, temp, top_p, BV: tl.constexpr):
             else:
                 hi = mid
                 between = n_low
-            steps += 1
         cut = lo
         kept = tl.zeros([], tl.float64)
         for vb in range(0, V, BV):
@@ -199,7 +200,8 @@ def sample_row(row, V, temp, mx, z, cut, kept, exclude, u, BV: tl.constexpr):
     for vb in range(0, V, BV):
         q = tl.where(vb + v0 == exclude, 0.0, probs_chunk(row, vb + v0, V, temp, mx, z, cut) / kept)
         c = run + tl.cumsum(q, axis=0)
-        first = tl.min(tl.where(c > target, vb + v0, V), axis=0)
+        # q > 0: a parallel scan may round a zero-mass column above its neighbour; never pick one
+        first = tl.min(tl.where((c > target) & (q > 0), vb + v0, V), axis=0)
         if (found == 0) & (first < V):
             pick = first
             found = 1
