@@ -6,14 +6,14 @@
 #   bench    floors, plain-PyTorch baselines, the megakernel, launch/plan variants and a per-op
 #            profile for $MODELS (default: llama-1b dsv2-lite);
 #   spec     the speculative k sweep (k = 0..7, one graph replay each) and speculative-equals-plain
-#            check on dsv2-lite with one MTP layer (tools/spec_sweep.py);
+#            check on dsv2-lite and llama-1b, each with one MTP layer (tools/spec_sweep.py);
 #   stream   the weight stream alone (tools/stream_bench.py): GB/s per SM of LINEAR and expert
 #            tasks, default launch beside $STREAM_VARIANTS;
 #   anchors  the outside yardstick, if a copy of ../shared/anchors sits in .anchors/ (git-ignored;
 #            carry it with the device tool);
 #   all      tests,bench,spec,anchors.
 # Keep each call under the device tool's 10-minute limit (tests ~150 s, bench ~250 s per model
-# with two variants, spec ~200 s, stream ~150 s).
+# with two variants, spec ~300 s, stream ~150 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 parts=",${1:-all},"
@@ -35,8 +35,8 @@ if [[ "$parts" == *,bench,* ]]; then
         --plan-variants $plan_variants --out "$out" 2>&1 | tee "$out/bench.log" | grep -v '^{"model'
 fi
 if [[ "$parts" == *,spec,* ]]; then
-    timeout 400 python3 tools/spec_sweep.py --models dsv2-lite --mtp 1 --ctx 4096 --kmax 7 --out "$out" 2>&1 \
-        | tee "$out/spec.log" | tail -12
+    timeout 500 python3 tools/spec_sweep.py --models dsv2-lite llama-1b --mtp 1 --ctx 4096 --kmax 7 --out "$out" 2>&1 \
+        | tee "$out/spec.log" | tail -20
 fi
 if [[ "$parts" == *,stream,* ]]; then
     for kind in dense moe; do
