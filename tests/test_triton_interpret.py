@@ -61,8 +61,8 @@ def test_kernel_equals_interpreter_one_worker(name):
 def test_kernel_small_blocks_and_two_chunks_in_flight(name):
     """The bodies' other paths: the attention combine over several blocks of splits (online maximum),
     RMSNorm rows longer than a block (two passes), the weight stream with two chunks in flight, the
-    combine's next block requested early."""
-    cfg, plan, interp, mk = _pair(name, blocks=dict(BSC=2, BN=16, DEPTH=2, CPF=1))
+    combine's next block requested early, unmasked loads of weight chunks wholly inside the matrix."""
+    cfg, plan, interp, mk = _pair(name, blocks=dict(BSC=2, BN=16, DEPTH=2, CPF=1, FULL=1, BR=8, KC=32))
     assert cfg.hidden_size > 16 and plan.shape["max_len"] // plan.shape["attn_split"] > 2
     _compare(cfg, interp, mk, torch.tensor([3, 11]))
 

@@ -22,7 +22,7 @@ out="${2:-${OUT:-out}}"
 models="${MODELS:-llama-1b dsv2-lite}"
 variants="${VARIANTS-DEPTH=2}"
 plan_variants="${PLAN_VARIANTS-attn_split=32}"
-stream_variants="${STREAM_VARIANTS-BR=4 BR=16,KC=1024 DEPTH=2}"
+stream_variants="${STREAM_VARIANTS-FULL=1 BR=4 BR=16,KC=1024 DEPTH=2}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$out/gpu.txt"

@@ -26,13 +26,27 @@ def reference(task, mem) -> None:
 
 # ---- GPU body ----------------------------------------------------------------------------
 @triton.jit
-def weight_rows(w_ptr, rows, rmask, K, kb, on, KC: tl.constexpr, ALIGN: tl.constexpr):
-    """[BR, KC] of weights: rows `rows`, columns kb..kb+KC (nothing is read where `on` is false).
-    K and the base are multiples of ALIGN (checked on the host), so rows load as 16-byte vectors."""
+def weight_rows(w_ptr, row0, r1, K, kb, on, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr,
+                FULL: tl.constexpr):
+    """[BR, KC] of weights: rows row0.. (< r1), columns kb..kb+KC (nothing is read where `on` is false).
+    K and the base are multiples of ALIGN (checked on the host), so rows load as 16-byte vectors.
+    FULL (a launch variant): a chunk wholly inside the matrix loads without masks, through 32-bit
+    offsets from its row block's base (offline SASS: the masked form spends ~330 instructions per
+    chunk on 64-bit addresses and zero-fills)."""
     K = aligned(K, ALIGN)
     ks = tl.max_contiguous(tl.multiple_of(kb + tl.arange(0, KC), ALIGN), KC)
-    return tl.load(w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :],
-                   mask=rmask[:, None] & (ks[None, :] < K) & on, other=0.0)
+    rows = row0 + tl.arange(0, BR)
+    if FULL:
+        if (row0 + BR <= r1) & (kb + KC <= K) & on:
+            cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, KC), ALIGN), KC)
+            w = tl.load(w_ptr + (row0.to(tl.int64) * K + kb) + (tl.arange(0, BR)[:, None] * K + cols[None, :]))
+        else:
+            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :],
+                        mask=(rows < r1)[:, None] & (ks[None, :] < K) & on, other=0.0)
+    else:
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :],
+                    mask=(rows < r1)[:, None] & (ks[None, :] < K) & on, other=0.0)
+    return w
 
 
 @triton.jit
@@ -64,11 +78,10 @@ def step_act(j, row, total, x_ptr, x_ld, xrows_div, res_ptr, res_ld, use_res, ns
 
 @triton.jit
 def step_loads(j, row, total, x_ptr, x_ld, xrows_div, res_ptr, res_ld, use_res, w_ptr, w2_ptr, nsub, nk, per_block,
-               r0, r1, K, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
+               r0, r1, K, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, FULL: tl.constexpr):
     """Step j's weight chunk, then step_act's loads."""
-    rows = r0 + (j // per_block) * BR + tl.arange(0, BR)
-    w = weight_rows(tl.where((j % nsub) == 1, w2_ptr, w_ptr), rows, rows < r1, K, ((j // nsub) % nk) * KC, j < total,
-                    KC, ALIGN)
+    w = weight_rows(tl.where((j % nsub) == 1, w2_ptr, w_ptr), r0 + (j // per_block) * BR, r1, K,
+                    ((j // nsub) % nk) * KC, j < total, BR, KC, ALIGN, FULL)
     x, orow, res = step_act(j, row, total, x_ptr, x_ld, xrows_div, res_ptr, res_ld, use_res, nsub, nk, per_block, r0,
                             r1, K, BR, KC, ALIGN)
     return w, x, orow, res
@@ -77,7 +90,7 @@ def step_loads(j, row, total, x_ptr, x_ld, xrows_div, res_ptr, res_ld, use_res, 
 @triton.jit
 def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, res_ptr, res_ld, use_res,
                   w_ptr, w2_ptr, two, r0, r1, K, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr,
-                  DEPTH: tl.constexpr):
+                  DEPTH: tl.constexpr, FULL: tl.constexpr):
     """out[orow(n), r0:r1] = f(x[xrow(n)] @ W[r0:r1].T) for n < n_rows, f = identity, + residual, or
     SiLU(x@W.T) * (x@W2.T).  Rows come from a list (xrows_div > 0: row = list[n] // xrows_div, out row
     = list[n]) or are n itself.  One token at a time on CUDA cores, fp32 products and sums, K in
@@ -99,13 +112,13 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
                             r1, K, BR, KC, ALIGN)
     if DEPTH == 2:
         w1, x1, orow1, res1 = step_loads(1, row1, total, x_ptr, x_ld, xrows_div, res_ptr, res_ld, use_res, w_ptr,
-                                         w2_ptr, nsub, nk, per_block, r0, r1, K, BR, KC, ALIGN)
+                                         w2_ptr, nsub, nk, per_block, r0, r1, K, BR, KC, ALIGN, FULL)
     acc = tl.zeros((BR,), tl.float32)
     acc2 = tl.zeros((BR,), tl.float32)
     for i in range(total):
         row_next = step_row(i + DEPTH + 1, total, xrows_ptr, xrows_div, n_rows, nsub, nk)  # used next iteration
         w_j, x_j, orow_j, res_j = step_loads(i + DEPTH, ahead, total, x_ptr, x_ld, xrows_div, res_ptr, res_ld,
-                                             use_res, w_ptr, w2_ptr, nsub, nk, per_block, r0, r1, K, BR, KC, ALIGN)
+                                             use_res, w_ptr, w2_ptr, nsub, nk, per_block, r0, r1, K, BR, KC, ALIGN, FULL)
         part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         sub, kc = i % nsub, (i // nsub) % nk
         if sub == 0:
@@ -130,10 +143,9 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
 
 
 @triton.jit
-def first_chunk(w_ptr, r0, r1, K, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
+def first_chunk(w_ptr, r0, r1, K, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, FULL: tl.constexpr):
     """The first weight chunk stream_chunks expects, requested early (weights never depend on activations)."""
-    rows = r0 + tl.arange(0, BR)
-    return weight_rows(w_ptr, rows, rows < r1, K, 0, True, KC, ALIGN)
+    return weight_rows(w_ptr, r0, r1, K, 0, True, BR, KC, ALIGN, FULL)
 
 
 @triton.jit
@@ -142,17 +154,18 @@ def aligned_base(base, word, IDX: tl.constexpr, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
+def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, FULL: tl.constexpr):
     """A LINEAR task's first weight chunk, requested before its dependency wait."""
     return first_chunk(aligned_base(W, word, LINEAR_W_OFF, ALIGN), fld(word, LINEAR_R0), fld(word, LINEAR_R1),
-                       fld(word, LINEAR_K), BR, KC, ALIGN)
+                       fld(word, LINEAR_K), BR, KC, ALIGN, FULL)
 
 
 @triton.jit
-def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, DEPTH: tl.constexpr):
+def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, DEPTH: tl.constexpr,
+         FULL: tl.constexpr):
     flags = fld(word, LINEAR_FLAGS)
     stream_chunks(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
                   A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
                   fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), aligned_base(W, word, LINEAR_W_OFF, ALIGN),
                   aligned_base(W, word, LINEAR_W2_OFF, ALIGN), has(flags, FLAG_LINEAR_SILU_MUL), fld(word, LINEAR_R0),
-                  fld(word, LINEAR_R1), fld(word, LINEAR_K), w, BR, KC, ALIGN, DEPTH)
+                  fld(word, LINEAR_R1), fld(word, LINEAR_K), w, BR, KC, ALIGN, DEPTH, FULL)
