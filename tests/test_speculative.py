@@ -90,9 +90,9 @@ def test_triton_accept_and_gather_bodies(name):
     runs = {}
     for backend in ("megakernel", "interpret"):
         dec = SpeculativeDecoder(cfg, w, 2, 2, 24, backend=backend, options=CompileOptions(workers=1))
-        runs[backend] = dec.generate(prompts, 6, Drafts("noisy:0.4", plain, cfg.vocab_size, seed=1))
+        runs[backend] = dec.generate(prompts, 4, Drafts("noisy:0.4", plain, cfg.vocab_size, seed=1))
     (out, stats), (_, want) = runs["megakernel"], runs["interpret"]
-    assert out == [seq[:6] for seq in plain] and stats.steps >= 1
+    assert out == [seq[:4] for seq in plain] and stats.steps >= 1
     assert stats.accepted_hist == want.accepted_hist and sum(stats.accepted_hist) > 0
 
 
