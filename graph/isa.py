@@ -98,7 +98,7 @@ _OPS = [
     # with a map (helper plans): the weights sit in main slot map[expert] of a shared arena
     Opcode("EXPERT_LINEAR", 12, _f("x* w+ w2+ w_es out* st+ N K r0 r1 slot S topk map+ E"),
            ("GATHER", "SCATTER", "SILU_MUL")),
-    # out[r, c0:c1] = sum_j wts[r, j] · y[r·topk + j] (+ shared[r]) (+ res[r]) in j order
+    # out[r, c0:c1] = sum_j wts[r, j] · y[r·topk + j] (+ shared[r]) (+ res[r]), summed in a fixed order
     Opcode("MOE_COMBINE", 13, _f("y+ wts+ sh* res* out* H topk r0 r1 c0 c1"), ("SHARED", "RES")),
     # MIX: mix = rmsnorm(streams) @ fn.T; ACT: raw coefficients; SINK: Sinkhorn; COLLAPSE: sum_j pre_j stream_j
     Opcode("HC_COEFF", 14, _f("st* fn+ base+ scale+ mix+ craw+ coef+ out* n H iters eps hc_eps r0 r1"),

@@ -11,7 +11,15 @@ risk: verification decides what is kept, so output is the same for any sequence 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def load_sweep(path: str | Path) -> dict[int, float]:
+    """Step time per k from a measured sweep: a JSON list of {"k": K, "step_ms": MS, ...}
+    (tools/spec_sweep.py writes one)."""
+    return {int(r["k"]): float(r["step_ms"]) for r in json.loads(Path(path).read_text())}
 
 
 def expected_tokens(accept: list[float], k: int) -> float:

@@ -175,8 +175,7 @@ def measure_megakernel(engine, profile_path: str | None) -> dict:
     from .profiler import count_launches, task_trace
     from .runtime import LaunchConfig, Megakernel
     kernel = engine.backend.runner(1)
-    out = count_launches(kernel.graph.replay, steps=3)
-    kernel.epoch += 3  # the replays above were steps too (same tokens and positions)
+    out = count_launches(kernel.replay, steps=3)  # steps too (same tokens and positions)
     if profile_path:
         prof = Megakernel(kernel.plan, None, engine.device, share=kernel.mem, config=LaunchConfig(profile=True))
         lens = engine.lens - 1
@@ -202,9 +201,9 @@ def run_speculative(args, name, cfg, weights, source, backend, device, dtype, op
     drafts = Drafts(args.draft, oracle, cfg.vocab_size, args.seed)
     adaptive = None
     if args.adaptive_k:
-        from .adaptive import AdaptiveK
+        from .adaptive import AdaptiveK, load_sweep
         if args.k_sweep:
-            sweep = {int(r["k"]): float(r["step_ms"]) for r in json.loads(Path(args.k_sweep).read_text())}
+            sweep = load_sweep(args.k_sweep)
             adaptive = AdaptiveK(args.spec_k, {k: sweep[k] for k in sweep if k <= args.spec_k})
         else:
             adaptive = AdaptiveK.linear(args.spec_k)

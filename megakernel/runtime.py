@@ -148,6 +148,17 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2")
 
 
+def check_block_overrides(blocks: dict, fitted: dict) -> None:
+    """Overrides (launch variants) that would compute something else, not just run differently."""
+    if fitted["SAMPLE"] and not blocks["SAMPLE"]:
+        raise MegakernelError("block override SAMPLE=0 on a sampling plan: ACCEPT would decode greedily")
+    if blocks["BK"] < fitted["BK"]:
+        raise MegakernelError(f"block override BK={blocks['BK']}: MOE_COMBINE reads all of a token's expert rows "
+                              f"in one block of BK, this plan needs {fitted['BK']}")
+    if blocks["DEPTH"] not in (1, 2):
+        raise MegakernelError(f"block override DEPTH={blocks['DEPTH']}: weight chunks in flight are 1 or 2")
+
+
 @dataclass
 class LaunchConfig:
     num_warps: int = 8
@@ -179,13 +190,9 @@ class Megakernel(PlanRunner):
                                 device=self.device)
         self.expected = np.bincount(plan.words[:, 2], minlength=plan.num_counters).astype(np.int64)
         self.epoch = 0
-        self.blocks = {**block_sizes(tasks, self.mem.dtype), **(self.config.blocks or {})}
-        if any(t.op.name == "ACCEPT" and t.has("SAMPLE") for t in tasks) and not self.blocks["SAMPLE"]:
-            raise MegakernelError("block override SAMPLE=0 on a sampling plan: ACCEPT would decode greedily")
-        topk = max((t.fields["topk"] for t in tasks if t.op.name == "MOE_COMBINE"), default=0)
-        if self.blocks["BK"] < topk or self.blocks["DEPTH"] not in (1, 2):
-            raise MegakernelError(f"block sizes BK={self.blocks['BK']}, DEPTH={self.blocks['DEPTH']}: MOE_COMBINE reads "
-                                  f"all {topk} expert rows in one block of BK, DEPTH (chunks in flight) is 1 or 2")
+        fitted = block_sizes(tasks, self.mem.dtype)
+        self.blocks = {**fitted, **(self.config.blocks or {})}
+        check_block_overrides(self.blocks, fitted)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.compiled = None
         pinned = self.device.type == "cuda"
@@ -250,13 +257,18 @@ class Megakernel(PlanRunner):
             megakernel[(self.plan.workers,)](*self._args(), **self._constexprs(), num_warps=self.config.num_warps,
                                              num_stages=self.config.num_stages)
 
+    def replay(self) -> None:
+        """One replay of the captured step (with the inputs staged last): a step, so the epoch the
+        counters are checked against advances too.  Timing and launch counting replay through this."""
+        self.graph.replay()
+        self.epoch += 1
+
     def step(self, tokens: torch.Tensor, cache_lens: torch.Tensor, sync: bool = True,
              follow: torch.Tensor | None = None, seeds: torch.Tensor | None = None) -> StepResult | None:
         self._stage(tokens, cache_lens)
         write_follow(self.mem, self.plan, follow, seeds)
         if self.graph is not None:
-            self.graph.replay()
-            self.epoch += 1
+            self.replay()
         else:
             self._inputs_to_device()
             self.launch()

@@ -124,7 +124,7 @@ def test_one_graph_replay_is_at_most_three_launches(name):
     from megakernel.profiler import count_launches
     cfg, w, plan, mk = _setup(name, T=1, B=1, max_len=64, layers=2 if name == "llama-1b" else None)
     mk.capture()
-    counts = count_launches(mk.graph.replay, steps=5)
+    counts = count_launches(mk.replay, steps=5)
     assert counts["kernels_per_step"] == 1 and counts["launches_per_step"] <= 3
 
 

@@ -244,7 +244,7 @@ def test_spec_sweep_tool_dry_run(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads((tmp_path / "sweep_tiny-moe.json").read_text())
     assert [r["k"] for r in rows] == [0, 1, 2]
-    assert all(r["equal_mtp"] and r["equal_noisy"] for r in rows)
+    assert rows[0]["reference"] and all(r["equal_mtp"] and r["equal_noisy"] for r in rows[1:])
     assert rows[2]["acceptance_length_noisy"] > 1.0  # some drafts were accepted: the accept path ran
 
 

@@ -131,3 +131,18 @@ def test_slot_table_body_equals_the_reference_layout():
             want[s], want[S + s] = e, pairs.numel()
             want[2 * S + s * P: 2 * S + s * P + pairs.numel()] = pairs
         assert torch.equal(st, want), (E, P)
+
+
+def test_block_overrides_that_would_change_the_result_are_refused():
+    from megakernel.runtime import MegakernelError, block_sizes, check_block_overrides
+    from graph.isa import decode
+    cfg = preset("tiny-moe")
+    plan = compile_step(cfg, StepShape(T=2, B=2, max_len=16), CompileOptions(workers=1))
+    fitted = block_sizes([decode(w) for w in plan.words], torch.float32)
+    check_block_overrides({**fitted, "DEPTH": 2, "FULL": 1}, fitted)  # launch variants: fine
+    with pytest.raises(MegakernelError, match="BK=1"):
+        check_block_overrides({**fitted, "BK": 1}, fitted)
+    with pytest.raises(MegakernelError, match="DEPTH=3"):
+        check_block_overrides({**fitted, "DEPTH": 3}, fitted)
+    with pytest.raises(MegakernelError, match="SAMPLE=0"):
+        check_block_overrides({**fitted, "SAMPLE": 0}, {**fitted, "SAMPLE": 1})

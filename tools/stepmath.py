@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megakernel.adaptive import AdaptiveK, expected_tokens  # noqa: E402
+from megakernel.adaptive import AdaptiveK, expected_tokens, load_sweep  # noqa: E402
 
 
 def simulate_adaptive(accept: list[float], step_ms: dict[int, float], steps: int, seed: int = 0,
@@ -94,7 +94,7 @@ def main() -> None:
     if args.unconditional:
         accept = conditional(accept)
     if args.sweep:
-        step_ms = {int(r["k"]): float(r["step_ms"]) for r in json.load(open(args.sweep))}
+        step_ms = load_sweep(args.sweep)
     else:
         step_ms = {k: args.step_ms + k * args.per_draft_ms for k in range(args.kmax + 1)}
     rows = table(accept, step_ms)

@@ -34,16 +34,15 @@ def weight_rows(w_ptr, row0, r1, K, kb, on, BR: tl.constexpr, KC: tl.constexpr, 
     offsets from its row block's base (offline SASS: the masked form spends ~330 instructions per
     chunk on 64-bit addresses and zero-fills)."""
     K = aligned(K, ALIGN)
-    ks = tl.max_contiguous(tl.multiple_of(kb + tl.arange(0, KC), ALIGN), KC)
-    rows = row0 + tl.arange(0, BR)
+    full = False  # FULL 0 compiles the masked load alone, with no branch
     if FULL:
-        if (row0 + BR <= r1) & (kb + KC <= K) & on:
-            cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, KC), ALIGN), KC)
-            w = tl.load(w_ptr + (row0.to(tl.int64) * K + kb) + (tl.arange(0, BR)[:, None] * K + cols[None, :]))
-        else:
-            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :],
-                        mask=(rows < r1)[:, None] & (ks[None, :] < K) & on, other=0.0)
+        full = (row0 + BR <= r1) & (kb + KC <= K) & on
+    if full:
+        cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, KC), ALIGN), KC)
+        w = tl.load(w_ptr + (row0.to(tl.int64) * K + kb) + (tl.arange(0, BR)[:, None] * K + cols[None, :]))
     else:
+        ks = tl.max_contiguous(tl.multiple_of(kb + tl.arange(0, KC), ALIGN), KC)
+        rows = row0 + tl.arange(0, BR)
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :],
                     mask=(rows < r1)[:, None] & (ks[None, :] < K) & on, other=0.0)
     return w
