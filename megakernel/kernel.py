@@ -33,8 +33,8 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                BH: tl.constexpr,
                BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr, BI: tl.constexpr,
                BO: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr, BW: tl.constexpr, BSC: tl.constexpr,
-               BN: tl.constexpr, BK: tl.constexpr, DEPTH: tl.constexpr, CPF: tl.constexpr,
-               SAMPLE: tl.constexpr, BV: tl.constexpr, FULL: tl.constexpr,
+               BN: tl.constexpr, BK: tl.constexpr, CPF: tl.constexpr,
+               SAMPLE: tl.constexpr, BV: tl.constexpr,
                ALIGN: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
@@ -48,17 +48,17 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
         t_begin = now_ns(USE_TIMER)
         op = tl.load(word)
         if op == OP_LINEAR:  # request the first weights, then wait, then stream the rest
-            w = linear.prefetch(word, W, BR, KC, ALIGN, FULL)
+            w = linear.prefetch(word, W, BR, KC, ALIGN)
             ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
             t_ready = now_ns(USE_TIMER)
             if ok == 1:
-                linear.body(word, W, A, w, BR, KC, ALIGN, DEPTH, FULL)
+                linear.body(word, W, A, w, BR, KC, ALIGN)
         else:
             ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
             t_ready = now_ns(USE_TIMER)
         if (ok == 1) & (op != OP_LINEAR):
             if op == OP_EXPERT_LINEAR:
-                moe.expert_body(word, W, A, I, BR, KC, ALIGN, DEPTH, FULL)
+                moe.expert_body(word, W, A, I, BR, KC, ALIGN)
             elif op == OP_RMSNORM:
                 norm.body(word, W, A, BN)
             elif op == OP_ATTENTION:

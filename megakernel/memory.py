@@ -15,6 +15,11 @@ from model.config import ModelConfig
 from model.weights import resolve_shared
 
 
+# Elements past the W arena's end a weight chunk may read: the weight stream loads whole chunks of KC
+# columns unmasked (ops/linear.weight_rows), so the last matrix's last row reads up to KC - 1 past it.
+STREAM_SLACK = 8192
+
+
 class Memory:
     """Buffers for one plan.  `share` reuses another Memory's weights and cache (plans of one
     model for other T have the same weight layout and cache shape; this is checked)."""
@@ -39,7 +44,7 @@ class Memory:
         self.dtype = dtype or w["model.embed_tokens.weight"].dtype
         self.layout = _layout(plan)
         self.bufs: dict[int, torch.Tensor] = {
-            Buf.W: torch.zeros(max(1, sizes["W"]), dtype=self.dtype, device=self.device),
+            Buf.W: torch.zeros(sizes["W"] + STREAM_SLACK, dtype=self.dtype, device=self.device),
             Buf.WF: torch.zeros(max(1, sizes["WF"]), dtype=torch.float32, device=self.device),
             Buf.C: torch.zeros(max(1, sizes["C"]), dtype=self.dtype, device=self.device),
             **acts,

@@ -23,7 +23,7 @@ from graph.verify import verify_plan
 from .interpreter import StepResult, check_step_inputs, read_outputs, write_follow
 from .kernel import megakernel
 from .ops import common
-from .memory import Memory, PlanRunner
+from .memory import STREAM_SLACK, Memory, PlanRunner
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -137,26 +137,31 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
             topk = max(topk, _pow2(f["topk"], 2))
     # Measured on an H200 (docs/PERF.md, run 7): with a wide attention row (MLA's 512-wide latent, the
     # heaviest body, which sets every worker's register budget) a cache-block prefetch spills and costs
-    # 5%, and 8 x 2048 weight chunks beat 16 x 1024; with GQA the prefetch gains 3% and 16 x 1024 chunks 8%.
-    stages, br, kc = (1, 8, 2048) if dmax > 128 else (2, 16, 1024)
+    # 5%; with GQA it gains 3%.
+    stages = 1 if dmax > 128 else 2
+    br, kc = 8, 2048  # one row per warp, 128 bytes of weights per thread per step (docs/PERF.md run 13)
     # bf16 weights: activations enter the tensor cores as a bf16 (high, low) pair, ~16 mantissa bits
     return dict(BR=br, KC=kc, STAGES=stages, BD=256, BH=32, BM=16, BJ=32, DMAX=dmax, RMAX=rmax, BI=64, BO=128,
                 BE=experts, BP=256, BW=width, ALIGN=alignment(tasks), BT=spec_t,
                 # whole rows per load where registers allow: each block is one memory round trip
-                BSC=min(splits, max(1, 8192 // dmax)), BN=min(norm_width, 8192), BK=topk, DEPTH=1, CPF=0,
-                SAMPLE=sample, BV=1024, FULL=0,
+                BSC=min(splits, max(1, 8192 // dmax)), BN=min(norm_width, 8192), BK=topk, CPF=0,
+                SAMPLE=sample, BV=1024,
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2")
 
 
 def check_block_overrides(blocks: dict, fitted: dict) -> None:
     """Overrides (launch variants) that would compute something else, not just run differently."""
+    unknown = sorted(set(blocks) - set(fitted))
+    if unknown:
+        raise MegakernelError(f"unknown block override {', '.join(unknown)}: the kernel takes {', '.join(sorted(fitted))}")
     if fitted["SAMPLE"] and not blocks["SAMPLE"]:
         raise MegakernelError("block override SAMPLE=0 on a sampling plan: ACCEPT would decode greedily")
+    if blocks["KC"] > STREAM_SLACK or blocks["KC"] & (blocks["KC"] - 1):
+        raise MegakernelError(f"block override KC={blocks['KC']}: weight chunks are a power of two <= {STREAM_SLACK} "
+                              f"columns (the W arena's slack past its end)")
     if blocks["BK"] < fitted["BK"]:
         raise MegakernelError(f"block override BK={blocks['BK']}: MOE_COMBINE reads all of a token's expert rows "
                               f"in one block of BK, this plan needs {fitted['BK']}")
-    if blocks["DEPTH"] not in (1, 2):
-        raise MegakernelError(f"block override DEPTH={blocks['DEPTH']}: weight chunks in flight are 1 or 2")
 
 
 @dataclass

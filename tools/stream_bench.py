@@ -1,7 +1,7 @@
 """The weight stream alone: how fast the persistent kernel's workers read weights, per launch variant.
 
     python tools/stream_bench.py [--kind dense|moe] [--layers 2] [--width 32768]
-                                 [--variants BR=4 DEPTH=2 num_warps=4 ...] [--out DIR]
+                                 [--variants BR=16,KC=1024 KC=4096 ...] [--out DIR]
 
 A model whose decode step is almost all MLP weights isolates the weight stream from the
 dependency chain that sets a real model's step: Llama-shaped (`dense`: LINEAR tasks) or

@@ -25,126 +25,153 @@ def reference(task, mem) -> None:
 
 
 # ---- GPU body ----------------------------------------------------------------------------
+# A weight chunk is a [BR, KC // SPAN, SPAN] tile: row r's columns kb + c·SPAN + s.  One warp's
+# 16-byte activation vectors side by side span SPAN columns, and rows have the largest stride, so
+# the compiler lays warps along the rows: each warp sums whole rows in its own registers and lanes,
+# with no shared memory and no barrier per step (a [BR, KC] tile put warps along K: a cross-warp
+# reduction per chunk, ~730 instructions per 4 KB, docs/PERF.md run 13).  bf16 weights load as
+# 32-bit words of two columns each, 8 bytes per lane, matching the activations' (even, odd) split:
+# a shift or a mask turns each half into its fp32 value, one instruction per weight instead of an
+# unpack and a shift.
 @triton.jit
-def weight_rows(w_ptr, row0, r1, K, kb, on, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr,
-                FULL: tl.constexpr):
-    """[BR, KC] of weights: rows row0.. (< r1), columns kb..kb+KC (nothing is read where `on` is false).
-    K and the base are multiples of ALIGN (checked on the host), so rows load as 16-byte vectors.
-    FULL (a launch variant): a chunk wholly inside the matrix loads without masks, through 32-bit
-    offsets from its row block's base (offline SASS: the masked form spends ~330 instructions per
-    chunk on 64-bit addresses and zero-fills)."""
+def chunk_cols(kb, KC: tl.constexpr, SPAN: tl.constexpr, VEC: tl.constexpr):
+    """[1, KC // SPAN, SPAN] column indices kb + c·SPAN + s, in runs of VEC the compiler vectorizes."""
+    s = tl.max_contiguous(tl.multiple_of(tl.arange(0, SPAN), VEC), VEC)
+    return kb + tl.arange(0, KC // SPAN)[None, :, None] * SPAN + s[None, None, :]
+
+
+@triton.jit
+def weight_rows(w_ptr, row0, r1, K, kb, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
+    """Rows row0.. (< r1), columns kb..kb+KC of the weights as a chunk tile.  K and the base are
+    multiples of ALIGN (checked on the host).  Unmasked, so each vector is one load from a base
+    register: rows past r1 read row r1 - 1 again (their sums are never stored) and columns past K
+    read on into the next row, at most KC past the matrix (the arena has that much slack:
+    memory.STREAM_SLACK); the activations are zero there."""
     K = aligned(K, ALIGN)
-    full = False  # FULL 0 compiles the masked load alone, with no branch
-    if FULL:
-        full = (row0 + BR <= r1) & (kb + KC <= K) & on
-    if full:
-        cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, KC), ALIGN), KC)
-        w = tl.load(w_ptr + (row0.to(tl.int64) * K + kb) + (tl.arange(0, BR)[:, None] * K + cols[None, :]))
+    rows = tl.minimum(row0 + tl.arange(0, BR), r1 - 1)[:, None, None]
+    PAIRS: tl.constexpr = (w_ptr.dtype.element_ty == tl.bfloat16) and (ALIGN % 2 == 0)
+    if PAIRS:
+        ks = chunk_cols(kb // 2, KC // 2, min(KC, 128) // 2, 2)
+        w = tl.load(w_ptr.to(tl.pointer_type(tl.uint32)) + rows.to(tl.int64) * (K // 2) + ks)
     else:
-        ks = tl.max_contiguous(tl.multiple_of(kb + tl.arange(0, KC), ALIGN), KC)
-        rows = row0 + tl.arange(0, BR)
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :],
-                    mask=(rows < r1)[:, None] & (ks[None, :] < K) & on, other=0.0)
+        ks = chunk_cols(kb, KC, min(KC, 128), min(ALIGN, 4))
+        w = tl.load(w_ptr + rows.to(tl.int64) * K + ks)
     return w
 
 
 @triton.jit
-def step_row(j, total, xrows_ptr, xrows_div, n_rows, nsub, nk):
-    """Step j's row: its entry in the row list (xrows_div > 0), else the token index itself.  Loaded
-    an iteration before the activations it addresses, so no load waits on another inside the loop
-    (that chain cost the expert tasks a memory round trip per chunk: docs/PERF.md)."""
-    n = (j // (nsub * nk)) % n_rows
-    if xrows_div > 0:
-        n = tl.load(xrows_ptr + n, mask=j < total, other=0, cache_modifier=".cg")
-    return n
+def act_chunk(x_ptr, xrow, x_ld, kb, K, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
+    """Activation row xrow, columns kb..kb+KC, as the chunk tile's columns for every row: each warp reads
+    the columns it multiplies (L1 hits after the first warp: the wait's acquire invalidated L1)."""
+    ks = chunk_cols(kb, KC, min(KC, 128), min(ALIGN, 4)) + tl.zeros((BR, 1, 1), tl.int32)
+    return tl.load(x_ptr + xrow.to(tl.int64) * aligned(x_ld, ALIGN) + ks, mask=ks < aligned(K, ALIGN), other=0.0)
 
 
 @triton.jit
-def step_act(j, row, total, x_ptr, x_ld, xrows_div, res_ptr, res_ld, use_res, nsub, nk, per_block, r0, r1, K,
-             BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
-    """Step j's activation chunk, output row and residual (row: step_row(j); nothing read when j >= total)."""
-    on = j < total
-    rows = r0 + (j // per_block) * BR + tl.arange(0, BR)
-    xrow = row
+def chunk_dot(w, x, w_ptr, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
+    """[BR] fp32 sums of a weight chunk's rows times the activation chunk."""
+    SPAN: tl.constexpr = min(KC, 128)
+    PAIRS: tl.constexpr = (w_ptr.dtype.element_ty == tl.bfloat16) and (ALIGN % 2 == 0)
+    if PAIRS:
+        x_even, x_odd = tl.split(tl.reshape(x, (BR, KC // SPAN, SPAN // 2, 2)))
+        lo = (w << 16).to(tl.float32, bitcast=True)  # the even column: the word's low half
+        hi = (w & 0xFFFF0000).to(tl.float32, bitcast=True)
+        prod = lo * x_even + hi * x_odd
+    else:
+        prod = w.to(tl.float32) * x
+    return tl.sum(tl.sum(prod, axis=1), axis=1)
+
+
+@triton.jit
+def advance(sub, kc, n, blk, nsub, nk, n_rows):
+    """The step after (block blk, token n, K chunk kc, gate|up sub), in loop order, without divisions."""
+    sub += 1
+    wrap = sub == nsub
+    sub = tl.where(wrap, 0, sub)
+    kc += wrap.to(tl.int32)
+    wrap = kc == nk
+    kc = tl.where(wrap, 0, kc)
+    n += wrap.to(tl.int32)
+    wrap = n == n_rows
+    n = tl.where(wrap, 0, n)
+    blk += wrap.to(tl.int32)
+    return sub, kc, n, blk
+
+
+@triton.jit
+def list_row(n, on, xrows_ptr, xrows_div):
+    """Token n's (out row, activation row): its row-list entry and entry // xrows_div (xrows_div > 0),
+    else n and n."""
+    row = n
+    xrow = n
     if xrows_div > 0:
+        row = tl.load(xrows_ptr + n, mask=on, other=0)
         xrow = row // xrows_div
-    ks = tl.max_contiguous(tl.multiple_of(((j // nsub) % nk) * KC + tl.arange(0, KC), ALIGN), KC)
-    x = tl.load(x_ptr + xrow.to(tl.int64) * aligned(x_ld, ALIGN) + ks, mask=(ks < K) & on, other=0.0,
-                cache_modifier=".cg")
-    res = tl.load(res_ptr + row * res_ld + rows, mask=(rows < r1) & use_res & on, other=0.0, cache_modifier=".cg")
-    return x, row, res
-
-
-@triton.jit
-def step_loads(j, row, total, x_ptr, x_ld, xrows_div, res_ptr, res_ld, use_res, w_ptr, w2_ptr, nsub, nk, per_block,
-               r0, r1, K, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, FULL: tl.constexpr):
-    """Step j's weight chunk, then step_act's loads."""
-    w = weight_rows(tl.where((j % nsub) == 1, w2_ptr, w_ptr), r0 + (j // per_block) * BR, r1, K,
-                    ((j // nsub) % nk) * KC, j < total, BR, KC, ALIGN, FULL)
-    x, orow, res = step_act(j, row, total, x_ptr, x_ld, xrows_div, res_ptr, res_ld, use_res, nsub, nk, per_block, r0,
-                            r1, K, BR, KC, ALIGN)
-    return w, x, orow, res
+    return row, xrow
 
 
 @triton.jit
 def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, res_ptr, res_ld, use_res,
-                  w_ptr, w2_ptr, two, r0, r1, K, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr,
-                  DEPTH: tl.constexpr, FULL: tl.constexpr):
+                  w_ptr, w2_ptr, two, r0, r1, K, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
     """out[orow(n), r0:r1] = f(x[xrow(n)] @ W[r0:r1].T) for n < n_rows, f = identity, + residual, or
     SiLU(x@W.T) * (x@W2.T).  Rows come from a list (xrows_div > 0: row = list[n] // xrows_div, out row
     = list[n]) or are n itself.  One token at a time on CUDA cores, fp32 products and sums, K in
     chunks of KC in a fixed order: a token's result never depends on its neighbours (batch
-    invariance).  Every (row block, token, K chunk, gate|up) chunk is one step of a flat loop that
-    requests step i+DEPTH's weights, activations and residual before reducing step i's, so load
-    latency hides behind the arithmetic (waiting for each chunk cost 2x on the GPU: docs/PERF.md).
-    DEPTH 2 keeps two chunks in flight (more registers).  w: step 0's weight chunk, already
-    requested (before the dependency wait)."""
+    invariance).  Steps run (row block, token, K chunk, gate|up) in a flat loop that requests step
+    i+1's weights before reducing step i's, so load latency hides behind the arithmetic (waiting for
+    each chunk cost 2x on the GPU: docs/PERF.md); the step counters advance by compares, not
+    divisions, and the activation chunk is read again only when the step's (token, K chunk) changes
+    (once per task for one token and K <= KC).  w: step 0's weight chunk, already requested (before
+    the dependency wait)."""
     nsub = 1 + two.to(tl.int32)
     nk = tl.cdiv(K, KC)
-    per_block = nsub * nk * n_rows
-    total = tl.cdiv(r1 - r0, BR) * per_block
-    row0 = step_row(0, total, xrows_ptr, xrows_div, n_rows, nsub, nk)
-    ahead = step_row(DEPTH, total, xrows_ptr, xrows_div, n_rows, nsub, nk)  # the first step the loop requests
-    if DEPTH == 2:
-        row1 = step_row(1, total, xrows_ptr, xrows_div, n_rows, nsub, nk)
-    x, orow, res = step_act(0, row0, total, x_ptr, x_ld, xrows_div, res_ptr, res_ld, use_res, nsub, nk, per_block, r0,
-                            r1, K, BR, KC, ALIGN)
-    if DEPTH == 2:
-        w1, x1, orow1, res1 = step_loads(1, row1, total, x_ptr, x_ld, xrows_div, res_ptr, res_ld, use_res, w_ptr,
-                                         w2_ptr, nsub, nk, per_block, r0, r1, K, BR, KC, ALIGN, FULL)
+    total = tl.cdiv(r1 - r0, BR) * n_rows * nk * nsub
+    zero = r0 * 0
+    # step i's counters, step i+1's (requested in iteration i) and step i+2's (its list row is
+    # loaded in iteration i, so no load in the loop waits on another)
+    sub, kc, n, blk = zero, zero, zero, zero
+    sub_a, kc_a, n_a, blk_a = advance(sub, kc, n, blk, nsub, nk, n_rows)
+    sub_b, kc_b, n_b, blk_b = advance(sub_a, kc_a, n_a, blk_a, nsub, nk, n_rows)
+    row, xrow = list_row(n, 0 < total, xrows_ptr, xrows_div)
+    row_a, xrow_a = list_row(n_a, 1 < total, xrows_ptr, xrows_div)
+    x = act_chunk(x_ptr, xrow, x_ld, 0, K, BR, KC, ALIGN)
+    x_n, x_kc = n, kc
     acc = tl.zeros((BR,), tl.float32)
     acc2 = tl.zeros((BR,), tl.float32)
-    for i in range(total):
-        row_next = step_row(i + DEPTH + 1, total, xrows_ptr, xrows_div, n_rows, nsub, nk)  # used next iteration
-        w_j, x_j, orow_j, res_j = step_loads(i + DEPTH, ahead, total, x_ptr, x_ld, xrows_div, res_ptr, res_ld,
-                                             use_res, w_ptr, w2_ptr, nsub, nk, per_block, r0, r1, K, BR, KC, ALIGN, FULL)
-        part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-        sub, kc = i % nsub, (i // nsub) % nk
+    for i in tl.range(total, loop_unroll_factor=2):
+        w_next = weight_rows(tl.where(sub_a == 1, w2_ptr, w_ptr), r0 + blk_a * BR, r1, K, kc_a * KC, BR, KC, ALIGN)
+        row_b, xrow_b = row_a, xrow_a
+        if n_b != n_a:
+            row_b, xrow_b = list_row(n_b, i + 2 < total, xrows_ptr, xrows_div)
+        if (n != x_n) | (kc != x_kc):
+            x = act_chunk(x_ptr, xrow, x_ld, kc * KC, K, BR, KC, ALIGN)
+            x_n, x_kc = n, kc
+        part = chunk_dot(w, x, w_ptr, BR, KC, ALIGN)
         if sub == 0:
             acc += part
         else:
             acc2 += part
         if (kc == nk - 1) & (sub == nsub - 1):  # this token's rows are complete
-            rows = r0 + (i // per_block) * BR + tl.arange(0, BR)
+            rows = r0 + blk * BR + tl.arange(0, BR)
             rmask = rows < r1
             y = acc
             if two:
                 y = silu(acc) * acc2
-            tl.store(out_ptr + orow.to(tl.int64) * out_ld + rows, y + res, mask=rmask)
+            res = tl.load(res_ptr + row * res_ld + rows, mask=rmask & use_res, other=0.0)
+            tl.store(out_ptr + row.to(tl.int64) * out_ld + rows, y + res, mask=rmask)
             acc = tl.zeros((BR,), tl.float32)
             acc2 = tl.zeros((BR,), tl.float32)
-        ahead = row_next
-        if DEPTH == 2:
-            w, x, orow, res = w1, x1, orow1, res1
-            w1, x1, orow1, res1 = w_j, x_j, orow_j, res_j
-        else:
-            w, x, orow, res = w_j, x_j, orow_j, res_j
+        w = w_next
+        sub, kc, n, blk = sub_a, kc_a, n_a, blk_a
+        sub_a, kc_a, n_a, blk_a = sub_b, kc_b, n_b, blk_b
+        sub_b, kc_b, n_b, blk_b = advance(sub_b, kc_b, n_b, blk_b, nsub, nk, n_rows)
+        row, xrow, row_a, xrow_a = row_a, xrow_a, row_b, xrow_b
 
 
 @triton.jit
-def first_chunk(w_ptr, r0, r1, K, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, FULL: tl.constexpr):
+def first_chunk(w_ptr, r0, r1, K, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
     """The first weight chunk stream_chunks expects, requested early (weights never depend on activations)."""
-    return weight_rows(w_ptr, r0, r1, K, 0, True, BR, KC, ALIGN, FULL)
+    return weight_rows(w_ptr, r0, r1, K, 0, BR, KC, ALIGN)
 
 
 @triton.jit
@@ -153,18 +180,17 @@ def aligned_base(base, word, IDX: tl.constexpr, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, FULL: tl.constexpr):
+def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
     """A LINEAR task's first weight chunk, requested before its dependency wait."""
     return first_chunk(aligned_base(W, word, LINEAR_W_OFF, ALIGN), fld(word, LINEAR_R0), fld(word, LINEAR_R1),
-                       fld(word, LINEAR_K), BR, KC, ALIGN, FULL)
+                       fld(word, LINEAR_K), BR, KC, ALIGN)
 
 
 @triton.jit
-def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, DEPTH: tl.constexpr,
-         FULL: tl.constexpr):
+def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
     flags = fld(word, LINEAR_FLAGS)
     stream_chunks(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
                   A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
                   fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), aligned_base(W, word, LINEAR_W_OFF, ALIGN),
                   aligned_base(W, word, LINEAR_W2_OFF, ALIGN), has(flags, FLAG_LINEAR_SILU_MUL), fld(word, LINEAR_R0),
-                  fld(word, LINEAR_R1), fld(word, LINEAR_K), w, BR, KC, ALIGN, DEPTH, FULL)
+                  fld(word, LINEAR_R1), fld(word, LINEAR_K), w, BR, KC, ALIGN)

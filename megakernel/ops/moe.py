@@ -227,8 +227,7 @@ def slot_table(ids, st, P, E, S, BE: tl.constexpr, BP: tl.constexpr):
 
 
 @triton.jit
-def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, DEPTH: tl.constexpr,
-                FULL: tl.constexpr):
+def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
     flags, S, slot = fld(word, EXPERT_LINEAR_FLAGS), fld(word, EXPERT_LINEAR_S), fld(word, EXPERT_LINEAR_SLOT)
     st = I + off(word, EXPERT_LINEAR_ST_OFF)
     expert = tl.load(st + slot, cache_modifier=".cg")
@@ -240,12 +239,12 @@ def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.con
         base = expert.to(tl.int64) * aligned(fld(word, EXPERT_LINEAR_W_ES), ALIGN)
         w_ptr = aligned_base(W, word, EXPERT_LINEAR_W_OFF, ALIGN) + base
         w2_ptr = aligned_base(W, word, EXPERT_LINEAR_W2_OFF, ALIGN) + base
-        w = first_chunk(w_ptr, r0, r1, K, BR, KC, ALIGN, FULL)
+        w = first_chunk(w_ptr, r0, r1, K, BR, KC, ALIGN)
         pairs = st + 2 * S + slot * (N * kk)
         div = tl.where(has(flags, FLAG_EXPERT_LINEAR_GATHER), kk, 1)  # gate/up read token rows, down pair rows
         o_ptr, o_ld = A + off(word, EXPERT_LINEAR_OUT_OFF), fld(word, EXPERT_LINEAR_OUT_LD)
         stream_chunks(aligned_base(A, word, EXPERT_LINEAR_X_OFF, ALIGN), fld(word, EXPERT_LINEAR_X_LD), pairs, div,
-                      count, o_ptr, o_ld, o_ptr, o_ld, False, w_ptr, w2_ptr, two, r0, r1, K, w, BR, KC, ALIGN, DEPTH, FULL)
+                      count, o_ptr, o_ld, o_ptr, o_ld, False, w_ptr, w2_ptr, two, r0, r1, K, w, BR, KC, ALIGN)
 
 
 @triton.jit

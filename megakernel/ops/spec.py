@@ -49,8 +49,8 @@ def target_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torc
 def sample(p: torch.Tensor, u: float) -> int:
     """Inverse CDF: the first token whose cumulative mass exceeds u."""
     c = p.cumsum(0)
-    return int(min(int(torch.searchsorted(c, torch.tensor(u * float(c[-1]), dtype=c.dtype), right=True)),
-                   p.numel() - 1))
+    target = torch.tensor(u * float(c[-1]), dtype=c.dtype, device=c.device)
+    return int(min(int(torch.searchsorted(c, target, right=True)), p.numel() - 1))
 
 
 def _accept_sampling(task, mem, b: int, tokens: torch.Tensor) -> tuple[int, int]:
