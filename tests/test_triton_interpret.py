@@ -72,7 +72,7 @@ def _stream_kernel(W, A, I, K, n_rows, xrows_div, x_ld, r0, r1, out_off, w2_off,
                    KC: tl.constexpr, ALIGN: tl.constexpr):
     from megakernel.ops import linear
     w = linear.first_chunk(W, r0, r1, K, BR, KC, ALIGN)
-    linear.stream_chunks(A, x_ld, I, xrows_div, n_rows, A + out_off, r1, A, r1, False, W, W + w2_off, (flags & 1) != 0,
+    linear.stream_chunks(A, x_ld, I, xrows_div, n_rows, A + out_off, r1, A, r1, (flags & 2) != 0, W, W + w2_off, (flags & 1) != 0,
                          r0, r1, K, w, BR, KC, ALIGN)
 
 
@@ -93,7 +93,7 @@ def test_weight_stream_irregular_shapes(dtype, K, R, r0, N, KC, two, listed):
     div = 2 if listed else 0
     rows = torch.tensor([4, 1, 3][:N], dtype=torch.int32) if listed else torch.arange(N, dtype=torch.int32)
     A = torch.cat([x.reshape(-1), torch.full((8 * R,), float("nan"))])
-    _stream_kernel[(1,)](W, A, rows, K, N, div, K, r0, R, x.numel(), R * K, int(two), BR=8, KC=KC, ALIGN=8,
+    _stream_kernel[(1,)](W, A, rows, K, N, div, K, r0, R, x.numel(), R * K, 4 + int(two), BR=8, KC=KC, ALIGN=8,
                          num_warps=8)
     xs = x[rows.long() // 2] if listed else x[:N]
     want = xs @ w1[r0:].float().T

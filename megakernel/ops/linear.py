@@ -120,9 +120,7 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     invariance).  Steps run (row block, token, K chunk, gate|up) in a flat loop that requests step
     i+1's weights before reducing step i's, so load latency hides behind the arithmetic (waiting for
     each chunk cost 2x on the GPU: docs/PERF.md); the step counters advance by compares, not
-    divisions, and the activation chunk is read again only when the step's (token, K chunk) changes
-    (once per task for one token and K <= KC).  w: step 0's weight chunk, already requested (before
-    the dependency wait)."""
+    divisions.  w: step 0's weight chunk, already requested (before the dependency wait)."""
     nsub = 1 + two.to(tl.int32)
     nk = tl.cdiv(K, KC)
     total = tl.cdiv(r1 - r0, BR) * n_rows * nk * nsub
@@ -134,8 +132,6 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     sub_b, kc_b, n_b, blk_b = advance(sub_a, kc_a, n_a, blk_a, nsub, nk, n_rows)
     row, xrow = list_row(n, 0 < total, xrows_ptr, xrows_div)
     row_a, xrow_a = list_row(n_a, 1 < total, xrows_ptr, xrows_div)
-    x = act_chunk(x_ptr, xrow, x_ld, 0, K, BR, KC, ALIGN)
-    x_n, x_kc = n, kc
     acc = tl.zeros((BR,), tl.float32)
     acc2 = tl.zeros((BR,), tl.float32)
     for i in tl.range(total, loop_unroll_factor=2):
@@ -143,9 +139,9 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
         row_b, xrow_b = row_a, xrow_a
         if n_b != n_a:
             row_b, xrow_b = list_row(n_b, i + 2 < total, xrows_ptr, xrows_div)
-        if (n != x_n) | (kc != x_kc):
-            x = act_chunk(x_ptr, xrow, x_ld, kc * KC, K, BR, KC, ALIGN)
-            x_n, x_kc = n, kc
+        # read every step: keeping the chunk across steps (an `if` that re-reads it when the token or K
+        # chunk changes) was right under TRITON_INTERPRET and wrong on the GPU (run 14)
+        x = act_chunk(x_ptr, xrow, x_ld, kc * KC, K, BR, KC, ALIGN)
         part = chunk_dot(w, x, w_ptr, BR, KC, ALIGN)
         if sub == 0:
             acc += part
