@@ -145,7 +145,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 BE=experts, BP=256, BW=width, ALIGN=alignment(tasks), BT=spec_t,
                 # whole rows per load where registers allow: each block is one memory round trip
                 BSC=min(splits, max(1, 8192 // dmax)), BN=min(norm_width, 8192), BK=topk, CPF=0,
-                SAMPLE=sample, BV=1024,
+                SAMPLE=sample, BV=1024, XKEEP=0,
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2")
 
 

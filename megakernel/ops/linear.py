@@ -112,7 +112,8 @@ def list_row(n, on, xrows_ptr, xrows_div):
 
 @triton.jit
 def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, res_ptr, res_ld, use_res,
-                  w_ptr, w2_ptr, two, r0, r1, K, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
+                  w_ptr, w2_ptr, two, r0, r1, K, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr,
+                  XKEEP: tl.constexpr):
     """out[orow(n), r0:r1] = f(x[xrow(n)] @ W[r0:r1].T) for n < n_rows, f = identity, + residual, or
     SiLU(x@W.T) * (x@W2.T).  Rows come from a list (xrows_div > 0: row = list[n] // xrows_div, out row
     = list[n]) or are n itself.  One token at a time on CUDA cores, fp32 products and sums, K in
@@ -120,7 +121,9 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     invariance).  Steps run (row block, token, K chunk, gate|up) in a flat loop that requests step
     i+1's weights before reducing step i's, so load latency hides behind the arithmetic (waiting for
     each chunk cost 2x on the GPU: docs/PERF.md); the step counters advance by compares, not
-    divisions.  w: step 0's weight chunk, already requested (before the dependency wait)."""
+    divisions.  XKEEP (a launch variant, not yet measured on the GPU) keeps the activation chunk in
+    registers while the step's (token, K chunk) stays the same: once per task for one token and
+    K <= KC.  w: step 0's weight chunk, already requested (before the dependency wait)."""
     nsub = 1 + two.to(tl.int32)
     nk = tl.cdiv(K, KC)
     total = tl.cdiv(r1 - r0, BR) * n_rows * nk * nsub
@@ -134,14 +137,23 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     row_a, xrow_a = list_row(n_a, 1 < total, xrows_ptr, xrows_div)
     acc = tl.zeros((BR,), tl.float32)
     acc2 = tl.zeros((BR,), tl.float32)
+    if XKEEP:
+        SPAN: tl.constexpr = min(KC, 128)
+        x = tl.zeros((BR, KC // SPAN, SPAN), tl.float32)
+        # the chunk's (token, K chunk), never the same object as n or kc at the loop's start: Triton 3.6
+        # drops a loop-carried name that an `if` sets to the very value it held there (run 15)
+        x_n, x_kc = zero - 1, zero - 1
     for i in tl.range(total, loop_unroll_factor=2):
         w_next = weight_rows(tl.where(sub_a == 1, w2_ptr, w_ptr), r0 + blk_a * BR, r1, K, kc_a * KC, BR, KC, ALIGN)
         row_b, xrow_b = row_a, xrow_a
         if n_b != n_a:
             row_b, xrow_b = list_row(n_b, i + 2 < total, xrows_ptr, xrows_div)
-        # read every step: keeping the chunk across steps (an `if` that re-reads it when the token or K
-        # chunk changes) was right under TRITON_INTERPRET and wrong on the GPU (run 14)
-        x = act_chunk(x_ptr, xrow, x_ld, kc * KC, K, BR, KC, ALIGN)
+        if XKEEP:
+            if (n != x_n) | (kc != x_kc):
+                x = act_chunk(x_ptr, xrow, x_ld, kc * KC, K, BR, KC, ALIGN)
+            x_n, x_kc = n + 0, kc + 0  # unconditionally, as new values (see above)
+        else:
+            x = act_chunk(x_ptr, xrow, x_ld, kc * KC, K, BR, KC, ALIGN)
         part = chunk_dot(w, x, w_ptr, BR, KC, ALIGN)
         if sub == 0:
             acc += part
@@ -183,10 +195,10 @@ def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
+def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, XKEEP: tl.constexpr):
     flags = fld(word, LINEAR_FLAGS)
     stream_chunks(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
                   A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
                   fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), aligned_base(W, word, LINEAR_W_OFF, ALIGN),
                   aligned_base(W, word, LINEAR_W2_OFF, ALIGN), has(flags, FLAG_LINEAR_SILU_MUL), fld(word, LINEAR_R0),
-                  fld(word, LINEAR_R1), fld(word, LINEAR_K), w, BR, KC, ALIGN)
+                  fld(word, LINEAR_R1), fld(word, LINEAR_K), w, BR, KC, ALIGN, XKEEP)
