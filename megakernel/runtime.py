@@ -118,9 +118,12 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     dmax = rmax = experts = width = spec_t = 16
     splits = norm_width = topk = 2
     sample = 0
+    stream_k = 32
     for t in tasks:
         f = t.fields
-        if t.op.name == "ATTENTION":
+        if t.op.name in ("LINEAR", "EXPERT_LINEAR"):
+            stream_k = max(stream_k, _pow2(f["K"]))
+        elif t.op.name == "ATTENTION":
             dmax, rmax = max(dmax, _pow2(f["dim"])), max(rmax, _pow2(f["rope_dim"]))
         elif t.op.name == "ROUTE":
             experts = max(experts, _pow2(f["E"]))
@@ -139,7 +142,11 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     # heaviest body, which sets every worker's register budget) a cache-block prefetch spills and costs
     # 5%; with GQA it gains 3%.
     stages = 1 if dmax > 128 else 2
-    br, kc = 8, 2048  # one row per warp, 128 bytes of weights per thread per step (docs/PERF.md run 13)
+    # 16K weights per step: 128 bytes per thread, one row per warp at KC = 2048 (docs/PERF.md run 13);
+    # no wider than the widest matrix (small models: more rows per step instead of columns that
+    # would only be multiplied by zero)
+    kc = min(2048, stream_k)
+    br = 16384 // kc
     # bf16 weights: activations enter the tensor cores as a bf16 (high, low) pair, ~16 mantissa bits
     return dict(BR=br, KC=kc, STAGES=stages, BD=256, BH=32, BM=16, BJ=32, DMAX=dmax, RMAX=rmax, BI=64, BO=128,
                 BE=experts, BP=256, BW=width, ALIGN=alignment(tasks), BT=spec_t,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything a GPU session checks (device time is the scarce resource):
-#   [MODELS="..."] [VARIANTS="..."] [PLAN_VARIANTS="..."] bash tools/gpu_session.sh PARTS [OUT_DIR]
+#   [MODELS="..."] [TS="1 6"] [VARIANTS="..."] [PLAN_VARIANTS="..."] bash tools/gpu_session.sh PARTS [OUT_DIR]
 # PARTS: a comma list of
 #   tests    the gpu-marked tests;
 #   bench    floors, plain-PyTorch baselines, the megakernel, launch/plan variants and a per-op
@@ -12,7 +12,7 @@
 #   anchors  the outside yardstick, if a copy of ../shared/anchors sits in .anchors/ (git-ignored;
 #            carry it with the device tool);
 #   all      tests,bench,spec,anchors.
-# Keep each call under the device tool's 10-minute limit (tests ~150 s, bench ~250 s per model
+# Keep each call under the device tool's 10-minute limit (tests ~300 s, bench ~250 s per model and T
 # with two variants, spec ~300 s, stream ~150 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +20,7 @@ parts=",${1:-all},"
 [ "$parts" = ",all," ] && parts=",tests,bench,spec,stream,anchors,"
 out="${2:-${OUT:-out}}"
 models="${MODELS:-llama-1b dsv2-lite}"
+ts="${TS:-1}"
 variants="${VARIANTS-XKEEP=1}"
 plan_variants="${PLAN_VARIANTS-}"
 stream_variants="${STREAM_VARIANTS-XKEEP=1 BR=16,KC=1024}"
@@ -27,11 +28,12 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$out/gpu.txt"
 if [[ "$parts" == *,tests,* ]]; then
-    timeout 300 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -15
+    timeout 420 python3 -m pytest -m gpu tests/test_gpu.py tests/test_weight_stream.py -q -p no:cacheprovider 2>&1 \
+        | tee "$out/gpu_tests.log" | tail -15
 fi
 if [[ "$parts" == *,bench,* ]]; then
     # shellcheck disable=SC2086
-    timeout 560 python3 tools/bench.py --models $models --T 1 --profile --variants $variants \
+    timeout 560 python3 tools/bench.py --models $models --T $ts --profile --variants $variants \
         --plan-variants $plan_variants --out "$out" 2>&1 | tee "$out/bench.log" | grep -v '^{"model'
 fi
 if [[ "$parts" == *,spec,* ]]; then
