@@ -56,6 +56,12 @@ class Memory:
                     raise KeyError(f"plan needs weight {hf_name}, which the weights do not have")
                 src = w[hf_name].reshape(-1)
                 arena[slot.offset + rel: slot.offset + rel + src.numel()] = src.to(arena.dtype)
+        if not _all_finite(self.bufs[Buf.W]):
+            # the weight stream reads past a matrix's end into its neighbour (ops/linear.weight_rows),
+            # so one non-finite weight anywhere would reach another matrix's outputs (0 x inf)
+            bad = [f"{s.name} ({hf})" for s in plan.weights if s.buf == Buf.W for hf, _ in s.parts
+                   if not _all_finite(w[hf].to(self.dtype))]
+            raise ValueError(f"weight {', '.join(bad) or '(none by name)'} has non-finite values in {self.dtype}")
         for const in plan.consts:
             data = torch.tensor(const["data"], dtype=torch.float32)
             self.bufs[Buf.WF][const["offset"]: const["offset"] + data.numel()] = data
@@ -84,6 +90,12 @@ class Memory:
         s, cfg = self.shape, self.cfg
         n = cfg.num_layers_total * s["B"] * s["max_len"] * cfg.cache_width
         return self.bufs[Buf.C][:n].view(cfg.num_layers_total, s["B"], s["max_len"], cfg.cache_width)
+
+
+def _all_finite(t: torch.Tensor, chunk: int = 1 << 26) -> bool:
+    """In chunks: a model-sized arena's boolean mask would cost half its size again."""
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
 
 
 def _layout(plan: Plan) -> tuple:

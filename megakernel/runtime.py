@@ -74,6 +74,9 @@ def check_operand_buffers(plan: Plan, tasks: list[Decoded]) -> None:
         if t.op.name in ("HELPER_CALL", "HELPER_WAIT"):
             raise MegakernelError("experts on a helper run on the plan interpreter only for now (the device-side "
                                   "mailbox is not built); use --backend interpret with --helper")
+        if t.op.name in ("LINEAR", "EXPERT_LINEAR") and t["r1"] <= t["r0"]:
+            raise MegakernelError(f"task {i} ({plan.task_labels[i]}): rows {t['r0']}..{t['r1']} are empty; the weight "
+                                  "stream reads its first chunk before it knows (row r1 - 1 would be read)")
         if t.op.name == "ROUTE" and t["topk"] > 16:
             raise MegakernelError(f"task {i}: {t['topk']} experts per token; the ROUTE body handles at most 16")
         if t.op.name == "ROUTE" and t.has("TOPK") and t.fields["ids.buf"] < 0:
@@ -166,6 +169,12 @@ def check_block_overrides(blocks: dict, fitted: dict) -> None:
     if blocks["KC"] > STREAM_SLACK or blocks["KC"] & (blocks["KC"] - 1):
         raise MegakernelError(f"block override KC={blocks['KC']}: weight chunks are a power of two <= {STREAM_SLACK} "
                               f"columns (the W arena's slack past its end)")
+    if blocks["BR"] * blocks["KC"] > 32768:
+        raise MegakernelError(f"block override BR={blocks['BR']}, KC={blocks['KC']}: a weight chunk of more than 32768 "
+                              "weights (256 bytes per thread) would not fit the registers")
+    if blocks["ALIGN"] > fitted["ALIGN"]:
+        raise MegakernelError(f"block override ALIGN={blocks['ALIGN']}: the plan's sizes and offsets are multiples of "
+                              f"{fitted['ALIGN']} only (the bodies round them down to ALIGN)")
     if blocks["BK"] < fitted["BK"]:
         raise MegakernelError(f"block override BK={blocks['BK']}: MOE_COMBINE reads all of a token's expert rows "
                               f"in one block of BK, this plan needs {fitted['BK']}")

@@ -49,3 +49,21 @@ def test_interpreter_equals_reference(case):
         hidden, nxt = m.hidden, m.logits.argmax(-1)
     # every cache entry the step wrote, and none it should not have
     assert rel_err(interp.cache(), cache.data) <= TOL
+
+
+def test_non_finite_weights_are_refused_by_name():
+    """The weight stream reads past a matrix into its neighbour, so a non-finite weight anywhere in
+    the arena would reach another matrix's outputs: Memory refuses it, naming the tensor."""
+    import pytest
+
+    from graph.compile import CompileOptions
+    from graph.lower import StepShape
+    from model import preset
+    cfg = preset("tiny-dense")
+    plan = compile_step(cfg, StepShape(T=1, B=1, max_len=16), CompileOptions(workers=2))
+    w = init_weights(cfg, seed=0)
+    name = "model.layers.1.mlp.up_proj.weight"
+    w[name] = w[name].clone()
+    w[name][3, 5] = float("inf")
+    with pytest.raises(ValueError, match=r"mlp\.up_proj.*non-finite"):
+        Interpreter(plan, w)

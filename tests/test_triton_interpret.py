@@ -142,6 +142,10 @@ def test_block_overrides_that_would_change_the_result_are_refused():
     check_block_overrides({**fitted, "BR": 4, "KC": 64, "CPF": 1}, fitted)  # launch variants: fine
     with pytest.raises(MegakernelError, match="BK=1"):
         check_block_overrides({**fitted, "BK": 1}, fitted)
+    with pytest.raises(MegakernelError, match="BR=64, KC=1024"):
+        check_block_overrides({**fitted, "BR": 64, "KC": 1024}, fitted)
+    with pytest.raises(MegakernelError, match="ALIGN=16"):
+        check_block_overrides({**fitted, "ALIGN": 16}, fitted)
     with pytest.raises(MegakernelError, match="unknown block override DEPTH"):
         check_block_overrides({**fitted, "DEPTH": 3}, fitted)
     with pytest.raises(MegakernelError, match="SAMPLE=0"):

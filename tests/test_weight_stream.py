@@ -18,41 +18,66 @@ from .conftest import rel_err
 DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                                        reason="CPU Triton interpreter only")),
            pytest.param("cuda", marks=pytest.mark.gpu)]
-# K, rows R, first row r0, tokens N, KC, gate|up, rows from a list
-SHAPES = [(64, 16, 0, 1, 64, False, False), (96, 21, 3, 3, 64, True, False), (40, 9, 0, 2, 32, False, True),
-          (256, 12, 4, 2, 128, True, True), (1408, 40, 0, 3, 2048, True, True), (8192, 24, 8, 1, 2048, False, False)]
+# K, rows R, first row r0, tokens N, KC, BR, gate|up, rows from a list, residual
+SHAPES = [(64, 16, 0, 1, 64, 8, False, False, False), (64, 8, 0, 1, 64, 8, False, False, True),  # one step
+          (40, 24, 0, 1, 64, 8, False, False, False),  # an odd step count (the unrolled loop's remainder)
+          (96, 21, 3, 3, 64, 8, True, False, False), (40, 9, 0, 2, 32, 8, False, True, False),
+          (256, 12, 4, 2, 128, 16, True, True, False), (200, 40, 0, 2, 128, 128, False, False, True),
+          (1408, 40, 0, 3, 2048, 8, True, True, False), (8192, 24, 8, 1, 2048, 8, False, False, True)]
+GUARD = 256  # NaN before the weights and after the slack: a read outside [weights, slack] shows in the output
 
 
 @triton.jit
-def _stream_kernel(W, A, I, K, n_rows, xrows_div, x_ld, r0, r1, out_off, w2_off, flags, BR: tl.constexpr,
-                   KC: tl.constexpr, ALIGN: tl.constexpr, XKEEP: tl.constexpr):
-    w = linear.first_chunk(W, r0, r1, K, BR, KC, ALIGN)
-    linear.stream_chunks(A, x_ld, I, xrows_div, n_rows, A + out_off, r1, A, r1, (flags & 2) != 0, W, W + w2_off,
-                         (flags & 1) != 0, r0, r1, K, w, BR, KC, ALIGN, XKEEP)
+def _stream_kernel(W, A, I, K, n_rows, xrows_div, x_ld, r0, r1, out_off, res_off, w_off, w2_off, flags,
+                   BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, XKEEP: tl.constexpr):
+    w = linear.first_chunk(W + w_off, r0, r1, K, BR, KC, ALIGN)
+    linear.stream_chunks(A, x_ld, I, xrows_div, n_rows, A + out_off, r1, A + res_off, r1, (flags & 2) != 0,
+                         W + w_off, W + w2_off, (flags & 1) != 0, r0, r1, K, w, BR, KC, ALIGN, XKEEP)
+
+
+def _run(device, xkeep, dtype, K, R, r0, N, KC, BR, two, listed, res):
+    g = torch.Generator().manual_seed(K + R + N)
+    w1 = torch.randn(R, K, generator=g).to(dtype)
+    w2 = torch.randn(R, K, generator=g).to(dtype)
+    nan = torch.full((GUARD,), float("nan"), dtype=dtype)
+    W = torch.cat([nan, w1.reshape(-1), w2.reshape(-1), torch.full((STREAM_SLACK,), 7.0, dtype=dtype), nan])
+    x = torch.randn(N + 1, K, generator=g)
+    r = torch.randn(8, R, generator=g)
+    rows = torch.tensor([4, 1, 3][:N], dtype=torch.int32) if listed else torch.arange(N, dtype=torch.int32)
+    A = torch.cat([x.reshape(-1), torch.full((8 * R,), float("nan")), r.reshape(-1)])
+    W, A, dev_rows = W.to(device), A.to(device), rows.to(device)
+    # flags: bit 0 gate|up, bit 1 residual; + 4 so no argument is a literal 1 (Triton would make it a constexpr)
+    _stream_kernel[(1,)](W, A, dev_rows, K, N, 2 if listed else 0, K, r0, R, x.numel(), x.numel() + 8 * R, GUARD,
+                         GUARD + R * K, 4 + int(two) + 2 * int(res), BR=BR, KC=KC, ALIGN=8, XKEEP=xkeep, num_warps=8)
+    xs = (x[rows.long() // 2] if listed else x[:N]).double()
+    want = xs @ w1[r0:].double().T
+    if two:
+        want = torch.nn.functional.silu(want) * (xs @ w2[r0:].double().T)
+    if res:
+        want = want + r[rows.long(), r0:].double()
+    out = A.cpu()[x.numel():x.numel() + 8 * R].view(8, R)
+    return out, rows, want
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("xkeep", [0, 1])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("K,R,r0,N,KC,two,listed", SHAPES)
-def test_weight_stream_irregular_shapes(device, xkeep, dtype, K, R, r0, N, KC, two, listed):
+@pytest.mark.parametrize("K,R,r0,N,KC,BR,two,listed,res", SHAPES)
+def test_weight_stream_irregular_shapes(device, xkeep, dtype, K, R, r0, N, KC, BR, two, listed, res):
     """bf16 weights as 32-bit words of two columns (what the GPU runs), fp32 weights plainly; K not a
-    multiple of KC, rows not a multiple of BR, a block that starts inside the matrix, several tokens,
-    gate|up, rows from a list; whole chunks read past the matrix's end into the arena's slack."""
-    g = torch.Generator().manual_seed(K + R)
-    w1 = torch.randn(R, K, generator=g).to(dtype)
-    w2 = torch.randn(R, K, generator=g).to(dtype)
-    W = torch.cat([w1.reshape(-1), w2.reshape(-1), torch.full((STREAM_SLACK,), 7.0, dtype=dtype)])
-    x = torch.randn(N + 1, K, generator=g)
-    rows = torch.tensor([4, 1, 3][:N], dtype=torch.int32) if listed else torch.arange(N, dtype=torch.int32)
-    A = torch.cat([x.reshape(-1), torch.full((8 * R,), float("nan"))])
-    W, A, dev_rows = W.to(device), A.to(device), rows.to(device)
-    # flags: bit 0 gate|up, bit 1 residual; + 4 so no argument is a literal 1 (Triton would make it a constexpr)
-    _stream_kernel[(1,)](W, A, dev_rows, K, N, 2 if listed else 0, K, r0, R, x.numel(), R * K, 4 + int(two), BR=8,
-                         KC=KC, ALIGN=8, XKEEP=xkeep, num_warps=8)
-    xs = x[rows.long() // 2] if listed else x[:N]
-    want = xs @ w1[r0:].float().T
-    if two:
-        want = torch.nn.functional.silu(want) * (xs @ w2[r0:].float().T)
-    got = A.cpu()[x.numel():].view(-1, R)[rows.long(), r0:]
-    assert not got.isnan().any() and rel_err(got, want) <= 1e-6, rel_err(got, want)
+    multiple of KC, rows not a multiple of BR, a block that starts inside the matrix, one step and an
+    odd number of steps, several tokens, gate|up, rows from a list, a residual; whole chunks read past
+    the matrix's end into the arena's slack, and no read outside [weights, slack] reaches an output."""
+    out, rows, want = _run(device, xkeep, dtype, K, R, r0, N, KC, BR, two, listed, res)
+    got = out[rows.long(), r0:]
+    assert not got.isnan().any() and rel_err(got, want) <= 1e-5, rel_err(got, want)
+    untouched = torch.ones(8, dtype=torch.bool)
+    untouched[rows.long()] = False
+    assert out[untouched].isnan().all() and out[:, :r0].isnan().all()  # no other row or column written
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_weight_stream_without_rows_writes_nothing(device):
+    """An expert slot's row count can be zero at run time: no step runs, nothing is written."""
+    out, _, _ = _run(device, 0, torch.bfloat16, 64, 16, 0, 0, 64, 8, True, True, False)
+    assert out.isnan().all()
