@@ -1,8 +1,10 @@
 """The persistent kernel compiles for Hopper (sm_90) on a CPU: frontend, layouts and ptxas errors
 show up here, before any GPU time is spent."""
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -38,3 +40,16 @@ def test_megakernel_compiles_for_sm90():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "shared" in out.stdout
+
+
+@pytest.mark.slow
+def test_sass_probe_reads_the_stream_loop():
+    """tools/sass_probe.py (offline SASS of the weight stream) finds the hot loop and its loads."""
+    import os
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tool = Path(__file__).resolve().parents[1] / "tools" / "sass_probe.py"
+    out = subprocess.run([sys.executable, str(tool), "stream", "KC=256"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    loop = re.search(r"hot loop (\d+) instructions: (.*)", out.stdout)
+    assert loop and int(loop.group(1)) > 50 and "LDG" in loop.group(2) and "FFMA" in loop.group(2), out.stdout

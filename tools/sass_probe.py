@@ -1,0 +1,153 @@
+"""Offline SASS for sm_90 on a machine without a GPU: what a body executes, before spending device time.
+
+    python tools/sass_probe.py kernel [--model dsv2-lite] [KEY=V,...]...
+        registers, spills and 16-byte loads of the whole persistent kernel, with the block sizes
+        runtime.block_sizes() fits to the model's T=1 plan, then once per variant (block overrides)
+    python tools/sass_probe.py stream [--lines] [KEY=V,...]...
+        the weight stream alone (ops/linear.stream_chunks, bf16 weights): its hot loop's instructions
+        by opcode, per variant (BR, KC, XKEEP); --lines adds them by source line
+
+How the weight stream was rebuilt in session 4 (docs/PERF.md): ncu said ~730 instructions per 4 KB a
+warp streams; this tool showed where they came from (a cross-warp reduction per chunk, divisions,
+masks) and counted each fix before the GPU ran it.  Counts are static: the loop body once (it is
+unrolled by 2, so a step is about half), branches included whether or not they run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile, do not interpret
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megakernel.ops import linear  # noqa: E402
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+INSTR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+@triton.jit
+def stream_probe(W, A, I, x_off, x_ld, xrows_div, n_rows, out_off, out_ld, res_off, res_ld, use_res, w_off, w2_off,
+                 two, r0, r1, K, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, XKEEP: tl.constexpr):
+    """A LINEAR task's stream with runtime sizes, offsets rounded to ALIGN as the kernel's are."""
+    w = linear.first_chunk(W + (w_off // ALIGN) * ALIGN, r0, r1, K, BR, KC, ALIGN)
+    linear.stream_chunks(A + (x_off // ALIGN) * ALIGN, x_ld, I, xrows_div, n_rows, A + out_off, out_ld, A + res_off,
+                         res_ld, use_res != 0, W + (w_off // ALIGN) * ALIGN, W + (w2_off // ALIGN) * ALIGN, two != 0,
+                         r0, r1, K, w, BR, KC, ALIGN, XKEEP)
+
+
+def compile_sass(fn, pointers: dict, scalars: list[str], const: dict, num_warps: int = 8) -> tuple[str, str]:
+    """(ptxas -v summary, SASS with line info) of fn compiled for sm_90a."""
+    sig = {**pointers, **{n: "i32" for n in scalars}, **{k: "constexpr" for k in const}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}  # as the JIT finds tensors
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 1})
+    with tempfile.TemporaryDirectory() as d:
+        ptx, obj = Path(d) / "k.ptx", Path(d) / "k.o"
+        ptx.write_text(k.asm["ptx"])
+        res = subprocess.run([BIN / "ptxas", "-v", "-lineinfo", "--gpu-name=sm_90a", ptx, "-o", obj],
+                             capture_output=True, text=True, check=True)
+        sass = subprocess.run([BIN / "nvdisasm", "-g", "-c", obj], capture_output=True, text=True, check=True).stdout
+    info = " ".join(re.findall(r"Used \d+ registers|\d+ bytes spill stores|\d+ bytes stack frame", res.stderr))
+    return info + f" | {k.asm['ptx'].count('ld.global.v4')} ld.global.v4 in PTX", sass
+
+
+def hot_loop(sass: str) -> list[tuple[str, str]]:
+    """(source line, instruction) inside the widest backward branch."""
+    labels, items, where, pending = {}, [], "?", []
+    for line in sass.splitlines():
+        m = re.match(r"^\.(L_x_\d+):", line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = re.search(r'//## File "([^"]+)", line (\d+)', line)
+        if m:
+            where = f"{Path(m.group(1)).name}:{m.group(2)}"
+            continue
+        m = INSTR.match(line)
+        if m:
+            addr = int(m.group(1), 16)
+            labels.update({p: addr for p in pending})
+            pending = []
+            items.append((addr, where, m.group(2)))
+    best = (0, -1)
+    for addr, _, ins in items:
+        m = re.search(r"BRA.*`\(\.(L_x_\d+)\)", ins)
+        if m and labels.get(m.group(1), addr) < addr and addr - labels[m.group(1)] > best[1] - best[0]:
+            best = (labels[m.group(1)], addr)
+    return [(w, ins) for addr, w, ins in items if best[0] <= addr <= best[1]]
+
+
+def opcode(ins: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]
+
+
+def parse_variant(spec: str) -> dict:
+    return {k: int(v) for k, _, v in (kv.partition("=") for kv in spec.split(",") if kv)}
+
+
+def probe_stream(variants: list[str], lines: bool) -> None:
+    for spec in variants or [""]:
+        const = {**dict(BR=8, KC=2048, ALIGN=8, XKEEP=0), **parse_variant(spec)}
+        scalars = ("x_off x_ld xrows_div n_rows out_off out_ld res_off res_ld use_res w_off w2_off two r0 r1 K").split()
+        info, sass = compile_sass(stream_probe, {"W": "*bf16", "A": "*fp32", "I": "*i32"}, scalars, const)
+        loop = hot_loop(sass)
+        ops = collections.Counter(opcode(ins) for _, ins in loop)
+        print(f"stream {spec or 'default'} ({const}): {info}")
+        print(f"  hot loop {len(loop)} instructions: " + ", ".join(f"{o} {n}" for o, n in ops.most_common(16)))
+        if lines:
+            by_line = collections.Counter(w for w, _ in loop)
+            for w, n in sorted(by_line.items(), key=lambda kv: -kv[1])[:20]:
+                print(f"    {w:28s} {n}")
+
+
+def probe_kernel(model: str, variants: list[str]) -> None:
+    import torch
+
+    from graph.compile import CompileOptions, compile_step
+    from graph.isa import MAX_WAITS, WORDS, decode
+    from graph.lower import StepShape
+    from megakernel.kernel import megakernel
+    from megakernel.runtime import block_sizes
+    from model import preset
+
+    plan = compile_step(preset(model), StepShape(T=1, B=1, max_len=4096), CompileOptions(workers=132))
+    fitted = block_sizes([decode(w) for w in plan.words], torch.bfloat16)
+    pointers = {"words": "*i32", "queue_ptr": "*i32", "counters": "*i32", "worker_epoch": "*i32", "err": "*i32",
+                "prof": "*i64", "W": "*bf16", "WF": "*fp32", "A": "*fp32", "I": "*i32", "C": "*bf16"}
+    for spec in variants or [""]:
+        const = dict(WORDS=WORDS, MAX_WAITS=MAX_WAITS, TIMEOUT_NS=250_000_000, MAX_SPINS=200_000, USE_TIMER=True,
+                     PROFILE=False, **fitted)
+        const.update(parse_variant(spec))
+        info, _ = compile_sass(megakernel, pointers, [], const)
+        print(f"kernel {model} {spec or 'fitted'}: {info}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=["kernel", "stream"])
+    p.add_argument("variants", nargs="*", metavar="KEY=V,...")
+    p.add_argument("--model", default="dsv2-lite")
+    p.add_argument("--lines", action="store_true")
+    args = p.parse_args()
+    if args.what == "stream":
+        probe_stream(args.variants, args.lines)
+    else:
+        probe_kernel(args.model, args.variants)
+
+
+if __name__ == "__main__":
+    main()
