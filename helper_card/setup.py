@@ -51,11 +51,6 @@ def is_routed_expert(cfg: ModelConfig):
     return lambda name: name.startswith(marks)
 
 
-def routed_expert_names(cfg: ModelConfig, names) -> set[str]:
-    routed = is_routed_expert(cfg)
-    return {k for k in names if routed(k)}
-
-
 def capacity_for(cfg: ModelConfig, fraction: float) -> int:
     total = len(moe_layers(cfg)) * cfg.n_routed_experts
     if not 0.0 <= fraction <= 1.0:

@@ -280,10 +280,10 @@ def test_an_expert_being_copied_is_not_planned_again():
 
 
 def test_offload_moves_only_the_routed_experts():
-    from helper_card.setup import routed_expert_names
+    from helper_card.setup import is_routed_expert
     cfg = preset("tiny-moe")
     w = init_weights(cfg, seed=0)
-    routed = routed_expert_names(cfg, w)
+    routed = set(filter(is_routed_expert(cfg), w))
     E, layers = cfg.n_routed_experts, len(moe_layers(cfg))
     assert len(routed) == 3 * E * layers  # gate, up, down of every routed expert, MTP layers included
     assert not any("shared_experts" in k or ".gate." in k for k in routed)
