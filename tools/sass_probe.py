@@ -1,8 +1,9 @@
 """Offline SASS for sm_90 on a machine without a GPU: what a body executes, before spending device time.
 
-    python tools/sass_probe.py kernel [--model dsv2-lite] [KEY=V,...]...
+    python tools/sass_probe.py kernel [--model dsv2-lite] [--lines] [KEY=V,...]...
         registers, spills and 16-byte loads of the whole persistent kernel, with the block sizes
-        runtime.block_sizes() fits to the model's T=1 plan, then once per variant (block overrides)
+        runtime.block_sizes() fits to the model's T=1 plan, then once per variant (block overrides);
+        --lines adds instructions and spill loads/stores per source file and the worst lines
     python tools/sass_probe.py stream [--lines] [KEY=V,...]...
         the weight stream alone (ops/linear.stream_chunks, bf16 weights): its hot loop's instructions
         by opcode, per variant (BR, KC, XKEEP); --lines adds them by source line
@@ -114,7 +115,38 @@ def probe_stream(variants: list[str], lines: bool) -> None:
                 print(f"    {w:28s} {n}")
 
 
-def probe_kernel(model: str, variants: list[str]) -> None:
+def sass_lines(sass: str) -> list[tuple[str, str]]:
+    """(source file:line, instruction) for every instruction."""
+    out, where = [], "?"
+    for line in sass.splitlines():
+        m = re.search(r'//## File "([^"]+)", line (\d+)', line)
+        if m:
+            where = f"{Path(m.group(1)).name}:{m.group(2)}"
+            continue
+        m = INSTR.match(line)
+        if m:
+            out.append((where, m.group(2)))
+    return out
+
+
+def print_spills(sass: str) -> None:
+    """Instructions and local-memory spill traffic (STL/LDL) per source file, then the worst lines."""
+    items = sass_lines(sass)
+    per_file = collections.defaultdict(collections.Counter)
+    per_line = collections.Counter()
+    for where, ins in items:
+        op = opcode(ins)
+        f = per_file[where.split(":")[0]]
+        f["instr"] += 1
+        if op in ("STL", "LDL"):
+            f[op] += 1
+            per_line[where] += 1
+    for name, c in sorted(per_file.items(), key=lambda kv: -kv[1]["instr"]):
+        print(f"    {name:20s} {c['instr']:6d} instructions, STL {c['STL']:4d}, LDL {c['LDL']:4d}")
+    print("    spill traffic by line: " + ", ".join(f"{w} {n}" for w, n in per_line.most_common(12)))
+
+
+def probe_kernel(model: str, variants: list[str], lines: bool = False) -> None:
     import torch
 
     from graph.compile import CompileOptions, compile_step
@@ -132,8 +164,10 @@ def probe_kernel(model: str, variants: list[str]) -> None:
         const = dict(WORDS=WORDS, MAX_WAITS=MAX_WAITS, TIMEOUT_NS=250_000_000, MAX_SPINS=200_000, USE_TIMER=True,
                      PROFILE=False, **fitted)
         const.update(parse_variant(spec))
-        info, _ = compile_sass(megakernel, pointers, [], const)
+        info, sass = compile_sass(megakernel, pointers, [], const)
         print(f"kernel {model} {spec or 'fitted'}: {info}")
+        if lines:
+            print_spills(sass)
 
 
 def main() -> None:
@@ -146,7 +180,7 @@ def main() -> None:
     if args.what == "stream":
         probe_stream(args.variants, args.lines)
     else:
-        probe_kernel(args.model, args.variants)
+        probe_kernel(args.model, args.variants, args.lines)
 
 
 if __name__ == "__main__":
