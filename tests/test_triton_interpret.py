@@ -61,8 +61,9 @@ def test_kernel_equals_interpreter_one_worker(name):
 def test_kernel_small_blocks(name):
     """The bodies' other paths: the attention combine over several blocks of splits (online maximum),
     RMSNorm rows longer than a block (two passes), the weight stream over several K chunks and row
-    blocks (the activation chunk kept across steps: XKEEP), the combine's next block requested early."""
-    cfg, plan, interp, mk = _pair(name, blocks=dict(BSC=2, BN=16, CPF=1, BR=8, KC=32, XKEEP=1))
+    blocks (the activation chunk kept across steps: XKEEP), the combine's next block requested early,
+    rope over several blocks of heads, per-head matmuls over several input and output blocks."""
+    cfg, plan, interp, mk = _pair(name, blocks=dict(BSC=2, BN=16, CPF=1, BR=8, KC=32, XKEEP=1, BH=512, BI=8, BO=8))
     assert cfg.hidden_size > 16 and plan.shape["max_len"] // plan.shape["attn_split"] > 2
     _compare(cfg, interp, mk, torch.tensor([3, 11]))
 
@@ -146,6 +147,8 @@ def test_block_overrides_that_would_change_the_result_are_refused():
         check_block_overrides({**fitted, "BR": 64, "KC": 1024}, fitted)
     with pytest.raises(MegakernelError, match="ALIGN=16"):
         check_block_overrides({**fitted, "ALIGN": 16}, fitted)
+    with pytest.raises(MegakernelError, match="BI=256, BO=256"):
+        check_block_overrides({**fitted, "BI": 256, "BO": 256}, fitted)
     with pytest.raises(MegakernelError, match="unknown block override DEPTH"):
         check_block_overrides({**fitted, "DEPTH": 3}, fitted)
     with pytest.raises(MegakernelError, match="SAMPLE=0"):

@@ -81,23 +81,27 @@ def table_body(word, WF, A, I, BH: tl.constexpr):
 
 @triton.jit
 def apply_body(word, A, BH: tl.constexpr):
+    """All heads of a row at once, [HB heads, BH pairs] per block: a head at a time cost a memory
+    round trip each (9.4 µs for llama-1b's 32 query heads, on every layer's dependency chain)."""
     flags, half, heads = fld(word, ROPE_FLAGS), fld(word, ROPE_HALF), fld(word, ROPE_HEADS)
     x_ptr, x_ld, x_hs, x_col0 = A + off(word, ROPE_X_OFF), fld(word, ROPE_X_LD), fld(word, ROPE_X_HS), fld(word, ROPE_X_COL0)
     o_ptr, o_ld, o_hs = A + off(word, ROPE_OUT_OFF), fld(word, ROPE_OUT_LD), fld(word, ROPE_OUT_HS)
     tab = A + off(word, ROPE_TAB_OFF)
+    HB: tl.constexpr = max(1, 1024 // BH)
     for r in range(fld(word, ROPE_R0), fld(word, ROPE_R1)):
-        for h in range(heads):
-            src = x_ptr + r * x_ld + h * x_hs + x_col0
-            dst = o_ptr + r * o_ld + h * o_hs
-            for hb in range(0, half, BH):
-                i = hb + tl.arange(0, BH)
-                m = i < half
-                cos = tl.load(tab + r * 2 * half + i, mask=m, other=0.0, cache_modifier=".cg")
-                sin = tl.load(tab + r * 2 * half + half + i, mask=m, other=0.0, cache_modifier=".cg")
+        for hb in range(0, heads, HB):
+            h = hb + tl.arange(0, HB)[:, None]
+            for ib in range(0, half, BH):
+                i = ib + tl.arange(0, BH)[None, :]
+                m = (i < half) & (h < heads)
+                cos = tl.load(tab + r * 2 * half + i, mask=i < half, other=0.0, cache_modifier=".cg")
+                sin = tl.load(tab + r * 2 * half + half + i, mask=i < half, other=0.0, cache_modifier=".cg")
                 if has(flags, FLAG_ROPE_INTERLEAVE):
                     p1, p2 = 2 * i, 2 * i + 1
                 else:
                     p1, p2 = i, i + half
+                src = x_ptr + r * x_ld + h * x_hs + x_col0
+                dst = o_ptr + r * o_ld + h * o_hs
                 x1 = tl.load(src + p1, mask=m, other=0.0, cache_modifier=".cg")
                 x2 = tl.load(src + p2, mask=m, other=0.0, cache_modifier=".cg")
                 tl.store(dst + p1, x1 * cos - x2 * sin, mask=m)
