@@ -47,16 +47,30 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
         word = words + t.to(tl.int64) * WORDS
         t_begin = now_ns(USE_TIMER)
         op = tl.load(word)
-        if op == OP_LINEAR:  # request the first weights, then wait, then stream the rest
+        # weights never depend on activations: the first of them are requested before the wait
+        if op == OP_LINEAR:
             w = linear.prefetch(word, W, BR, KC, ALIGN)
             ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
             t_ready = now_ns(USE_TIMER)
             if ok == 1:
                 linear.body(word, W, A, w, BR, KC, ALIGN, XKEEP)
+        elif op == OP_HEAD_MATMUL:
+            if head_matmul.transposed(word):
+                wt = head_matmul.prefetch(word, W, BI, BO, ALIGN, True)
+                ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
+                t_ready = now_ns(USE_TIMER)
+                if ok == 1:
+                    head_matmul.body(word, W, A, wt, BI, BO, ALIGN, True)
+            else:
+                wh = head_matmul.prefetch(word, W, BI, BO, ALIGN, False)
+                ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
+                t_ready = now_ns(USE_TIMER)
+                if ok == 1:
+                    head_matmul.body(word, W, A, wh, BI, BO, ALIGN, False)
         else:
             ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
             t_ready = now_ns(USE_TIMER)
-        if (ok == 1) & (op != OP_LINEAR):
+        if (ok == 1) & (op != OP_LINEAR) & (op != OP_HEAD_MATMUL):
             if op == OP_EXPERT_LINEAR:
                 moe.expert_body(word, W, A, I, BR, KC, ALIGN, XKEEP)
             elif op == OP_RMSNORM:
@@ -64,9 +78,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             elif op == OP_ATTENTION:
                 attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC)
             elif op == OP_ATTN_COMBINE:
-                attention.combine_body(word, A, BSC, DMAX, CPF)
-            elif op == OP_HEAD_MATMUL:
-                head_matmul.body(word, W, A, BI, BO, ALIGN)
+                attention.combine_body(word, A, BSC, DMAX, CPF, ALIGN)
             elif op == OP_ROPE:
                 rope.apply_body(word, A, BH)
             elif op == OP_CACHE_WRITE:

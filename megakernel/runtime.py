@@ -77,8 +77,6 @@ def check_operand_buffers(plan: Plan, tasks: list[Decoded]) -> None:
         if t.op.name in ("LINEAR", "EXPERT_LINEAR") and t["r1"] <= t["r0"]:
             raise MegakernelError(f"task {i} ({plan.task_labels[i]}): rows {t['r0']}..{t['r1']} are empty; the weight "
                                   "stream reads its first chunk before it knows (row r1 - 1 would be read)")
-        if t.op.name == "ROUTE" and t["topk"] > 16:
-            raise MegakernelError(f"task {i}: {t['topk']} experts per token; the ROUTE body handles at most 16")
         if t.op.name == "ROUTE" and t.has("TOPK") and t.fields["ids.buf"] < 0:
             raise MegakernelError(f"task {i} ({plan.task_labels[i]}): ROUTE has no ids buffer; its body stores the "
                                   "top-k ids (and its slot-table stage reads them back) in memory")
@@ -97,7 +95,9 @@ ALIGNED_FIELDS = {
     "LINEAR": ("K", "w.off", "w2.off", "x.off", "x.ld"),
     "EXPERT_LINEAR": ("K", "w.off", "w2.off", "w_es", "x.off", "x.ld"),
     "HEAD_MATMUL": ("w.off", "w_hs", "w_ld", "x.ld", "x_hs", "x_col0", "x.off", "o0"),
-    "ATTENTION": ("width", "cache.off", "dim", "q.off", "q.ld", "q_hs", "kv_hs", "v_col0"),
+    "ATTENTION": ("width", "cache.off", "dim", "q.off", "q.ld", "q_hs", "q_col0", "kv_hs", "v_col0", "rope_dim",
+                  "pe.off", "pe.ld", "pe_hs", "pe_col0"),
+    "ATTN_COMBINE": ("dim", "op.off", "out.off", "out.ld"),
 }
 
 
@@ -122,14 +122,18 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     splits = norm_width = topk = 2
     sample = 0
     stream_k = 32
+    head_in = head_out = pairs = 16
     for t in tasks:
         f = t.fields
         if t.op.name in ("LINEAR", "EXPERT_LINEAR"):
             stream_k = max(stream_k, _pow2(f["K"]))
+        elif t.op.name == "HEAD_MATMUL":
+            head_in, head_out = max(head_in, _pow2(f["in_dim"])), max(head_out, _pow2(f["o1"] - f["o0"]))
         elif t.op.name == "ATTENTION":
             dmax, rmax = max(dmax, _pow2(f["dim"])), max(rmax, _pow2(f["rope_dim"]))
         elif t.op.name == "ROUTE":
             experts = max(experts, _pow2(f["E"]))
+            pairs = max(pairs, _pow2(f["N"] * f["topk"]))
         elif t.op.name in ("HC_COEFF", "HC_HEAD", "HC_EXPAND"):
             width = max(width, _pow2((2 + f["n"]) * f["n"]))
         elif t.op.name == "ACCEPT":
@@ -150,9 +154,12 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     # would only be multiplied by zero)
     kc = min(2048, stream_k)
     br = 16384 // kc
+    # per-head matmuls: up to 128 x 128 weights per step (the stream's 16K), so a q_absorb task of
+    # MLA is one tile, requested before its wait
+    bi, bo = min(128, head_in), min(128, head_out)
     # bf16 weights: activations enter the tensor cores as a bf16 (high, low) pair, ~16 mantissa bits
-    return dict(BR=br, KC=kc, STAGES=stages, BD=256, BH=32, BM=16, BJ=32, DMAX=dmax, RMAX=rmax, BI=64, BO=128,
-                BE=experts, BP=256, BW=width, ALIGN=alignment(tasks), BT=spec_t,
+    return dict(BR=br, KC=kc, STAGES=stages, BD=256, BH=32, BM=16, BJ=32, DMAX=dmax, RMAX=rmax, BI=bi, BO=bo,
+                BE=experts, BP=min(256, pairs), BW=width, ALIGN=alignment(tasks), BT=spec_t,
                 # whole rows per load where registers allow: each block is one memory round trip
                 BSC=min(splits, max(1, 8192 // dmax)), BN=min(norm_width, 8192), BK=topk, CPF=0,
                 SAMPLE=sample, BV=1024, XKEEP=0,
@@ -172,6 +179,10 @@ def check_block_overrides(blocks: dict, fitted: dict) -> None:
     if blocks["BR"] * blocks["KC"] > 32768:
         raise MegakernelError(f"block override BR={blocks['BR']}, KC={blocks['KC']}: a weight chunk of more than 32768 "
                               "weights (256 bytes per thread) would not fit the registers")
+    if max(blocks["BI"], blocks["BO"]) > STREAM_SLACK or blocks["BI"] * blocks["BO"] > 32768:
+        raise MegakernelError(f"block override BI={blocks['BI']}, BO={blocks['BO']}: per-head weight tiles read up to "
+                              f"BI or BO past a matrix (at most {STREAM_SLACK}, the W arena's slack) and hold at "
+                              "most 32768 weights")
     if blocks["ALIGN"] > fitted["ALIGN"]:
         raise MegakernelError(f"block override ALIGN={blocks['ALIGN']}: the plan's sizes and offsets are multiples of "
                               f"{fitted['ALIGN']} only (the bodies round them down to ALIGN)")

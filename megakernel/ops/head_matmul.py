@@ -27,52 +27,79 @@ def reference(task, mem) -> None:
 
 # ---- GPU body ----------------------------------------------------------------------------
 @triton.jit
-def step_tiles(s, total, h0, nob, nib, N, w_ptr, w_hs, w_ld, trans, x_ptr, x_ld, x_hs, x_col0, i_dim, o0, o1,
-               BI: tl.constexpr, BO: tl.constexpr):
-    """Step s's weight tile [BI, BO] and activation slice [BI] (steps: head, output block, token,
-    input block, innermost last); nothing is read when s == total."""
+def weight_tile(s, total, h0, nob, nib, N, w_ptr, w_hs, w_ld, i_dim, o0, o1, BI: tl.constexpr, BO: tl.constexpr,
+                TRANS: tl.constexpr):
+    """Step s's [BI, BO] weight tile (steps: head, output block, token, input block, innermost last).
+    Unmasked, like the weight stream's chunks, so each thread's vector is one load: the strided index
+    is clamped to its last valid value, the contiguous one reads on past the block (at most BI or BO
+    elements past the matrix; the W arena has that much slack, memory.STREAM_SLACK) and those
+    products are either multiplied by zero activations or never stored.  Nothing is read when
+    s == total (a scalar mask keeps the vector loads)."""
     on = s < total
     ib = (s % nib) * BI
-    n = (s // nib) % N
     ob = o0 + ((s // (nib * N)) % nob) * BO
     h = h0 + s // (nib * N * nob)
     i = ib + tl.arange(0, BI)
     o = ob + tl.arange(0, BO)
-    imask = (i < i_dim) & on
-    omask = o < o1
-    if trans:  # W_h[i, o] at o*ld + i
-        w_offs = o[None, :] * w_ld + i[:, None]
+    if TRANS:  # W_h[i, o] at o*ld + i: rows o, contiguous i
+        w_offs = tl.minimum(o, o1 - 1)[None, :] * w_ld + i[:, None]
     else:
-        w_offs = i[:, None] * w_ld + o[None, :]
-    w = tl.load(w_ptr + h * w_hs.to(tl.int64) + w_offs, mask=imask[:, None] & omask[None, :], other=0.0)
-    x = tl.load(x_ptr + n * x_ld + h * x_hs + x_col0 + i, mask=imask, other=0.0, cache_modifier=".cg")
-    return w, x
+        w_offs = tl.minimum(i, i_dim - 1)[:, None] * w_ld + o[None, :]
+    return tl.load(w_ptr + h * w_hs.to(tl.int64) + w_offs, mask=on, other=0.0)
 
 
 @triton.jit
-def body(word, W, A, BI: tl.constexpr, BO: tl.constexpr, ALIGN: tl.constexpr):
-    """Per head and token, a GEMV on CUDA cores over whole [BI, BO] weight tiles (fp32 sums in a
-    fixed order: batch invariant).  One flat loop over (head, output block, token, input block)
-    requests the next step's tiles before reducing the current ones: a head's few tiles would
-    otherwise each wait out a full memory latency."""
-    flags, N = fld(word, HEAD_MATMUL_FLAGS), fld(word, HEAD_MATMUL_N)
-    i_dim = fld(word, HEAD_MATMUL_IN_DIM)
-    x_ptr, x_ld, x_hs, x_col0 = (A + off(word, HEAD_MATMUL_X_OFF), fld(word, HEAD_MATMUL_X_LD),
-                                 fld(word, HEAD_MATMUL_X_HS), fld(word, HEAD_MATMUL_X_COL0))
+def act_slice(s, h0, nob, nib, N, x_ptr, x_ld, x_hs, x_col0, i_dim, BI: tl.constexpr):
+    """Step s's activation slice [BI] (zero past in_dim)."""
+    ib = (s % nib) * BI
+    n = (s // nib) % N
+    h = h0 + s // (nib * N * nob)
+    i = ib + tl.arange(0, BI)
+    return tl.load(x_ptr + n * x_ld + h * x_hs + x_col0 + i, mask=i < i_dim, other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
+def task_fields(word, W, ALIGN: tl.constexpr):
+    """(w_ptr, w_hs, w_ld, h0, h1, i_dim, o0, o1, N) of a HEAD_MATMUL task word."""
     w_ptr = W + aligned(off(word, HEAD_MATMUL_W_OFF), ALIGN)
     w_hs, w_ld = aligned(fld(word, HEAD_MATMUL_W_HS), ALIGN), aligned(fld(word, HEAD_MATMUL_W_LD), ALIGN)
-    o_ptr, o_ld, o_hs = A + off(word, HEAD_MATMUL_OUT_OFF), fld(word, HEAD_MATMUL_OUT_LD), fld(word, HEAD_MATMUL_OUT_HS)
-    trans = has(flags, FLAG_HEAD_MATMUL_TRANS)
-    h0, h1 = fld(word, HEAD_MATMUL_H0), fld(word, HEAD_MATMUL_H1)
+    h0, h1, N = fld(word, HEAD_MATMUL_H0), fld(word, HEAD_MATMUL_H1), fld(word, HEAD_MATMUL_N)
+    i_dim = fld(word, HEAD_MATMUL_IN_DIM)
     o0, o1 = aligned(fld(word, HEAD_MATMUL_O0), ALIGN), fld(word, HEAD_MATMUL_O1)  # output columns of this task
+    return w_ptr, w_hs, w_ld, h0, h1, i_dim, o0, o1, N
+
+
+@triton.jit
+def transposed(word):
+    """The kernel runs TRANS tasks and the others through separate copies of prefetch and body: with
+    the layout a runtime choice, the weights' contiguous axis was unknown and every load was 2 bytes."""
+    return has(fld(word, HEAD_MATMUL_FLAGS), FLAG_HEAD_MATMUL_TRANS)
+
+
+@triton.jit
+def prefetch(word, W, BI: tl.constexpr, BO: tl.constexpr, ALIGN: tl.constexpr, TRANS: tl.constexpr):
+    """The task's first weight tile, requested before its dependency wait (weights never depend on
+    activations): a q_absorb task is a single tile, so its wait hides all of its weight latency."""
+    w_ptr, w_hs, w_ld, h0, h1, i_dim, o0, o1, N = task_fields(word, W, ALIGN)
+    nib, nob = tl.cdiv(i_dim, BI), tl.cdiv(o1 - o0, BO)
+    return weight_tile(0, 1, h0, nob, nib, N, w_ptr, w_hs, w_ld, i_dim, o0, o1, BI, BO, TRANS)
+
+
+@triton.jit
+def body(word, W, A, w, BI: tl.constexpr, BO: tl.constexpr, ALIGN: tl.constexpr, TRANS: tl.constexpr):
+    """Per head and token, a GEMV on CUDA cores over whole [BI, BO] weight tiles (fp32 sums in a
+    fixed order: batch invariant).  One flat loop over (head, output block, token, input block)
+    requests the next step's tile before reducing the current one.  w: step 0's tile (prefetch)."""
+    w_ptr, w_hs, w_ld, h0, h1, i_dim, o0, o1, N = task_fields(word, W, ALIGN)
+    x_ptr, x_ld, x_hs, x_col0 = (A + off(word, HEAD_MATMUL_X_OFF), fld(word, HEAD_MATMUL_X_LD),
+                                 fld(word, HEAD_MATMUL_X_HS), fld(word, HEAD_MATMUL_X_COL0))
+    o_ptr, o_ld, o_hs = A + off(word, HEAD_MATMUL_OUT_OFF), fld(word, HEAD_MATMUL_OUT_LD), fld(word, HEAD_MATMUL_OUT_HS)
     nib, nob = tl.cdiv(i_dim, BI), tl.cdiv(o1 - o0, BO)
     total = (h1 - h0) * nob * N * nib
-    w, x = step_tiles(0, total, h0, nob, nib, N, w_ptr, w_hs, w_ld, trans, x_ptr, x_ld, x_hs, x_col0, i_dim, o0, o1,
-                      BI, BO)
     acc = tl.zeros((BO,), tl.float32)
     for s in range(total):
-        w_next, x_next = step_tiles(s + 1, total, h0, nob, nib, N, w_ptr, w_hs, w_ld, trans, x_ptr, x_ld, x_hs,
-                                    x_col0, i_dim, o0, o1, BI, BO)
+        w_next = weight_tile(s + 1, total, h0, nob, nib, N, w_ptr, w_hs, w_ld, i_dim, o0, o1, BI, BO, TRANS)
+        x = act_slice(s, h0, nob, nib, N, x_ptr, x_ld, x_hs, x_col0, i_dim, BI)
         acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)
         if s % nib == nib - 1:  # this (head, output block, token) is complete
             n = (s // nib) % N
@@ -80,4 +107,4 @@ def body(word, W, A, BI: tl.constexpr, BO: tl.constexpr, ALIGN: tl.constexpr):
             h = h0 + s // (nib * N * nob)
             tl.store(o_ptr + n * o_ld + h * o_hs + o, acc, mask=o < o1)
             acc = tl.zeros((BO,), tl.float32)
-        w, x = w_next, x_next
+        w = w_next
