@@ -169,12 +169,14 @@ def footprint(task: Decoded) -> list[Access]:
             out += _flat(task, "lse", row + h0, row + h1, True)
     elif name == "ATTN_COMBINE":
         b, T, h0, h1, nh, ns, dim = f["b"], f["T"], f["h0"], f["h1"], f["nheads"], f["nsplits"], f["dim"]
+        c0, c1 = f["c0"], f["c1"]
         for s in range(ns):
             for t in range(T):
                 row = ((b * ns + s) * T + t) * nh
-                out += _acc(task, "op", row + h0, row + h1, 0, dim, False, ld=dim)
+                out += _acc(task, "op", row + h0, row + h1, c0, c1, False, ld=dim)
                 out += _flat(task, "lse", row + h0, row + h1, False)
-        out += _acc(task, "out", b * T, (b + 1) * T, h0 * dim, h1 * dim, True)
+        for h in range(h0, h1):
+            out += _acc(task, "out", b * T, (b + 1) * T, h * dim + c0, h * dim + c1, True)
     elif name == "ROUTE":
         N, E, k, S = f["N"], f["E"], f["topk"], f["S"]
         score, topk, slots = task.has("SCORE"), task.has("TOPK"), task.has("SLOTS")

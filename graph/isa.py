@@ -89,7 +89,7 @@ _OPS = [
     Opcode("ATTENTION", 9, _f("q* q_hs q_col0 pe* pe_hs pe_col0 cache+ cl+ T S width b h0 h1 split split_len "
                               "dim rope_dim v_col0 kv_hs group scale op+ lse+ nheads nsplits pos_offset"), ("MLA",)),
     # out[b*T + t, h*dim : +dim] = sum_s exp(lse_s - LSE) · o_part_s
-    Opcode("ATTN_COMBINE", 10, _f("op+ lse+ out* b T h0 h1 nheads nsplits dim")),
+    Opcode("ATTN_COMBINE", 10, _f("op+ lse+ out* b T h0 h1 nheads nsplits dim c0 c1")),
     # SCORE: scores = softmax|sigmoid(logits); TOPK: ids, weights; SLOTS: distinct experts -> slot table
     # st = [expert of slot s (-1: empty)] * S + [pairs in slot s] * S + [pair ids (token·topk + j)] * S·N·topk
     Opcode("ROUTE", 11, _f("lg* sc+ bias+ ids+ wts+ st+ N E topk n_group topk_group scale S"),

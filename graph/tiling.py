@@ -149,8 +149,13 @@ class Tiler:
         a = op.attrs
         nh, T, dim, ns = a["nheads"], a["T"], a["dim"], a["nsplits"]
         hpt = max(1, -(-nh // max(1, self.opts.spread // a["B"]))) if self.opts.spread else nh
-        return [Tile({"b": b, "h0": h0, "h1": h1}, 0, 4 * T * (h1 - h0) * dim * (ns + 1), 3 * T * (h1 - h0) * dim * ns)
-                for b in range(a["B"]) for h0, h1 in _blocks(nh, hpt)]
+        heads = _blocks(nh, hpt)
+        cols = dim  # with spread, when heads alone make too few tasks: column blocks too, so that each
+        if self.opts.spread:  # task reads all splits of its columns in one memory round trip
+            cols = _spread_block(dim, self.opts.spread // (a["B"] * len(heads)), 16, 64)
+        return [Tile({"b": b, "h0": h0, "h1": h1, "c0": c0, "c1": c1}, 0, 4 * T * (h1 - h0) * (c1 - c0) * (ns + 1),
+                     3 * T * (h1 - h0) * (c1 - c0) * ns)
+                for b in range(a["B"]) for h0, h1 in heads for c0, c1 in _blocks(dim, cols)]
 
     def tile_route(self, op):
         a = op.attrs

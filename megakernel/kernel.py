@@ -33,7 +33,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                BH: tl.constexpr,
                BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr, BI: tl.constexpr,
                BO: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr, BW: tl.constexpr, BSC: tl.constexpr,
-               BN: tl.constexpr, BK: tl.constexpr, CPF: tl.constexpr,
+               BN: tl.constexpr, BK: tl.constexpr, CPF: tl.constexpr, BCW: tl.constexpr,
                SAMPLE: tl.constexpr, BV: tl.constexpr, XKEEP: tl.constexpr,
                ALIGN: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr):
     pid = tl.program_id(0)
@@ -78,7 +78,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             elif op == OP_ATTENTION:
                 attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC)
             elif op == OP_ATTN_COMBINE:
-                attention.combine_body(word, A, BSC, DMAX, CPF, ALIGN)
+                attention.combine_body(word, A, BSC, BCW, CPF, ALIGN)
             elif op == OP_ROPE:
                 rope.apply_body(word, A, BH)
             elif op == OP_CACHE_WRITE:

@@ -97,7 +97,7 @@ ALIGNED_FIELDS = {
     "HEAD_MATMUL": ("w.off", "w_hs", "w_ld", "x.ld", "x_hs", "x_col0", "x.off", "o0"),
     "ATTENTION": ("width", "cache.off", "dim", "q.off", "q.ld", "q_hs", "q_col0", "kv_hs", "v_col0", "rope_dim",
                   "pe.off", "pe.ld", "pe_hs", "pe_col0"),
-    "ATTN_COMBINE": ("dim", "op.off", "out.off", "out.ld"),
+    "ATTN_COMBINE": ("dim", "op.off", "out.off", "out.ld", "c0", "c1"),
 }
 
 
@@ -122,7 +122,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     splits = norm_width = topk = 2
     sample = 0
     stream_k = 32
-    head_in = head_out = pairs = 16
+    head_in = head_out = pairs = combine_cols = 16
     for t in tasks:
         f = t.fields
         if t.op.name in ("LINEAR", "EXPERT_LINEAR"):
@@ -141,6 +141,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
             sample = sample or int(t.has("SAMPLE"))
         elif t.op.name == "ATTN_COMBINE":
             splits = max(splits, _pow2(f["nsplits"], 2))
+            combine_cols = max(combine_cols, _pow2(f["c1"] - f["c0"]))
         elif t.op.name == "RMSNORM":
             norm_width = max(norm_width, _pow2(f["D"], 2))
         elif t.op.name == "MOE_COMBINE":
@@ -157,11 +158,13 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     # per-head matmuls: up to 128 x 128 weights per step (the stream's 16K), so a q_absorb task of
     # MLA is one tile, requested before its wait
     bi, bo = min(128, head_in), min(128, head_out)
+    # the attention combine: all splits of a task's columns in one load where 8K values allow
+    bcw = min(combine_cols, max(16, 8192 // splits))
     # bf16 weights: activations enter the tensor cores as a bf16 (high, low) pair, ~16 mantissa bits
     return dict(BR=br, KC=kc, STAGES=stages, BD=256, BH=32, BM=16, BJ=32, DMAX=dmax, RMAX=rmax, BI=bi, BO=bo,
                 BE=experts, BP=min(256, pairs), BW=width, ALIGN=alignment(tasks), BT=spec_t,
                 # whole rows per load where registers allow: each block is one memory round trip
-                BSC=min(splits, max(1, 8192 // dmax)), BN=min(norm_width, 8192), BK=topk, CPF=0,
+                BSC=min(splits, max(1, 8192 // bcw)), BCW=bcw, BN=min(norm_width, 8192), BK=topk, CPF=0,
                 SAMPLE=sample, BV=1024, XKEEP=0,
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2")
 

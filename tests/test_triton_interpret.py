@@ -63,7 +63,7 @@ def test_kernel_small_blocks(name):
     RMSNorm rows longer than a block (two passes), the weight stream over several K chunks and row
     blocks (the activation chunk kept across steps: XKEEP), the combine's next block requested early,
     rope over several blocks of heads, per-head matmuls over several input and output blocks."""
-    cfg, plan, interp, mk = _pair(name, blocks=dict(BSC=2, BN=16, CPF=1, BR=8, KC=32, XKEEP=1, BH=512, BI=8, BO=8))
+    cfg, plan, interp, mk = _pair(name, blocks=dict(BSC=2, BCW=8, BN=16, CPF=1, BR=8, KC=32, XKEEP=1, BH=512, BI=8, BO=8))
     assert cfg.hidden_size > 16 and plan.shape["max_len"] // plan.shape["attn_split"] > 2
     _compare(cfg, interp, mk, torch.tensor([3, 11]))
 

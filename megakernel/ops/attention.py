@@ -19,7 +19,7 @@ from .fields import (ATTENTION_B, ATTENTION_CACHE_OFF, ATTENTION_CL_OFF, ATTENTI
                      ATTENTION_PE_LD, ATTENTION_PE_OFF, ATTENTION_POS_OFFSET, ATTENTION_Q_COL0, ATTENTION_Q_HS,
                      ATTENTION_Q_LD, ATTENTION_Q_OFF, ATTENTION_ROPE_DIM, ATTENTION_S, ATTENTION_SCALE, ATTENTION_SPLIT,
                      ATTENTION_SPLIT_LEN, ATTENTION_T, ATTENTION_V_COL0, ATTENTION_WIDTH, ATTN_COMBINE_B,
-                     ATTN_COMBINE_DIM, ATTN_COMBINE_H0, ATTN_COMBINE_H1, ATTN_COMBINE_LSE_OFF, ATTN_COMBINE_NHEADS,
+                     ATTN_COMBINE_C0, ATTN_COMBINE_C1, ATTN_COMBINE_DIM, ATTN_COMBINE_H0, ATTN_COMBINE_H1, ATTN_COMBINE_LSE_OFF, ATTN_COMBINE_NHEADS,
                      ATTN_COMBINE_NSPLITS, ATTN_COMBINE_OP_OFF, ATTN_COMBINE_OUT_LD, ATTN_COMBINE_OUT_OFF,
                      ATTN_COMBINE_T, FLAG_ATTENTION_MLA)
 
@@ -60,16 +60,16 @@ def reference(task, mem) -> None:
 
 def reference_combine(task, mem) -> None:
     b, T, nh, ns, dim = task["b"], task["T"], task["nheads"], task["nsplits"], task["dim"]
-    h0, h1 = task["h0"], task["h1"]
+    h0, h1, c0, c1 = task["h0"], task["h1"], task["c0"], task["c1"]
     for t in range(T):
         rows = torch.tensor([((b * ns + s) * T + t) * nh for s in range(ns)], device=mem.device)
         for h in range(h0, h1):
             lse = mem.bufs[task["lse.buf"]][task["lse.off"] + rows + h]
             parts = mem.bufs[task["op.buf"]][task["op.off"] + ((rows + h) * dim)[:, None]
-                                             + torch.arange(dim, device=mem.device)]
+                                             + torch.arange(c0, c1, device=mem.device)]
             weights = torch.softmax(lse, dim=0)  # exp(lse_s - logsumexp(lse))
             out = (weights[:, None] * parts).sum(0)
-            mem.mat(task, "out", 1, dim, row0=b * T + t, col0=h * dim).copy_(out[None])
+            mem.mat(task, "out", 1, c1 - c0, row0=b * T + t, col0=h * dim + c0).copy_(out[None])
 
 
 # ---- GPU body ----------------------------------------------------------------------------
@@ -95,11 +95,14 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
     h0, h1, nh, ns = fld(word, ATTENTION_H0), fld(word, ATTENTION_H1), fld(word, ATTENTION_NHEADS), fld(word, ATTENTION_NSPLITS)
     split, split_len = fld(word, ATTENTION_SPLIT), fld(word, ATTENTION_SPLIT_LEN)
     dim, scale = aligned(fld(word, ATTENTION_DIM), ALIGN), ffld(word, ATTENTION_SCALE)
-    rope_dim = fld(word, ATTENTION_ROPE_DIM)
-    q_ptr, q_ld, q_hs, q_col0 = (A + off(word, ATTENTION_Q_OFF), fld(word, ATTENTION_Q_LD), fld(word, ATTENTION_Q_HS),
-                                 fld(word, ATTENTION_Q_COL0))
-    pe_ptr, pe_ld, pe_hs, pe_col0 = (A + off(word, ATTENTION_PE_OFF), fld(word, ATTENTION_PE_LD),
-                                     fld(word, ATTENTION_PE_HS), fld(word, ATTENTION_PE_COL0))
+    rope_dim = aligned(fld(word, ATTENTION_ROPE_DIM), ALIGN)
+    # sizes and offsets the host checked are multiples of ALIGN (runtime.ALIGNED_FIELDS), written so the
+    # compiler sees it: the query rows load as 16-byte vectors, not 32 scalar loads per thread
+    q_ptr, q_ld, q_hs, q_col0 = (A + aligned(off(word, ATTENTION_Q_OFF), ALIGN), aligned(fld(word, ATTENTION_Q_LD), ALIGN),
+                                 aligned(fld(word, ATTENTION_Q_HS), ALIGN), aligned(fld(word, ATTENTION_Q_COL0), ALIGN))
+    pe_ptr, pe_ld, pe_hs, pe_col0 = (A + aligned(off(word, ATTENTION_PE_OFF), ALIGN),
+                                     aligned(fld(word, ATTENTION_PE_LD), ALIGN), aligned(fld(word, ATTENTION_PE_HS), ALIGN),
+                                     aligned(fld(word, ATTENTION_PE_COL0), ALIGN))
     cache = C + aligned(off(word, ATTENTION_CACHE_OFF), ALIGN) + b.to(tl.int64) * S * width
     limit = tl.load(I + off(word, ATTENTION_CL_OFF) + b, cache_modifier=".cg") + fld(word, ATTENTION_POS_OFFSET)
     op_ptr, lse_ptr = A + off(word, ATTENTION_OP_OFF), A + off(word, ATTENTION_LSE_OFF)
@@ -173,41 +176,44 @@ def combine_block(sb, first, stride, ns, dim, d, dmask, lse_ptr, op_ptr, BSC: tl
 
 
 @triton.jit
-def combine_body(word, A, BSC: tl.constexpr, DMAX: tl.constexpr, CPF: tl.constexpr):
-    """Per token and head: out[:] = sum_s exp(lse[s] - LSE) o[s, :], with LSE = log sum_s exp(lse[s]).
-    BSC splits per load and an online maximum: ceil(nsplits / BSC) memory round trips per head, not
-    2 x nsplits dependent ones (that serial loop took 33 µs per dsv2-lite layer: docs/PERF.md).
+def combine_body(word, A, BSC: tl.constexpr, BCW: tl.constexpr, CPF: tl.constexpr, ALIGN: tl.constexpr):
+    """Per token and head, columns c0..c1: out = sum_s exp(lse[s] - LSE) o[s, :], LSE = log sum_s exp(lse[s]).
+    [BSC splits, BCW columns] per load and an online maximum: ceil(nsplits / BSC) memory round trips
+    per column block, not 2 x nsplits dependent ones (that serial loop took 33 µs per dsv2-lite layer:
+    docs/PERF.md); the plan splits columns over tasks so that one round trip reads every split.
     CPF 1: the next block is requested before this one is summed (more registers).
     Each lane keeps its own partial sum until the end: a fixed order, whatever the neighbours."""
     b, T, nh, ns, dim = (fld(word, ATTN_COMBINE_B), fld(word, ATTN_COMBINE_T), fld(word, ATTN_COMBINE_NHEADS),
-                         fld(word, ATTN_COMBINE_NSPLITS), fld(word, ATTN_COMBINE_DIM))
+                         fld(word, ATTN_COMBINE_NSPLITS), aligned(fld(word, ATTN_COMBINE_DIM), ALIGN))
     h0, h1 = fld(word, ATTN_COMBINE_H0), fld(word, ATTN_COMBINE_H1)
-    op_ptr, lse_ptr = A + off(word, ATTN_COMBINE_OP_OFF), A + off(word, ATTN_COMBINE_LSE_OFF)
-    o_ptr, o_ld = A + off(word, ATTN_COMBINE_OUT_OFF), fld(word, ATTN_COMBINE_OUT_LD)
-    d = tl.arange(0, DMAX)
-    dmask = d < dim
+    c0, c1 = aligned(fld(word, ATTN_COMBINE_C0), ALIGN), aligned(fld(word, ATTN_COMBINE_C1), ALIGN)
+    op_ptr, lse_ptr = A + aligned(off(word, ATTN_COMBINE_OP_OFF), ALIGN), A + off(word, ATTN_COMBINE_LSE_OFF)
+    o_ptr, o_ld = A + aligned(off(word, ATTN_COMBINE_OUT_OFF), ALIGN), aligned(fld(word, ATTN_COMBINE_OUT_LD), ALIGN)
     stride = T * nh  # from one split's row of a (token, head) to the next split's
-    for t in range(T):
-        for h in range(h0, h1):
-            first = (b * ns * T + t) * nh + h
-            m = tl.full([], -float("inf"), tl.float32)
-            total = tl.zeros((BSC,), tl.float32)
-            acc = tl.zeros((BSC, DMAX), tl.float32)
-            lse, part = combine_block(0, first, stride, ns, dim, d, dmask, lse_ptr, op_ptr, BSC)
-            for sb in range(0, ns, BSC):
-                if CPF:
-                    lse_n, part_n = combine_block(sb + BSC, first, stride, ns, dim, d, dmask, lse_ptr, op_ptr, BSC)
-                m_new = tl.maximum(m, tl.max(lse, axis=0))
-                m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-                scale = tl.exp(m - m_safe)  # rescales what the earlier blocks summed
-                wgt = tl.exp(lse - m_safe)
-                total = total * scale + wgt
-                acc = acc * scale + wgt[:, None] * part
-                m = m_new
-                if CPF:
-                    lse, part = lse_n, part_n
-                else:
-                    lse, part = combine_block(sb + BSC, first, stride, ns, dim, d, dmask, lse_ptr, op_ptr, BSC)
-            den = tl.sum(total, axis=0)
-            out = tl.sum(acc, axis=0) / tl.where(den > 0, den, 1.0)
-            tl.store(o_ptr + (b * T + t) * o_ld + h * dim + d, out, mask=dmask)
+    nc = tl.cdiv(c1 - c0, BCW)
+    for i in range(T * (h1 - h0) * nc):  # (token, head, column block)
+        t, h, cb = i // (nc * (h1 - h0)), h0 + (i // nc) % (h1 - h0), c0 + (i % nc) * BCW
+        d = cb + tl.arange(0, BCW)
+        dmask = d < c1
+        first = (b * ns * T + t) * nh + h
+        m = tl.full([], -float("inf"), tl.float32)
+        total = tl.zeros((BSC,), tl.float32)
+        acc = tl.zeros((BSC, BCW), tl.float32)
+        lse, part = combine_block(0, first, stride, ns, dim, d, dmask, lse_ptr, op_ptr, BSC)
+        for sb in range(0, ns, BSC):
+            if CPF:
+                lse_n, part_n = combine_block(sb + BSC, first, stride, ns, dim, d, dmask, lse_ptr, op_ptr, BSC)
+            m_new = tl.maximum(m, tl.max(lse, axis=0))
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+            scale = tl.exp(m - m_safe)  # rescales what the earlier blocks summed
+            wgt = tl.exp(lse - m_safe)
+            total = total * scale + wgt
+            acc = acc * scale + wgt[:, None] * part
+            m = m_new
+            if CPF:
+                lse, part = lse_n, part_n
+            else:
+                lse, part = combine_block(sb + BSC, first, stride, ns, dim, d, dmask, lse_ptr, op_ptr, BSC)
+        den = tl.sum(total, axis=0)
+        out = tl.sum(acc, axis=0) / tl.where(den > 0, den, 1.0)
+        tl.store(o_ptr + (b * T + t) * o_ld + h * dim + d, out, mask=dmask)
