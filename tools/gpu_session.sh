@@ -9,6 +9,8 @@
 #            check on dsv2-lite and llama-1b, each with one MTP layer (tools/spec_sweep.py);
 #   stream   the weight stream alone (tools/stream_bench.py): GB/s per SM of LINEAR and expert
 #            tasks, default launch beside $STREAM_VARIANTS;
+#   ncu      Nsight Compute's warp-state samples of one step of each of $MODELS (tools/ncu_step.py; the
+#            report, its per-instruction CSV and the cubin come back; tools/ncu_lines.py reads them offline);
 #   anchors  the outside yardstick, if a copy of ../shared/anchors sits in .anchors/ (git-ignored;
 #            carry it with the device tool);
 #   all      tests,bench,spec,anchors.
@@ -45,6 +47,14 @@ if [[ "$parts" == *,stream,* ]]; then
         # shellcheck disable=SC2086
         timeout 280 python3 tools/stream_bench.py --kind $kind --variants $stream_variants --out "$out" 2>&1 \
             | tee "$out/stream_$kind.log" | tail -6
+    done
+fi
+if [[ "$parts" == *,ncu,* ]]; then
+    for m in $models; do
+        timeout 250 ncu --clock-control none -k regex:megakernel --launch-skip 2 --launch-count 1 \
+            --section SourceCounters --section WarpStateStats -o "$out/$m" -f \
+            python3 tools/ncu_step.py --model "$m" --cubin "$out/$m.cubin" 2>&1 | tail -3
+        ncu --import "$out/$m.ncu-rep" --page source --csv --print-source sass > "$out/${m}_sass.csv"
     done
 fi
 if [[ "$parts" == *,anchors,* ]] && [ -f .anchors/torch_baselines.py ]; then
