@@ -35,7 +35,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                BO: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr, BW: tl.constexpr, BSC: tl.constexpr,
                BN: tl.constexpr, BK: tl.constexpr, CPF: tl.constexpr, BCW: tl.constexpr,
                SAMPLE: tl.constexpr, BV: tl.constexpr, XKEEP: tl.constexpr,
-               ALIGN: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr):
+               ALIGN: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr, ATT_KIND: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
     end = tl.load(queue_ptr + pid + 1)
@@ -76,7 +76,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             elif op == OP_RMSNORM:
                 norm.body(word, W, A, BN)
             elif op == OP_ATTENTION:
-                attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC)
+                attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC, ATT_KIND)
             elif op == OP_ATTN_COMBINE:
                 attention.combine_body(word, A, BSC, BCW, CPF, ALIGN)
             elif op == OP_ROPE:

@@ -96,7 +96,7 @@ ALIGNED_FIELDS = {
     "EXPERT_LINEAR": ("K", "w.off", "w2.off", "w_es", "x.off", "x.ld"),
     "HEAD_MATMUL": ("w.off", "w_hs", "w_ld", "x.ld", "x_hs", "x_col0", "x.off", "o0"),
     "ATTENTION": ("width", "cache.off", "dim", "q.off", "q.ld", "q_hs", "q_col0", "kv_hs", "v_col0", "rope_dim",
-                  "pe.off", "pe.ld", "pe_hs", "pe_col0"),
+                  "pe.off", "pe.ld", "pe_hs", "pe_col0", "op.off"),
     "ATTN_COMBINE": ("dim", "op.off", "out.off", "out.ld", "c0", "c1"),
 }
 
@@ -123,6 +123,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     sample = 0
     stream_k = 32
     head_in = head_out = pairs = combine_cols = 16
+    att_kinds = set()
     for t in tasks:
         f = t.fields
         if t.op.name in ("LINEAR", "EXPERT_LINEAR"):
@@ -131,6 +132,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
             head_in, head_out = max(head_in, _pow2(f["in_dim"])), max(head_out, _pow2(f["o1"] - f["o0"]))
         elif t.op.name == "ATTENTION":
             dmax, rmax = max(dmax, _pow2(f["dim"])), max(rmax, _pow2(f["rope_dim"]))
+            att_kinds.add(1 if t.has("MLA") else 2)
         elif t.op.name == "ROUTE":
             experts = max(experts, _pow2(f["E"]))
             pairs = max(pairs, _pow2(f["N"] * f["topk"]))
@@ -166,7 +168,9 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # whole rows per load where registers allow: each block is one memory round trip
                 BSC=min(splits, max(1, 8192 // bcw)), BCW=bcw, BN=min(norm_width, 8192), BK=topk, CPF=0,
                 SAMPLE=sample, BV=1024, XKEEP=0,
-                DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2")
+                DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2",
+                # attention compiled for the plan's one kind (MLA or GQA), else the flag read per task
+                ATT_KIND=att_kinds.pop() if len(att_kinds) == 1 else 0)
 
 
 def check_block_overrides(blocks: dict, fitted: dict) -> None:
@@ -189,6 +193,10 @@ def check_block_overrides(blocks: dict, fitted: dict) -> None:
     if blocks["ALIGN"] > fitted["ALIGN"]:
         raise MegakernelError(f"block override ALIGN={blocks['ALIGN']}: the plan's sizes and offsets are multiples of "
                               f"{fitted['ALIGN']} only (the bodies round them down to ALIGN)")
+    if blocks["ATT_KIND"] not in (0, fitted["ATT_KIND"]):
+        kinds = {0: "of both kinds", 1: "all MLA", 2: "all GQA"}[fitted["ATT_KIND"]]
+        raise MegakernelError(f"block override ATT_KIND={blocks['ATT_KIND']}: this plan's attention tasks are {kinds} "
+                              "(0 reads the flag per task)")
     if blocks["BK"] < fitted["BK"]:
         raise MegakernelError(f"block override BK={blocks['BK']}: MOE_COMBINE reads all of a token's expert rows "
                               f"in one block of BK, this plan needs {fitted['BK']}")

@@ -62,8 +62,10 @@ def test_kernel_small_blocks(name):
     """The bodies' other paths: the attention combine over several blocks of splits (online maximum),
     RMSNorm rows longer than a block (two passes), the weight stream over several K chunks and row
     blocks (the activation chunk kept across steps: XKEEP), the combine's next block requested early,
-    rope over several blocks of heads, per-head matmuls over several input and output blocks."""
-    cfg, plan, interp, mk = _pair(name, blocks=dict(BSC=2, BCW=8, BN=16, CPF=1, BR=8, KC=32, XKEEP=1, BH=512, BI=8, BO=8))
+    rope over several blocks of heads, per-head matmuls over several input and output blocks, attention
+    compiled for either kind (ATT_KIND=0, the flag read per task; the other tests run the plan's one kind)."""
+    cfg, plan, interp, mk = _pair(name, blocks=dict(BSC=2, BCW=8, BN=16, CPF=1, BR=8, KC=32, XKEEP=1, BH=512, BI=8, BO=8,
+                                                  ATT_KIND=0))
     assert cfg.hidden_size > 16 and plan.shape["max_len"] // plan.shape["attn_split"] > 2
     _compare(cfg, interp, mk, torch.tensor([3, 11]))
 
@@ -147,6 +149,9 @@ def test_block_overrides_that_would_change_the_result_are_refused():
         check_block_overrides({**fitted, "BR": 64, "KC": 1024}, fitted)
     with pytest.raises(MegakernelError, match="ALIGN=16"):
         check_block_overrides({**fitted, "ALIGN": 16}, fitted)
+    with pytest.raises(MegakernelError, match="ATT_KIND=2: this plan's attention tasks are all MLA"):
+        check_block_overrides({**fitted, "ATT_KIND": 2}, fitted)
+    check_block_overrides({**fitted, "ATT_KIND": 0}, fitted)  # the flag read per task: the same result
     with pytest.raises(MegakernelError, match="BI=256, BO=256"):
         check_block_overrides({**fitted, "BI": 256, "BO": 256}, fitted)
     with pytest.raises(MegakernelError, match="unknown block override DEPTH"):

@@ -74,22 +74,38 @@ def reference_combine(task, mem) -> None:
 
 # ---- GPU body ----------------------------------------------------------------------------
 @triton.jit
-def kv_block(cache, width, jb, j1, k_col, v_col, dim, d, dmask, e, emask, mla, BJ: tl.constexpr):
-    """Cache positions jb..jb+BJ (< j1): keys, MLA rope keys, GQA values (MLA's values are its keys)."""
+def kv_block(cache, width, jb, j1, k_col, v_col, dim, d, dmask, e, emask, mla, BJ: tl.constexpr,
+             KIND: tl.constexpr):
+    """Cache positions jb..jb+BJ (< j1): keys, MLA rope keys, GQA values (MLA's values are its keys).
+    KIND 1 (every task MLA) or 2 (none) leaves out the other kind's load: a load predicated off at
+    run time still costs its address arithmetic and its registers (the values' 32 per thread made
+    MLA attention spill)."""
     js = jb + tl.arange(0, BJ)
     jmask = js < j1
     rows = cache + js[:, None].to(tl.int64) * width
     keys = tl.load(rows + k_col + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
-    kpe = tl.load(rows + dim + e[None, :], mask=jmask[:, None] & emask[None, :] & mla, other=0.0)
-    values = tl.load(rows + v_col + d[None, :], mask=jmask[:, None] & dmask[None, :] & (mla == 0), other=0.0)
+    if KIND == 1:
+        kpe = tl.load(rows + dim + e[None, :], mask=jmask[:, None] & emask[None, :], other=0.0)
+        values = keys
+    elif KIND == 2:
+        kpe = keys  # never read
+        values = tl.load(rows + v_col + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
+    else:
+        kpe = tl.load(rows + dim + e[None, :], mask=jmask[:, None] & emask[None, :] & mla, other=0.0)
+        values = tl.load(rows + v_col + d[None, :], mask=jmask[:, None] & dmask[None, :] & (mla == 0), other=0.0)
     return keys, kpe, values
 
 
 @triton.jit
 def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr,
-         STAGES: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr):
-    """STAGES 2: the next cache block is in flight while this one is reduced; 1: one at a time."""
-    mla = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_MLA)
+         STAGES: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr, KIND: tl.constexpr):
+    """STAGES 2: the next cache block is in flight while this one is reduced; 1: one at a time.
+    KIND: 1 every attention task of the plan is MLA, 2 none is (compiled for that kind alone), 0 read
+    the flag per task."""
+    if KIND == 0:
+        mla = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_MLA)
+    else:
+        mla: tl.constexpr = KIND == 1
     T, S, b = fld(word, ATTENTION_T), fld(word, ATTENTION_S), fld(word, ATTENTION_B)
     width = aligned(fld(word, ATTENTION_WIDTH), ALIGN)
     h0, h1, nh, ns = fld(word, ATTENTION_H0), fld(word, ATTENTION_H1), fld(word, ATTENTION_NHEADS), fld(word, ATTENTION_NSPLITS)
@@ -105,7 +121,7 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
                                      aligned(fld(word, ATTENTION_PE_COL0), ALIGN))
     cache = C + aligned(off(word, ATTENTION_CACHE_OFF), ALIGN) + b.to(tl.int64) * S * width
     limit = tl.load(I + off(word, ATTENTION_CL_OFF) + b, cache_modifier=".cg") + fld(word, ATTENTION_POS_OFFSET)
-    op_ptr, lse_ptr = A + off(word, ATTENTION_OP_OFF), A + off(word, ATTENTION_LSE_OFF)
+    op_ptr, lse_ptr = A + aligned(off(word, ATTENTION_OP_OFF), ALIGN), A + off(word, ATTENTION_LSE_OFF)
     group = fld(word, ATTENTION_GROUP)
     k_col = (h0 // group) * aligned(fld(word, ATTENTION_KV_HS), ALIGN)  # GQA: one KV head per task
     v_col = aligned(fld(word, ATTENTION_V_COL0), ALIGN) + k_col
@@ -132,11 +148,11 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
         m_i = tl.full((BM,), float("-inf"), tl.float32)
         l_i = tl.zeros((BM,), tl.float32)
         acc = tl.zeros((BM, DMAX), tl.float32)
-        keys, kpe, values = kv_block(cache, width, j0, j1, k_col, v_col, dim, d, dmask, e, emask, mla, BJ)
+        keys, kpe, values = kv_block(cache, width, j0, j1, k_col, v_col, dim, d, dmask, e, emask, mla, BJ, KIND)
         for jb in range(j0, j1, BJ):
             if STAGES > 1:  # request the next block before this one's arithmetic
                 keys_n, kpe_n, values_n = kv_block(cache, width, jb + BJ, j1, k_col, v_col, dim, d, dmask, e, emask,
-                                                   mla, BJ)
+                                                   mla, BJ, KIND)
             js = jb + tl.arange(0, BJ)
             jmask = js < j1
             s = mma(q, tl.trans(keys), tl.zeros((BM, BJ), tl.float32), DOT_PREC)
@@ -155,7 +171,7 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
             if STAGES > 1:
                 keys, kpe, values = keys_n, kpe_n, values_n
             else:
-                keys, kpe, values = kv_block(cache, width, jb + BJ, j1, k_col, v_col, dim, d, dmask, e, emask, mla, BJ)
+                keys, kpe, values = kv_block(cache, width, jb + BJ, j1, k_col, v_col, dim, d, dmask, e, emask, mla, BJ, KIND)
         has_keys = l_i > 0
         o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
         lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
