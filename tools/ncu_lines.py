@@ -23,8 +23,11 @@ from pathlib import Path
 
 import triton
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sass_probe import sass_lines  # noqa: E402
+
 NVDISASM = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-INSTR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 
 
 def line_map(cubin: Path) -> dict[int, tuple[str, str]]:
@@ -33,16 +36,7 @@ def line_map(cubin: Path) -> dict[int, tuple[str, str]]:
         obj = Path(d) / "k.cubin"
         obj.write_bytes(cubin.read_bytes())
         sass = subprocess.run([NVDISASM, "-g", "-c", obj], capture_output=True, text=True, check=True).stdout
-    out, where = {}, "?"
-    for line in sass.splitlines():
-        m = re.search(r'//## File "([^"]+)", line (\d+)', line)
-        if m:
-            where = f"{Path(m.group(1)).name}:{m.group(2)}"
-            continue
-        m = INSTR.match(line)
-        if m:
-            out[int(m.group(1), 16)] = (where, re.sub(r"^@!?U?P\w+\s+", "", m.group(2)).split()[0])
-    return out
+    return {addr: (where, re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0]) for addr, where, ins in sass_lines(sass)}
 
 
 def read_samples(path: Path) -> list[dict]:

@@ -66,9 +66,10 @@ def compile_sass(fn, pointers: dict, scalars: list[str], const: dict, num_warps:
     return info + f" | {k.asm['ptx'].count('ld.global.v4')} ld.global.v4 in PTX", sass
 
 
-def hot_loop(sass: str) -> list[tuple[str, str]]:
-    """(source line, instruction) inside the widest backward branch."""
-    labels, items, where, pending = {}, [], "?", []
+def sass_lines(sass: str, labels: dict | None = None) -> list[tuple[int, str, str]]:
+    """(offset, source file:line, instruction) of every instruction of nvdisasm -g output; labels,
+    if given, gets each branch label's offset."""
+    items, where, pending = [], "?", []
     for line in sass.splitlines():
         m = re.match(r"^\.(L_x_\d+):", line)
         if m:
@@ -81,9 +82,17 @@ def hot_loop(sass: str) -> list[tuple[str, str]]:
         m = INSTR.match(line)
         if m:
             addr = int(m.group(1), 16)
-            labels.update({p: addr for p in pending})
+            if labels is not None:
+                labels.update({p: addr for p in pending})
             pending = []
             items.append((addr, where, m.group(2)))
+    return items
+
+
+def hot_loop(sass: str) -> list[tuple[str, str]]:
+    """(source line, instruction) inside the widest backward branch."""
+    labels = {}
+    items = sass_lines(sass, labels)
     best = (0, -1)
     for addr, _, ins in items:
         m = re.search(r"BRA.*`\(\.(L_x_\d+)\)", ins)
@@ -115,23 +124,9 @@ def probe_stream(variants: list[str], lines: bool) -> None:
                 print(f"    {w:28s} {n}")
 
 
-def sass_lines(sass: str) -> list[tuple[str, str]]:
-    """(source file:line, instruction) for every instruction."""
-    out, where = [], "?"
-    for line in sass.splitlines():
-        m = re.search(r'//## File "([^"]+)", line (\d+)', line)
-        if m:
-            where = f"{Path(m.group(1)).name}:{m.group(2)}"
-            continue
-        m = INSTR.match(line)
-        if m:
-            out.append((where, m.group(2)))
-    return out
-
-
 def print_spills(sass: str) -> None:
     """Instructions and local-memory spill traffic (STL/LDL) per source file, then the worst lines."""
-    items = sass_lines(sass)
+    items = [(where, ins) for _, where, ins in sass_lines(sass)]
     per_file = collections.defaultdict(collections.Counter)
     per_line = collections.Counter()
     for where, ins in items:
