@@ -43,7 +43,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                WORDS: tl.constexpr, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr, MAX_SPINS: tl.constexpr,
                USE_TIMER: tl.constexpr, PROFILE: tl.constexpr,
                BR: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr, BD: tl.constexpr,
-               BH: tl.constexpr,
+               BH: tl.constexpr, BIT: tl.constexpr, BOT: tl.constexpr,
                BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr, BI: tl.constexpr,
                BO: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr, BW: tl.constexpr, BSC: tl.constexpr,
                BN: tl.constexpr, BK: tl.constexpr, CPF: tl.constexpr, BCW: tl.constexpr,
@@ -70,7 +70,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
         elif op == OP_HEAD_MATMUL:  # a copy per weight layout, so each vectorizes its loads
             if head_matmul.transposed(word):
                 ok, t_ready = head_matmul_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
-                                               MAX_SPINS, USE_TIMER, BI, BO, ALIGN, True)
+                                               MAX_SPINS, USE_TIMER, BIT, BOT, ALIGN, True)
             else:
                 ok, t_ready = head_matmul_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
                                                MAX_SPINS, USE_TIMER, BI, BO, ALIGN, False)

@@ -122,14 +122,16 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     splits = norm_width = topk = 2
     sample = 0
     stream_k = 32
-    head_in = head_out = pairs = combine_cols = 16
+    pairs = combine_cols = 16
+    head_in, head_out = [16, 16], [16, 16]  # [plain, TRANS] per-head matmuls
     att_kinds = set()
     for t in tasks:
         f = t.fields
         if t.op.name in ("LINEAR", "EXPERT_LINEAR"):
             stream_k = max(stream_k, _pow2(f["K"]))
         elif t.op.name == "HEAD_MATMUL":
-            head_in, head_out = max(head_in, _pow2(f["in_dim"])), max(head_out, _pow2(f["o1"] - f["o0"]))
+            k = 1 if t.has("TRANS") else 0
+            head_in[k], head_out[k] = max(head_in[k], _pow2(f["in_dim"])), max(head_out[k], _pow2(f["o1"] - f["o0"]))
         elif t.op.name == "ATTENTION":
             dmax, rmax = max(dmax, _pow2(f["dim"])), max(rmax, _pow2(f["rope_dim"]))
             att_kinds.add(1 if t.has("MLA") else 2)
@@ -157,13 +159,16 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     # would only be multiplied by zero)
     kc = min(2048, stream_k)
     br = 16384 // kc
-    # per-head matmuls: up to 128 x 128 weights per step (the stream's 16K), so a q_absorb task of
-    # MLA is one tile, requested before its wait
-    bi, bo = min(128, head_in), min(128, head_out)
+    # per-head matmuls: up to 16K weights per step (the stream's), so a q_absorb task of MLA is one
+    # 128 x 128 tile, requested before its wait; TRANS tasks (v_up: 512 inputs, 64 outputs) take
+    # as many inputs per step as their outputs leave room for
+    bi, bo = min(128, head_in[0]), min(128, head_out[0])
+    bot = min(128, head_out[1])
+    bit = min(head_in[1], 16384 // bot)
     # the attention combine: all splits of a task's columns in one load where 8K values allow
     bcw = min(combine_cols, max(16, 8192 // splits))
     # bf16 weights: activations enter the tensor cores as a bf16 (high, low) pair, ~16 mantissa bits
-    return dict(BR=br, KC=kc, STAGES=stages, BD=256, BH=32, BM=16, BJ=32, DMAX=dmax, RMAX=rmax, BI=bi, BO=bo,
+    return dict(BR=br, KC=kc, STAGES=stages, BD=256, BH=32, BM=16, BJ=32, DMAX=dmax, RMAX=rmax, BI=bi, BO=bo, BIT=bit, BOT=bot,
                 BE=experts, BP=min(256, pairs), BW=width, ALIGN=alignment(tasks), BT=spec_t,
                 # whole rows per load where registers allow: each block is one memory round trip
                 BSC=min(splits, max(1, 8192 // bcw)), BCW=bcw, BN=min(norm_width, 8192), BK=topk, CPF=0,
@@ -186,10 +191,11 @@ def check_block_overrides(blocks: dict, fitted: dict) -> None:
     if blocks["BR"] * blocks["KC"] > 32768:
         raise MegakernelError(f"block override BR={blocks['BR']}, KC={blocks['KC']}: a weight chunk of more than 32768 "
                               "weights (256 bytes per thread) would not fit the registers")
-    if max(blocks["BI"], blocks["BO"]) > STREAM_SLACK or blocks["BI"] * blocks["BO"] > 32768:
-        raise MegakernelError(f"block override BI={blocks['BI']}, BO={blocks['BO']}: per-head weight tiles read up to "
-                              f"BI or BO past a matrix (at most {STREAM_SLACK}, the W arena's slack) and hold at "
-                              "most 32768 weights")
+    for bi, bo in (("BI", "BO"), ("BIT", "BOT")):
+        if max(blocks[bi], blocks[bo]) > STREAM_SLACK or blocks[bi] * blocks[bo] > 32768:
+            raise MegakernelError(f"block override {bi}={blocks[bi]}, {bo}={blocks[bo]}: per-head weight tiles read "
+                                  f"up to {bi} or {bo} past a matrix (at most {STREAM_SLACK}, the W arena's slack) "
+                                  "and hold at most 32768 weights")
     if blocks["ALIGN"] > fitted["ALIGN"]:
         raise MegakernelError(f"block override ALIGN={blocks['ALIGN']}: the plan's sizes and offsets are multiples of "
                               f"{fitted['ALIGN']} only (the bodies round them down to ALIGN)")

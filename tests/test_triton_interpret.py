@@ -65,7 +65,7 @@ def test_kernel_small_blocks(name):
     rope over several blocks of heads, per-head matmuls over several input and output blocks, attention
     compiled for either kind (ATT_KIND=0, the flag read per task; the other tests run the plan's one kind)."""
     cfg, plan, interp, mk = _pair(name, blocks=dict(BSC=2, BCW=8, BN=16, CPF=1, BR=8, KC=32, XKEEP=1, BH=512, BI=8, BO=8,
-                                                  ATT_KIND=0))
+                                                  BIT=8, BOT=4, ATT_KIND=0))
     assert cfg.hidden_size > 16 and plan.shape["max_len"] // plan.shape["attn_split"] > 2
     _compare(cfg, interp, mk, torch.tensor([3, 11]))
 
