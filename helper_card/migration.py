@@ -160,16 +160,31 @@ class SkewedRouter(ShiftingHotSet):
         return out
 
 
+def with_routing_bias(cfg):
+    """A softmax-routed config (DeepSeek-V2) given DeepSeek-V3's correction bias, so that BiasSkew can
+    steer it: experts are chosen by softmax score + bias, weighted by the softmax score alone, the
+    bias zero until a skew writes it.  Scaling router rows instead does not skew: greedy decoding of
+    a random model feeds the router nearly the same input every step, and a larger scale only
+    amplifies each expert's sign (tried in session 5: a hot expert was never routed)."""
+    if cfg.topk_method == "noaux_tc":
+        return cfg
+    if cfg.topk_method != "greedy":
+        raise ValueError(f"with_routing_bias: topk_method {cfg.topk_method!r} ranks groups its own way; "
+                         "only greedy (ungrouped) routing takes a bias unchanged")
+    return cfg.replace(topk_method="noaux_tc", n_group=1, topk_group=1)
+
+
 class BiasSkew(ShiftingHotSet):
-    """A skewed router inside the model, for DeepSeek-V3-style routing (noaux_tc): the routing
-    correction bias, which steers which experts are chosen but not how they are weighted, set to
-    scale x Zipf over the shifting permutation.  Written into a plan's fp32 weight arena, which
-    every plan of an engine shares."""
+    """A skewed router inside the model, for routing with a correction bias (noaux_tc; softmax
+    routing through with_routing_bias): the bias, which steers which experts are chosen but not how
+    they are weighted, set to scale x Zipf over the shifting permutation.  Written into a plan's
+    fp32 weight arena, which every plan of an engine shares."""
 
     def __init__(self, cfg, layers: list[int], a: float = 1.2, scale: float = 1.0, shift_every: int = 0,
                  seed: int = 0):
         if cfg.topk_method != "noaux_tc":
-            raise ValueError("BiasSkew needs routing with a correction bias (topk_method noaux_tc)")
+            raise ValueError("BiasSkew needs routing with a correction bias (topk_method noaux_tc; "
+                             "with_routing_bias gives a softmax-routed config one)")
         super().__init__(layers, cfg.n_routed_experts, a, shift_every, seed)
         self.profile = scale * self.zipf
 

@@ -213,12 +213,14 @@ def test_cli_reports_the_helper_and_refuses_what_is_not_built(tmp_path, capsys):
     assert main(["--steps", "2", "--helper", "emulate", "--backend", "reference"]) == 2
 
 
-def test_migration_follows_a_skewed_router_inside_the_model():
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-mhc"])
+def test_migration_follows_a_skewed_router_inside_the_model(name):
     """A Zipf routing bias whose hot set moves: the hot experts reach main slots within a bounded
     number of steps after each shift, the helper's share of rows falls, and the output stays the
-    all-on-main engine's."""
-    from helper_card.migration import BiasSkew
-    cfg = preset("tiny-moe").replace(n_routed_experts=16)
+    all-on-main engine's.  tiny-moe routes by sigmoid with its own correction bias; tiny-mhc by
+    softmax, given one (with_routing_bias)."""
+    from helper_card.migration import BiasSkew, with_routing_bias
+    cfg = with_routing_bias(preset(name).replace(n_routed_experts=16))
     w = init_weights(cfg, seed=7)
     layers = [layer for layer in moe_layers(cfg) if layer < cfg.num_hidden_layers]
     shift, steps, B = 40, 80, 2
@@ -304,3 +306,16 @@ def test_loader_keeps_host_tensors_in_host_memory(tmp_path):
     asked = []
     _, loaded = load_checkpoint(tmp_path, host=lambda name: asked.append(name) or routed(name))
     assert sorted(asked) == sorted(w) and all(torch.equal(loaded[k], w[k]) for k in w)
+
+
+def test_routing_bias_for_softmax_routing_only_where_it_keeps_the_rule():
+    from helper_card.migration import BiasSkew, with_routing_bias
+    v2 = preset("tiny-mhc")
+    assert v2.scoring_func == "softmax" and v2.topk_method == "greedy"
+    biased = with_routing_bias(v2)
+    assert (biased.topk_method, biased.n_group, biased.scoring_func) == ("noaux_tc", 1, "softmax")
+    assert with_routing_bias(preset("tiny-moe")) == preset("tiny-moe")
+    with pytest.raises(ValueError, match="group_limited_greedy"):
+        with_routing_bias(v2.replace(topk_method="group_limited_greedy", n_group=2, topk_group=1))
+    with pytest.raises(ValueError, match="with_routing_bias"):
+        BiasSkew(v2, [1])
