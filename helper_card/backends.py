@@ -2,9 +2,14 @@
 
 - `emulate`: on the main device, by the same code (tests: every protocol path, bit-exact).
 - `cpu`: a worker thread on the host's own copy of the experts; rows travel through host
-  memory (pinned when the main side is a GPU).  Bit-exact with a CPU main side; against a
-  GPU main side the CPU's fp32 matmuls differ in rounding (within bf16 tolerance).
-- `cuda:N` (a second GPU running a persistent loop) needs the device-side mailbox: not built.
+  memory.  Bit-exact with a CPU main side; against a GPU main side the CPU's fp32 matmuls
+  differ in rounding (within bf16 tolerance).
+- `cuda:N`: the same worker thread driving GPU N, which holds its own copy of the experts;
+  rows move device to device (peer to peer where the driver allows).  The same kernels as a
+  main side on the same kind of GPU: bit-exact there.  The thread waits for GPU N to finish a
+  call before answering, so a timeout bounds the helper's whole work.  This serves the plan
+  interpreter's steps; the megakernel's single-replay step would need a device-side mailbox
+  (a persistent loop on GPU N polling flags in memory both GPUs map): not built.
 
 Every backend answers `submit` at once and `result` within a bound (HelperTimeout otherwise),
 and checks the placement digest before the first call.
@@ -74,21 +79,24 @@ class EmulatedHelper(HelperBackend):
         return job(slots, x)
 
 
-class CpuHelper(HelperBackend):
-    """A worker thread computing on host memory; answers land in a per-call slot."""
-
-    name = "cpu"
+class ThreadHelper(HelperBackend):
+    """A worker thread computing on the store's device (the host, or a GPU of its own); answers land
+    in a per-call slot."""
 
     def __init__(self, store, placement):
         super().__init__(store, placement)
+        self.device = store.device
+        self.name = "cpu" if self.device.type == "cpu" else str(self.device)
         self.inbox: queue.Queue = queue.Queue()
         self.answers: dict[tuple[int, int], object] = {}
         self.abandoned: set[tuple[int, int]] = set()
         self.ready = threading.Condition()
-        self.thread = threading.Thread(target=self._serve, name="helper-cpu", daemon=True)
+        self.thread = threading.Thread(target=self._serve, name=f"helper-{self.name}", daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the thread's own current device: its work runs on GPU N
         while True:
             item = self.inbox.get()
             if item is None:
@@ -101,7 +109,9 @@ class CpuHelper(HelperBackend):
                     self.abandoned.discard((layer, seq))
                     continue
             try:
-                answer = job([(e, p.cpu()) for e, p in slots], x)
+                answer = job([(e, p.to(self.device)) for e, p in slots], x)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # answered means computed
             except Exception as e:  # delivered to the waiting side, never swallowed
                 answer = e
             with self.ready:
@@ -109,7 +119,7 @@ class CpuHelper(HelperBackend):
                 self.ready.notify_all()
 
     def submit(self, job, layer, seq, slots, x):
-        staged = x.detach().to("cpu", torch.float32).clone()
+        staged = x.detach().to(self.device, torch.float32).clone()
         self.inbox.put((job, layer, seq, slots, staged))
 
     def result(self, layer, seq, timeout_s):
@@ -118,14 +128,14 @@ class CpuHelper(HelperBackend):
             while (layer, seq) not in self.answers:
                 left = deadline - time.perf_counter()
                 if left <= 0:
-                    raise HelperTimeout(f"cpu helper: layer {layer} call {seq} unanswered after {timeout_s:.3f} s "
+                    raise HelperTimeout(f"{self.name} helper: layer {layer} call {seq} unanswered after {timeout_s:.3f} s "
                                         f"({self.inbox.qsize()} calls queued)")
                 self.ready.wait(left)
             answer = self.answers.pop((layer, seq))
             for key in [k for k in self.answers if k[0] == layer and k[1] < seq]:
                 del self.answers[key]  # late answers to calls that timed out
         if isinstance(answer, Exception):
-            raise RuntimeError(f"cpu helper failed on layer {layer} call {seq}: {answer!r}") from answer
+            raise RuntimeError(f"{self.name} helper failed on layer {layer} call {seq}: {answer!r}") from answer
         return answer
 
     def abandon(self, layer, seq):
@@ -139,12 +149,18 @@ class CpuHelper(HelperBackend):
 
 
 def make_backend(kind: str, store: torch.Tensor, placement: Placement) -> HelperBackend:
-    """kind: emulate (store stays where it is) | cpu (store copied to host memory) | cuda:N."""
+    """kind: emulate (store stays where it is) | cpu (store copied to host memory) | cuda:N (store
+    copied to GPU N)."""
     if kind == "emulate":
         return EmulatedHelper(store, placement)
     if kind == "cpu":
-        return CpuHelper(store.to("cpu"), placement)
+        return ThreadHelper(store.to("cpu"), placement)
     if kind.startswith("cuda:"):
-        raise NotImplementedError(f"--helper {kind}: a second-GPU helper needs the device-side mailbox protocol, "
-                                  f"which is not built yet (use cpu or emulate)")
+        index = kind[5:]
+        if not index.isdigit():
+            raise ValueError(f"--helper {kind}: write cuda:N with N a GPU index")
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if int(index) >= count:
+            raise ValueError(f"--helper {kind}: this machine has {count} CUDA device(s)")
+        return ThreadHelper(store.to(kind), placement)
     raise ValueError(f"unknown helper backend {kind!r} (none, cpu, emulate, cuda:N)")

@@ -24,8 +24,8 @@ from model import init_weights, preset
 MOE_PRESETS = ["tiny-moe", "tiny-mhc"]
 
 
-def _decode(cfg, w, prompts, steps, helper=None):
-    engine = make_engine(cfg, w, "interpret", prompts.shape[0], prompts.shape[1] + steps, "cpu", torch.float32,
+def _decode(cfg, w, prompts, steps, helper=None, device="cpu"):
+    engine = make_engine(cfg, w, "interpret", prompts.shape[0], prompts.shape[1] + steps, device, torch.float32,
                          workers=4, helper=helper)
     logits = [engine.prefill(prompts)]
     tok = logits[0].argmax(-1, keepdim=True)
@@ -208,8 +208,9 @@ def test_cli_reports_the_helper_and_refuses_what_is_not_built(tmp_path, capsys):
     assert report["kind"] == "cpu" and report["steps"] > 0 and report["main_slots"] == capacity_for(
         preset("tiny-moe"), 0.25)
     assert {"rows", "calls", "skipped", "exposed_wait_ms", "moves"} <= set(report["per_step"][0])
-    assert main(["--steps", "2", "--helper", "cuda:1"]) == 2
-    assert "not built yet" in capsys.readouterr().err
+    if torch.cuda.device_count() < 2:
+        assert main(["--steps", "2", "--helper", "cuda:1"]) == 2
+        assert "CUDA device(s)" in capsys.readouterr().err
     assert main(["--steps", "2", "--helper", "emulate", "--backend", "reference"]) == 2
 
 
@@ -319,3 +320,22 @@ def test_routing_bias_for_softmax_routing_only_where_it_keeps_the_rule():
         with_routing_bias(v2.replace(topk_method="group_limited_greedy", n_group=2, topk_group=1))
     with pytest.raises(ValueError, match="with_routing_bias"):
         BiasSkew(v2, [1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["cuda:0", "cuda:1"])
+def test_gpu_helper_equals_all_on_main(kind):
+    """The cuda:N backend (a worker thread driving GPU N, its own copy of the experts) against the
+    all-on-main engine on GPU 0: the same kernels, so the same logits bit for bit, with migration
+    running.  cuda:0 exercises the backend on a one-GPU machine."""
+    if int(kind[5:]) >= torch.cuda.device_count():
+        pytest.skip(f"{kind} needs {int(kind[5:]) + 1} GPUs")
+    cfg = preset("tiny-moe")
+    w = init_weights(cfg, seed=6)
+    prompts = torch.randint(0, cfg.vocab_size, (2, 3), generator=torch.Generator().manual_seed(6)).cuda()
+    want, _ = _decode(cfg, w, prompts, 12, device="cuda")
+    got, engine = _decode(cfg, w, prompts, 12, HelperOptions(kind=kind, fraction=0.5, migrate=True), device="cuda")
+    assert engine.backend.helper.backend.name == kind
+    assert torch.equal(got, want)
+    assert sum(s["rows"] for s in engine.backend.helper_steps) > 0  # the helper did compute rows
+    engine.backend.helper.close()
