@@ -30,7 +30,8 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$out/gpu.txt"
 if [[ "$parts" == *,tests,* ]]; then
-    timeout 420 python3 -m pytest -m gpu tests/test_gpu.py tests/test_weight_stream.py -q -p no:cacheprovider 2>&1 \
+    timeout 420 python3 -m pytest -m gpu tests/test_gpu.py tests/test_weight_stream.py tests/test_helper.py -q \
+        -p no:cacheprovider 2>&1 \
         | tee "$out/gpu_tests.log" | tail -15
 fi
 if [[ "$parts" == *,bench,* ]]; then
