@@ -171,6 +171,10 @@ def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path,
     again = mk.step(tokens, lens)
     row["rel_err_vs_interpreter"] = rel_err(again.logits, got.logits)
     row["run_to_run_bitexact"] = bool(torch.equal(again.logits, first.logits))
+    # as soon as it is known (a run cut short by its time limit keeps it in the log)
+    print(f"{name} T={T}: megakernel {row['megakernel_ms']:.3f} ms ({row['x_floor']:.2f}x floor "
+          f"{row['floor_ms']:.3f} ms), rel. error vs interpreter {row['rel_err_vs_interpreter']:.1e}, "
+          f"bit-exact run to run {row['run_to_run_bitexact']}", flush=True)
 
     def time_variant(row_key: str, spec: str, build) -> None:
         """Time the megakernel build() returns (sharing weights and cache) against the main one."""
@@ -186,6 +190,7 @@ def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path,
         except Exception as e:
             v["error"] = repr(e)[:300]
         row.setdefault(row_key + "s", []).append(v)
+        print(f"{name} T={T}: {row_key} {spec}: " + (f"{v['ms']:.3f} ms" if "ms" in v else v["error"][:80]), flush=True)
 
     def plan_variant(spec: str):
         opts, split = compile_options(spec, workers)
