@@ -33,8 +33,11 @@ class HelperBackend:
 
     name = "helper"
 
-    def __init__(self, store: torch.Tensor, placement: Placement):
+    def __init__(self, store: torch.Tensor, placement: Placement, fallback_store: torch.Tensor | None = None):
         self.store = store
+        # what a main-side fallback computes from: never the helper's own device, which may be the
+        # one that stopped answering (cuda:N keeps the host copy for it)
+        self.fallback_store = store if fallback_store is None else fallback_store
         self.placement = placement.copy()  # the helper's own copy of the map, checked against main's
         self.stall_s = 0.0  # test hook: the helper stops answering for this long
 
@@ -83,8 +86,8 @@ class ThreadHelper(HelperBackend):
     """A worker thread computing on the store's device (the host, or a GPU of its own); answers land
     in a per-call slot."""
 
-    def __init__(self, store, placement):
-        super().__init__(store, placement)
+    def __init__(self, store, placement, fallback_store=None):
+        super().__init__(store, placement, fallback_store)
         self.device = store.device
         self.name = "cpu" if self.device.type == "cpu" else str(self.device)
         self.inbox: queue.Queue = queue.Queue()
@@ -162,5 +165,5 @@ def make_backend(kind: str, store: torch.Tensor, placement: Placement) -> Helper
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if int(index) >= count:
             raise ValueError(f"--helper {kind}: this machine has {count} CUDA device(s)")
-        return ThreadHelper(store.to(kind), placement)
+        return ThreadHelper(store.to(kind), placement, fallback_store=store)
     raise ValueError(f"unknown helper backend {kind!r} (none, cpu, emulate, cuda:N)")

@@ -231,8 +231,8 @@ class PlanLink:
                 raise
             link.metrics.fallbacks += 1
             if self.fallback_program is None:
-                self.fallback_program = HelperProgramRunner(self.program.plan, link.backend.store, link.layers,
-                                                            link.n_experts)
+                self.fallback_program = HelperProgramRunner(self.program.plan, link.backend.fallback_store,
+                                                            link.layers, link.n_experts)
             return self.fallback_program.run(site, slots, x)  # the same program, main side, own buffers
         finally:
             link.metrics.exposed_wait_s += time.perf_counter() - t0
