@@ -54,3 +54,48 @@ def test_sass_probe_reads_the_stream_loop():
     assert out.returncode == 0, out.stderr[-3000:]
     loop = re.search(r"hot loop (\d+) instructions: (.*)", out.stdout)
     assert loop and int(loop.group(1)) > 50 and "LDG" in loop.group(2) and "FFMA" in loop.group(2), out.stdout
+
+
+NCU_LINES_SCRIPT = r"""
+import sys, tempfile
+from pathlib import Path
+sys.path.insert(0, "tools")
+import sass_probe as sp
+import ncu_lines as nl
+k = sp.compile_kernel(sp.stream_probe, *sp.STREAM_PROBE_ARGS, dict(BR=8, KC=2048, ALIGN=8, XKEEP=0))
+with tempfile.TemporaryDirectory() as d:
+    cubin = Path(d) / "k.cubin"
+    cubin.write_bytes(k.asm["cubin"])
+    lines = nl.line_map(cubin)
+base = 0x7f0000000000
+# an ncu source-page export as ncu writes it: 3 samples on each of linear.py's instructions, 1 elsewhere
+rows = [{"Address": hex(base + off), "Source": "  " + op + " R1, R2", "Instructions Executed": "10",
+         "Warp Stall Sampling (All Samples)": str(3 if where.startswith("linear.py") else 1),
+         "stall_long_sb": str(3 if where.startswith("linear.py") else 0), "stall_wait": "0"}
+        for off, (where, op) in sorted(lines.items())]
+per_file, per_line, stalls = nl.attribute(rows, lines)
+n_linear = sum(1 for where, _ in lines.values() if where.startswith("linear.py"))
+assert n_linear > 100 and per_file["linear.py"]["samples"] == 3 * n_linear, per_file["linear.py"]
+assert sum(c["samples"] for c in per_file.values()) == sum(c["samples"] for c in per_line.values()) == 2 * n_linear + len(rows)
+assert per_file["linear.py"]["stall_long_sb"] == 3 * n_linear and set(stalls) == {"stall_long_sb", "stall_wait"}
+for r in rows:
+    r["Source"] = "NOP"
+try:
+    nl.attribute(rows, lines)
+    raise SystemExit("a CSV of another kernel was accepted")
+except ValueError as e:
+    assert "not the same kernel" in str(e)
+print("ok", n_linear)
+"""
+
+
+@pytest.mark.slow
+def test_ncu_lines_attributes_samples_to_source_lines():
+    """tools/ncu_lines.py maps an ncu export's addresses to the cubin's source lines, sums per file and
+    line, and refuses a CSV of another kernel (a compiled weight stream stands in for the megakernel)."""
+    import os
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", NCU_LINES_SCRIPT], capture_output=True, text=True, env=env, timeout=600,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("ok")

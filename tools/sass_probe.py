@@ -50,12 +50,21 @@ def stream_probe(W, A, I, x_off, x_ld, xrows_div, n_rows, out_off, out_ld, res_o
                          r0, r1, K, w, BR, KC, ALIGN, XKEEP)
 
 
-def compile_sass(fn, pointers: dict, scalars: list[str], const: dict, num_warps: int = 8) -> tuple[str, str]:
-    """(ptxas -v summary, SASS with line info) of fn compiled for sm_90a."""
+def compile_kernel(fn, pointers: dict, scalars: list[str], const: dict, num_warps: int = 8):
+    """fn compiled for sm_90 (Triton's CompiledKernel: asm["ptx"], asm["cubin"])."""
     sig = {**pointers, **{n: "i32" for n in scalars}, **{k: "constexpr" for k in const}}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}  # as the JIT finds tensors
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 1})
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 1})
+
+
+STREAM_PROBE_ARGS = ({"W": "*bf16", "A": "*fp32", "I": "*i32"},
+                     "x_off x_ld xrows_div n_rows out_off out_ld res_off res_ld use_res w_off w2_off two r0 r1 K".split())
+
+
+def compile_sass(fn, pointers: dict, scalars: list[str], const: dict, num_warps: int = 8) -> tuple[str, str]:
+    """(ptxas -v summary, SASS with line info) of fn compiled for sm_90a."""
+    k = compile_kernel(fn, pointers, scalars, const, num_warps)
     with tempfile.TemporaryDirectory() as d:
         ptx, obj = Path(d) / "k.ptx", Path(d) / "k.o"
         ptx.write_text(k.asm["ptx"])
@@ -112,8 +121,7 @@ def parse_variant(spec: str) -> dict:
 def probe_stream(variants: list[str], lines: bool) -> None:
     for spec in variants or [""]:
         const = {**dict(BR=8, KC=2048, ALIGN=8, XKEEP=0), **parse_variant(spec)}
-        scalars = ("x_off x_ld xrows_div n_rows out_off out_ld res_off res_ld use_res w_off w2_off two r0 r1 K").split()
-        info, sass = compile_sass(stream_probe, {"W": "*bf16", "A": "*fp32", "I": "*i32"}, scalars, const)
+        info, sass = compile_sass(stream_probe, *STREAM_PROBE_ARGS, const)
         loop = hot_loop(sass)
         ops = collections.Counter(opcode(ins) for _, ins in loop)
         print(f"stream {spec or 'default'} ({const}): {info}")
