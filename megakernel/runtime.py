@@ -77,6 +77,9 @@ def check_operand_buffers(plan: Plan, tasks: list[Decoded]) -> None:
         if t.op.name in ("LINEAR", "EXPERT_LINEAR") and t["r1"] <= t["r0"]:
             raise MegakernelError(f"task {i} ({plan.task_labels[i]}): rows {t['r0']}..{t['r1']} are empty; the weight "
                                   "stream reads its first chunk before it knows (row r1 - 1 would be read)")
+        if t.op.name == "ROUTE" and t["E"] > 64 and t["topk"] > 16:
+            raise MegakernelError(f"task {i}: {t['topk']} of {t['E']} experts per token; with more than 64 experts "
+                                  "the ROUTE body picks at most 16")
         if t.op.name == "ROUTE" and t.has("TOPK") and t.fields["ids.buf"] < 0:
             raise MegakernelError(f"task {i} ({plan.task_labels[i]}): ROUTE has no ids buffer; its body stores the "
                                   "top-k ids (and its slot-table stage reads them back) in memory")

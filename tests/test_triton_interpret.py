@@ -63,9 +63,10 @@ def test_kernel_small_blocks(name):
     RMSNorm rows longer than a block (two passes), the weight stream over several K chunks and row
     blocks (the activation chunk kept across steps: XKEEP), the combine's next block requested early,
     rope over several blocks of heads, per-head matmuls over several input and output blocks, attention
-    compiled for either kind (ATT_KIND=0, the flag read per task; the other tests run the plan's one kind)."""
+    compiled for either kind (ATT_KIND=0, the flag read per task; the other tests run the plan's one kind),
+    top-k by rounds of argmax (BE > 64; the other tests rank the experts)."""
     cfg, plan, interp, mk = _pair(name, blocks=dict(BSC=2, BCW=8, BN=16, CPF=1, BR=8, KC=32, XKEEP=1, BH=512, BI=8, BO=8,
-                                                  BIT=8, BOT=4, ATT_KIND=0))
+                                                  BIT=8, BOT=4, ATT_KIND=0, BE=128))
     assert cfg.hidden_size > 16 and plan.shape["max_len"] // plan.shape["attn_split"] > 2
     _compare(cfg, interp, mk, torch.tensor([3, 11]))
 
@@ -158,3 +159,19 @@ def test_block_overrides_that_would_change_the_result_are_refused():
         check_block_overrides({**fitted, "DEPTH": 3}, fitted)
     with pytest.raises(MegakernelError, match="SAMPLE=0"):
         check_block_overrides({**fitted, "SAMPLE": 0}, {**fitted, "SAMPLE": 1})
+
+
+def test_route_with_many_experts_and_a_large_top_k_is_refused():
+    """Past 64 experts ROUTE takes rounds of argmax into a 16-wide register row; a plan asking more
+    is refused before launch, by task (64 experts rank them all: any k)."""
+    from graph.isa import decode
+    from megakernel.runtime import MegakernelError, check_operand_buffers
+    for experts, k, refused in ((128, 17, True), (64, 17, False), (128, 16, False)):
+        cfg = preset("tiny-mhc").replace(n_routed_experts=experts, num_experts_per_tok=k)
+        plan = compile_step(cfg, StepShape(T=1, B=1, max_len=8), CompileOptions(workers=1))
+        tasks = [decode(w) for w in plan.words]
+        if refused:
+            with pytest.raises(MegakernelError, match="17 of 128 experts per token"):
+                check_operand_buffers(plan, tasks)
+        else:
+            check_operand_buffers(plan, tasks)

@@ -126,6 +126,46 @@ def reference_combine(task, mem) -> None:
 
 
 # ---- GPU body ----------------------------------------------------------------------------
+KMAX = tl.constexpr(16)  # most experts per token topk_by_rounds handles (the runtime checks)
+
+
+@triton.jit
+def topk_by_rank(choice, scores, ex, emask, k, ids, wts, norm, scale, BE: tl.constexpr):
+    """Every expert's place in the descending order of choice, ties to the lower id (the reference's
+    sort), from one [experts x experts] comparison: k rounds of argmax were 2k cross-warp
+    reductions in a row on the layer's dependency chain (15 us for dsv2-lite).  Up to 64 experts:
+    the comparison is 16 values per thread."""
+    c_e, c_other = choice[:, None], choice[None, :]
+    ahead = (c_other > c_e) | ((c_other == c_e) & (ex[None, :] < ex[:, None]))
+    rank = tl.sum(ahead.to(tl.int32), axis=1)
+    picked = (rank < k) & emask
+    total = tl.sum(tl.where(picked, scores, 0.0), axis=0)
+    denom = total + 1e-20 if norm else 1.0
+    tl.store(ids + rank, ex.to(tl.int32), mask=picked)
+    tl.store(wts + rank, scores / denom * scale, mask=picked)
+
+
+@triton.jit
+def topk_by_rounds(choice, scores, ex, k, ids, wts, norm, scale):
+    """k rounds of argmax (ties to the lower id), for more experts than a [experts x experts]
+    comparison fits in registers (256: 256 values per thread spilled the whole kernel); the
+    choices stay in registers and are stored once, so no round waits on memory."""
+    jj = tl.arange(0, KMAX)
+    chosen = tl.zeros((KMAX,), tl.int32)
+    weight = tl.zeros((KMAX,), tl.float32)
+    total = 0.0
+    for j in range(k):
+        best = tl.argmax(choice, axis=0, tie_break_left=True)
+        w = tl.sum(tl.where(ex == best, scores, 0.0), axis=0)
+        chosen = tl.where(jj == j, best.to(tl.int32), chosen)
+        weight = tl.where(jj == j, w, weight)
+        total += w
+        choice = tl.where(ex == best, float("-inf"), choice)
+    denom = total + 1e-20 if norm else 1.0
+    tl.store(ids + jj, chosen, mask=jj < k)
+    tl.store(wts + jj, weight / denom * scale, mask=jj < k)
+
+
 @triton.jit
 def route_body(word, WF, A, I, BE: tl.constexpr, BP: tl.constexpr):
     flags = fld(word, ROUTE_FLAGS)
@@ -171,17 +211,11 @@ def route_body(word, WF, A, I, BE: tl.constexpr, BP: tl.constexpr):
                     kept = kept | (ex // per == g)
                     gscore = tl.where(ex == g, float("-inf"), gscore)
                 choice = tl.where(kept & emask, choice, float("-inf"))
-            # every expert's place in the descending order of choice, ties to the lower id (the
-            # reference's sort): one [experts x experts] comparison, where k rounds of argmax were 2k
-            # cross-warp reductions in a row on the layer's dependency chain (15 µs for dsv2-lite)
-            c_e, c_other = choice[:, None], choice[None, :]
-            ahead = (c_other > c_e) | ((c_other == c_e) & (ex[None, :] < ex[:, None]))
-            rank = tl.sum(ahead.to(tl.int32), axis=1)
-            picked = (rank < k) & emask
-            total = tl.sum(tl.where(picked, scores, 0.0), axis=0)
-            denom = total + 1e-20 if has(flags, FLAG_ROUTE_NORM) else 1.0
-            tl.store(ids + n * k + rank, ex.to(tl.int32), mask=picked)
-            tl.store(wts + n * k + rank, scores / denom * scale, mask=picked)
+            norm = has(flags, FLAG_ROUTE_NORM)
+            if BE <= 64:
+                topk_by_rank(choice, scores, ex, emask, k, ids + n * k, wts + n * k, norm, scale, BE)
+            else:
+                topk_by_rounds(choice, scores, ex, k, ids + n * k, wts + n * k, norm, scale)
     if has(flags, FLAG_ROUTE_SLOTS):
         tl.debug_barrier()  # ids written above by this program
         slot_table(ids, st, N * k, E, S, BE, BP)
