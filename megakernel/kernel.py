@@ -77,41 +77,41 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
         else:
             ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
             t_ready = now_ns(USE_TIMER)
-        if (ok == 1) & (op != OP_LINEAR) & (op != OP_HEAD_MATMUL):
-            if op == OP_EXPERT_LINEAR:
-                moe.expert_body(word, W, A, I, BR, KC, ALIGN, XKEEP)
-            elif op == OP_RMSNORM:
-                norm.body(word, W, A, BN)
-            elif op == OP_ATTENTION:
-                attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC, ATT_KIND)
-            elif op == OP_ATTN_COMBINE:
-                attention.combine_body(word, A, BSC, BCW, CPF, ALIGN)
-            elif op == OP_ROPE:
-                rope.apply_body(word, A, BH)
-            elif op == OP_CACHE_WRITE:
-                rope.cache_write_body(word, A, I, C, BD)
-            elif op == OP_ROPE_TABLE:
-                rope.table_body(word, WF, A, I, BH)
-            elif op == OP_MOE_COMBINE:
-                moe.combine_body(word, A, BD, BK)
-            elif op == OP_ROUTE:
-                moe.route_body(word, WF, A, I, BE, BP)
-            elif op == OP_EMBED:
-                embed.body(word, W, A, I, BD)
-            elif op == OP_EWISE:
-                elementwise.body(word, A, BD)
-            elif op == OP_HC_COEFF:
-                mhc.coeff_body(word, WF, A, BW, BD)
-            elif op == OP_HC_EXPAND:
-                mhc.expand_body(word, A, BW, BD)
-            elif op == OP_HC_HEAD:
-                mhc.head_body(word, WF, A, BW, BD)
-            elif op == OP_ARGMAX:
-                argmax.body(word, A, I, BD)
-            elif op == OP_ACCEPT:
-                spec.accept_body(word, A, I, BT, SAMPLE, BV)
-            elif op == OP_GATHER:
-                spec.gather_body(word, A, I, BD)
+            if ok == 1:  # the other opcodes' bodies
+                if op == OP_EXPERT_LINEAR:
+                    moe.expert_body(word, W, A, I, BR, KC, ALIGN, XKEEP)
+                elif op == OP_RMSNORM:
+                    norm.body(word, W, A, BN)
+                elif op == OP_ATTENTION:
+                    attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC, ATT_KIND)
+                elif op == OP_ATTN_COMBINE:
+                    attention.combine_body(word, A, BSC, BCW, CPF, ALIGN)
+                elif op == OP_ROPE:
+                    rope.apply_body(word, A, BH)
+                elif op == OP_CACHE_WRITE:
+                    rope.cache_write_body(word, A, I, C, BD)
+                elif op == OP_ROPE_TABLE:
+                    rope.table_body(word, WF, A, I, BH)
+                elif op == OP_MOE_COMBINE:
+                    moe.combine_body(word, A, BD, BK)
+                elif op == OP_ROUTE:
+                    moe.route_body(word, WF, A, I, BE, BP)
+                elif op == OP_EMBED:
+                    embed.body(word, W, A, I, BD)
+                elif op == OP_EWISE:
+                    elementwise.body(word, A, BD)
+                elif op == OP_HC_COEFF:
+                    mhc.coeff_body(word, WF, A, BW, BD)
+                elif op == OP_HC_EXPAND:
+                    mhc.expand_body(word, A, BW, BD)
+                elif op == OP_HC_HEAD:
+                    mhc.head_body(word, WF, A, BW, BD)
+                elif op == OP_ARGMAX:
+                    argmax.body(word, A, I, BD)
+                elif op == OP_ACCEPT:
+                    spec.accept_body(word, A, I, BT, SAMPLE, BV)
+                elif op == OP_GATHER:
+                    spec.gather_body(word, A, I, BD)
         if ok == 1:
             tl.debug_barrier()  # every thread's stores happen before the release below
             tl.atomic_add(counters + tl.load(word + WORD_SIGNAL).to(tl.int64) * COUNTER_STRIDE, 1, sem="release", scope="gpu")

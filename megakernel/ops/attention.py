@@ -19,8 +19,8 @@ from .fields import (ATTENTION_B, ATTENTION_CACHE_OFF, ATTENTION_CL_OFF, ATTENTI
                      ATTENTION_PE_LD, ATTENTION_PE_OFF, ATTENTION_POS_OFFSET, ATTENTION_Q_COL0, ATTENTION_Q_HS,
                      ATTENTION_Q_LD, ATTENTION_Q_OFF, ATTENTION_ROPE_DIM, ATTENTION_S, ATTENTION_SCALE, ATTENTION_SPLIT,
                      ATTENTION_SPLIT_LEN, ATTENTION_T, ATTENTION_V_COL0, ATTENTION_WIDTH, ATTN_COMBINE_B,
-                     ATTN_COMBINE_C0, ATTN_COMBINE_C1, ATTN_COMBINE_DIM, ATTN_COMBINE_H0, ATTN_COMBINE_H1, ATTN_COMBINE_LSE_OFF, ATTN_COMBINE_NHEADS,
-                     ATTN_COMBINE_NSPLITS, ATTN_COMBINE_OP_OFF, ATTN_COMBINE_OUT_LD, ATTN_COMBINE_OUT_OFF,
+                     ATTN_COMBINE_C0, ATTN_COMBINE_C1, ATTN_COMBINE_DIM, ATTN_COMBINE_H0, ATTN_COMBINE_H1,
+                     ATTN_COMBINE_LSE_OFF, ATTN_COMBINE_NHEADS, ATTN_COMBINE_NSPLITS, ATTN_COMBINE_OP_OFF, ATTN_COMBINE_OUT_LD, ATTN_COMBINE_OUT_OFF,
                      ATTN_COMBINE_T, FLAG_ATTENTION_MLA)
 
 
@@ -171,7 +171,8 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
             if STAGES > 1:
                 keys, kpe, values = keys_n, kpe_n, values_n
             else:
-                keys, kpe, values = kv_block(cache, width, jb + BJ, j1, k_col, v_col, dim, d, dmask, e, emask, mla, BJ, KIND)
+                keys, kpe, values = kv_block(cache, width, jb + BJ, j1, k_col, v_col, dim, d, dmask, e, emask, mla, BJ,
+                                             KIND)
         has_keys = l_i > 0
         o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
         lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))

@@ -27,6 +27,13 @@ def reference(task, mem) -> None:
 
 # ---- GPU body ----------------------------------------------------------------------------
 @triton.jit
+def step_coords(s, h0, nob, nib, N, o0, BI: tl.constexpr, BO: tl.constexpr):
+    """Step s's (first input, token, first output, head): steps run head, output block, token, input
+    block, innermost last."""
+    return (s % nib) * BI, (s // nib) % N, o0 + ((s // (nib * N)) % nob) * BO, h0 + s // (nib * N * nob)
+
+
+@triton.jit
 def weight_tile(s, total, h0, nob, nib, N, w_ptr, w_hs, w_ld, i_dim, o0, o1, BI: tl.constexpr, BO: tl.constexpr,
                 TRANS: tl.constexpr):
     """Step s's [BI, BO] weight tile (steps: head, output block, token, input block, innermost last).
@@ -36,9 +43,7 @@ def weight_tile(s, total, h0, nob, nib, N, w_ptr, w_hs, w_ld, i_dim, o0, o1, BI:
     products are either multiplied by zero activations or never stored.  Nothing is read when
     s == total (a scalar mask keeps the vector loads)."""
     on = s < total
-    ib = (s % nib) * BI
-    ob = o0 + ((s // (nib * N)) % nob) * BO
-    h = h0 + s // (nib * N * nob)
+    ib, _, ob, h = step_coords(s, h0, nob, nib, N, o0, BI, BO)
     i = ib + tl.arange(0, BI)
     o = ob + tl.arange(0, BO)
     if TRANS:  # W_h[i, o] at o*ld + i: rows o, contiguous i
@@ -46,16 +51,6 @@ def weight_tile(s, total, h0, nob, nib, N, w_ptr, w_hs, w_ld, i_dim, o0, o1, BI:
     else:
         w_offs = tl.minimum(i, i_dim - 1)[:, None] * w_ld + o[None, :]
     return tl.load(w_ptr + h * w_hs.to(tl.int64) + w_offs, mask=on, other=0.0)
-
-
-@triton.jit
-def act_slice(s, h0, nob, nib, N, x_ptr, x_ld, x_hs, x_col0, i_dim, BI: tl.constexpr):
-    """Step s's activation slice [BI] (zero past in_dim)."""
-    ib = (s % nib) * BI
-    n = (s // nib) % N
-    h = h0 + s // (nib * N * nob)
-    i = ib + tl.arange(0, BI)
-    return tl.load(x_ptr + n * x_ld + h * x_hs + x_col0 + i, mask=i < i_dim, other=0.0, cache_modifier=".cg")
 
 
 @triton.jit
@@ -99,12 +94,12 @@ def body(word, W, A, w, BI: tl.constexpr, BO: tl.constexpr, ALIGN: tl.constexpr,
     acc = tl.zeros((BO,), tl.float32)
     for s in range(total):
         w_next = weight_tile(s + 1, total, h0, nob, nib, N, w_ptr, w_hs, w_ld, i_dim, o0, o1, BI, BO, TRANS)
-        x = act_slice(s, h0, nob, nib, N, x_ptr, x_ld, x_hs, x_col0, i_dim, BI)
+        ib, n, ob, h = step_coords(s, h0, nob, nib, N, o0, BI, BO)
+        i = ib + tl.arange(0, BI)
+        x = tl.load(x_ptr + n * x_ld + h * x_hs + x_col0 + i, mask=i < i_dim, other=0.0, cache_modifier=".cg")
         acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)
         if s % nib == nib - 1:  # this (head, output block, token) is complete
-            n = (s // nib) % N
-            o = o0 + ((s // (nib * N)) % nob) * BO + tl.arange(0, BO)
-            h = h0 + s // (nib * N * nob)
+            o = ob + tl.arange(0, BO)
             tl.store(o_ptr + n * o_ld + h * o_hs + o, acc, mask=o < o1)
             acc = tl.zeros((BO,), tl.float32)
         w = w_next
