@@ -125,6 +125,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     splits = norm_width = topk = 2
     sample = 0
     stream_k = 32
+    stream_n = 1
     pairs = combine_cols = 16
     head_in, head_out = [16, 16], [16, 16]  # [plain, TRANS] per-head matmuls
     att_kinds = set()
@@ -132,6 +133,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
         f = t.fields
         if t.op.name in ("LINEAR", "EXPERT_LINEAR"):
             stream_k = max(stream_k, _pow2(f["K"]))
+            stream_n = max(stream_n, _pow2(f["N"], 1))
         elif t.op.name == "HEAD_MATMUL":
             k = 1 if t.has("TRANS") else 0
             head_in[k], head_out[k] = max(head_in[k], _pow2(f["in_dim"])), max(head_out[k], _pow2(f["o1"] - f["o0"]))
@@ -162,6 +164,9 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     # would only be multiplied by zero)
     kc = min(2048, stream_k)
     br = 16384 // kc
+    # a weight chunk is multiplied by up to TB tokens before the next is needed (T > 1, B > 1); past
+    # 16, sums of more tokens would need more registers than a chunk's stream leaves
+    tb = min(16, stream_n)
     # per-head matmuls: up to 16K weights per step (the stream's), so a q_absorb task of MLA is one
     # 128 x 128 tile, requested before its wait; TRANS tasks (v_up: 512 inputs, 64 outputs) take
     # as many inputs per step as their outputs leave room for
@@ -175,7 +180,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 BE=experts, BP=min(256, pairs), BW=width, ALIGN=alignment(tasks), BT=spec_t,
                 # whole rows per load where registers allow: each block is one memory round trip
                 BSC=min(splits, max(1, 8192 // bcw)), BCW=bcw, BN=min(norm_width, 8192), BK=topk, CPF=0,
-                SAMPLE=sample, BV=1024, XKEEP=0,
+                SAMPLE=sample, BV=1024, TB=tb,
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2",
                 # attention compiled for the plan's one kind (MLA or GQA), else the flag read per task
                 ATT_KIND=att_kinds.pop() if len(att_kinds) == 1 else 0)

@@ -61,11 +61,11 @@ def test_kernel_equals_interpreter_one_worker(name):
 def test_kernel_small_blocks(name):
     """The bodies' other paths: the attention combine over several blocks of splits (online maximum),
     RMSNorm rows longer than a block (two passes), the weight stream over several K chunks and row
-    blocks (the activation chunk kept across steps: XKEEP), the combine's next block requested early,
+    blocks (token groups wider than the step: TB=2), the combine's next block requested early,
     rope over several blocks of heads, per-head matmuls over several input and output blocks, attention
     compiled for either kind (ATT_KIND=0, the flag read per task; the other tests run the plan's one kind),
     top-k by rounds of argmax (BE > 64; the other tests rank the experts)."""
-    cfg, plan, interp, mk = _pair(name, blocks=dict(BSC=2, BCW=8, BN=16, CPF=1, BR=8, KC=32, XKEEP=1, BH=512, BI=8, BO=8,
+    cfg, plan, interp, mk = _pair(name, blocks=dict(BSC=2, BCW=8, BN=16, CPF=1, BR=8, KC=32, TB=2, BH=512, BI=8, BO=8,
                                                   BIT=8, BOT=4, ATT_KIND=0, BE=128))
     assert cfg.hidden_size > 16 and plan.shape["max_len"] // plan.shape["attn_split"] > 2
     _compare(cfg, interp, mk, torch.tensor([3, 11]))

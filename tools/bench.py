@@ -224,7 +224,7 @@ def main() -> None:
     p.add_argument("--baselines", nargs="*", default=["eager", "graph", "compile"],
                    choices=["eager", "graph", "compile"], help="plain-PyTorch baselines to time (default: all)")
     p.add_argument("--variants", nargs="*", default=[], metavar="KEY=V,...",
-                   help="also time these launch variants, e.g. XKEEP=1 KC=1024,BR=16 num_warps=4")
+                   help="also time these launch variants, e.g. TB=4 KC=1024,BR=16 num_warps=4")
     p.add_argument("--plan-variants", nargs="*", default=[], metavar="KEY=V,...",
                    help="also time plans compiled with these options, e.g. spread=0,attn_split=320 (session 1's tiling)")
     p.add_argument("--out", default=".")

@@ -85,25 +85,25 @@ def chunk_dot(w, x, w_ptr, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constex
 
 
 @triton.jit
-def advance(sub, kc, n, blk, nsub, nk, n_rows):
-    """The step after (block blk, token n, K chunk kc, gate|up sub), in loop order, without divisions."""
+def advance(sub, kc, g, blk, nsub, nk, ngroups):
+    """The step after (block blk, token group g, K chunk kc, gate|up sub), in loop order, without divisions."""
     sub += 1
     wrap = sub == nsub
     sub = tl.where(wrap, 0, sub)
     kc += wrap.to(tl.int32)
     wrap = kc == nk
     kc = tl.where(wrap, 0, kc)
-    n += wrap.to(tl.int32)
-    wrap = n == n_rows
-    n = tl.where(wrap, 0, n)
+    g += wrap.to(tl.int32)
+    wrap = g == ngroups
+    g = tl.where(wrap, 0, g)
     blk += wrap.to(tl.int32)
-    return sub, kc, n, blk
+    return sub, kc, g, blk
 
 
 @triton.jit
-def list_row(n, on, xrows_ptr, xrows_div):
+def list_rows(n, on, xrows_ptr, xrows_div):
     """Token n's (out row, activation row): its row-list entry and entry // xrows_div (xrows_div > 0),
-    else n and n."""
+    else n and n.  n may be a scalar or a vector of tokens."""
     row = n
     xrow = n
     if xrows_div > 0:
@@ -115,67 +115,54 @@ def list_row(n, on, xrows_ptr, xrows_div):
 @triton.jit
 def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, res_ptr, res_ld, use_res,
                   w_ptr, w2_ptr, two, r0, r1, K, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr,
-                  XKEEP: tl.constexpr):
+                  TB: tl.constexpr):
     """out[orow(n), r0:r1] = f(x[xrow(n)] @ W[r0:r1].T) for n < n_rows, f = identity, + residual, or
     SiLU(x@W.T) * (x@W2.T).  Rows come from a list (xrows_div > 0: row = list[n] // xrows_div, out row
-    = list[n]) or are n itself.  One token at a time on CUDA cores, fp32 products and sums, K in
-    chunks of KC in a fixed order: a token's result never depends on its neighbours (batch
-    invariance).  Steps run (row block, token, K chunk, gate|up) in a flat loop that requests step
-    i+1's weights before reducing step i's, so load latency hides behind the arithmetic (waiting for
-    each chunk cost 2x on the GPU: docs/PERF.md); the step counters advance by compares, not
-    divisions.  XKEEP (a launch variant, not yet measured on the GPU) keeps the activation chunk in
-    registers while the step's (token, K chunk) stays the same: once per task for one token and
-    K <= KC.  w: step 0's weight chunk, already requested (before the dependency wait)."""
+    = list[n]) or are n itself.  CUDA cores, fp32 products and sums, K in chunks of KC in a fixed
+    order, one token at a time against a chunk: a token's result never depends on its neighbours
+    (batch invariance).  Steps run (row block, group of TB tokens, K chunk, gate|up) in a flat loop
+    that requests step i+1's weights before multiplying step i's by each token of the group, so a
+    weight chunk is read once for up to TB tokens (T > 1, B > 1: the weights are what a step
+    streams) and its load latency hides behind the arithmetic (waiting for each chunk cost 2x on
+    the GPU: docs/PERF.md); the step counters advance by compares, not divisions.
+    w: step 0's weight chunk, already requested (before the dependency wait)."""
     nsub = 1 + two.to(tl.int32)
     nk = tl.cdiv(K, KC)
-    total = tl.cdiv(r1 - r0, BR) * n_rows * nk * nsub
+    ngroups = tl.cdiv(n_rows, TB)
+    total = tl.cdiv(r1 - r0, BR) * ngroups * nk * nsub
     zero = r0 * 0
-    # step i's counters, step i+1's (requested in iteration i) and step i+2's (its list row is
-    # loaded in iteration i, so no load in the loop waits on another)
-    sub, kc, n, blk = zero, zero, zero, zero
-    sub_a, kc_a, n_a, blk_a = advance(sub, kc, n, blk, nsub, nk, n_rows)
-    sub_b, kc_b, n_b, blk_b = advance(sub_a, kc_a, n_a, blk_a, nsub, nk, n_rows)
-    row, xrow = list_row(n, 0 < total, xrows_ptr, xrows_div)
-    row_a, xrow_a = list_row(n_a, 1 < total, xrows_ptr, xrows_div)
-    acc = tl.zeros((BR,), tl.float32)
-    acc2 = tl.zeros((BR,), tl.float32)
-    if XKEEP:
-        SPAN: tl.constexpr = min(KC, 128)
-        x = tl.zeros((BR, KC // SPAN, SPAN), tl.float32)
-        # the chunk's (token, K chunk), never the same object as n or kc at the loop's start: Triton 3.6
-        # drops a loop-carried name that an `if` sets to the very value it held there (run 15)
-        x_n, x_kc = zero - 1, zero - 1
+    sub, kc, g, blk = zero, zero, zero, zero
+    sub_a, kc_a, g_a, blk_a = advance(sub, kc, g, blk, nsub, nk, ngroups)
+    # one column of sums per token of the group (sums of gate rows; acc2: of up rows)
+    acc = tl.zeros((BR, TB), tl.float32)
+    acc2 = tl.zeros((BR, TB), tl.float32)
+    col = tl.arange(0, TB)[None, :]
     for i in tl.range(total, loop_unroll_factor=2):
         w_next = weight_rows(tl.where(sub_a == 1, w2_ptr, w_ptr), r0 + blk_a * BR, r1, K, kc_a * KC, BR, KC, ALIGN)
-        row_b, xrow_b = row_a, xrow_a
-        if n_b != n_a:
-            row_b, xrow_b = list_row(n_b, i + 2 < total, xrows_ptr, xrows_div)
-        if XKEEP:
-            if (n != x_n) | (kc != x_kc):
-                x = act_chunk(x_ptr, xrow, x_ld, kc * KC, K, BR, KC, ALIGN)
-            x_n, x_kc = n + 0, kc + 0  # unconditionally, as new values (see above)
-        else:
+        n0 = g * TB
+        for t in range(tl.minimum(TB, n_rows - n0)):
+            _, xrow = list_rows(n0 + t, True, xrows_ptr, xrows_div)
             x = act_chunk(x_ptr, xrow, x_ld, kc * KC, K, BR, KC, ALIGN)
-        part = chunk_dot(w, x, w_ptr, BR, KC, ALIGN)
-        if sub == 0:
-            acc += part
-        else:
-            acc2 += part
-        if (kc == nk - 1) & (sub == nsub - 1):  # this token's rows are complete
-            rows = r0 + blk * BR + tl.arange(0, BR)
-            rmask = rows < r1
+            part = chunk_dot(w, x, w_ptr, BR, KC, ALIGN)[:, None]
+            if sub == 0:
+                acc = tl.where(col == t, acc + part, acc)
+            else:
+                acc2 = tl.where(col == t, acc2 + part, acc2)
+        if (kc == nk - 1) & (sub == nsub - 1):  # the group's rows are complete
+            rows = (r0 + blk * BR + tl.arange(0, BR))[:, None]
+            n = n0 + col
+            orow, _ = list_rows(n, n < n_rows, xrows_ptr, xrows_div)
+            mask = (rows < r1) & (n < n_rows)
             y = acc
             if two:
                 y = silu(acc) * acc2
-            res = tl.load(res_ptr + row * res_ld + rows, mask=rmask & use_res, other=0.0)
-            tl.store(out_ptr + row.to(tl.int64) * out_ld + rows, y + res, mask=rmask)
-            acc = tl.zeros((BR,), tl.float32)
-            acc2 = tl.zeros((BR,), tl.float32)
+            res = tl.load(res_ptr + orow * res_ld + rows, mask=mask & use_res, other=0.0)
+            tl.store(out_ptr + orow.to(tl.int64) * out_ld + rows, y + res, mask=mask)
+            acc = tl.zeros((BR, TB), tl.float32)
+            acc2 = tl.zeros((BR, TB), tl.float32)
         w = w_next
-        sub, kc, n, blk = sub_a, kc_a, n_a, blk_a
-        sub_a, kc_a, n_a, blk_a = sub_b, kc_b, n_b, blk_b
-        sub_b, kc_b, n_b, blk_b = advance(sub_b, kc_b, n_b, blk_b, nsub, nk, n_rows)
-        row, xrow, row_a, xrow_a = row_a, xrow_a, row_b, xrow_b
+        sub, kc, g, blk = sub_a, kc_a, g_a, blk_a
+        sub_a, kc_a, g_a, blk_a = advance(sub_a, kc_a, g_a, blk_a, nsub, nk, ngroups)
 
 
 @triton.jit
@@ -197,10 +184,10 @@ def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, XKEEP: tl.constexpr):
+def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr):
     flags = fld(word, LINEAR_FLAGS)
     stream_chunks(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
                   A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
                   fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), aligned_base(W, word, LINEAR_W_OFF, ALIGN),
                   aligned_base(W, word, LINEAR_W2_OFF, ALIGN), has(flags, FLAG_LINEAR_SILU_MUL), fld(word, LINEAR_R0),
-                  fld(word, LINEAR_R1), fld(word, LINEAR_K), w, BR, KC, ALIGN, XKEEP)
+                  fld(word, LINEAR_R1), fld(word, LINEAR_K), w, BR, KC, ALIGN, TB)
