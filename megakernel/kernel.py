@@ -28,13 +28,13 @@ from .ops.fields import (OP_ACCEPT, OP_ARGMAX, OP_ATTENTION, OP_ATTN_COMBINE, OP
 @triton.jit
 def head_matmul_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr,
                      MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr,
-                     ALIGN: tl.constexpr, TRANS: tl.constexpr):
+                     ALIGN: tl.constexpr, TRANS: tl.constexpr, TB: tl.constexpr):
     """A HEAD_MATMUL task as a LINEAR one runs: first weights requested, wait, body.  (ok, ready time)."""
     w = head_matmul.prefetch(word, W, BI, BO, ALIGN, TRANS)
     ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
     t_ready = now_ns(USE_TIMER)
     if ok == 1:
-        head_matmul.body(word, W, A, w, BI, BO, ALIGN, TRANS)
+        head_matmul.body(word, W, A, w, BI, BO, ALIGN, TRANS, TB)
     return ok, t_ready
 
 
@@ -70,10 +70,10 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
         elif op == OP_HEAD_MATMUL:  # a copy per weight layout, so each vectorizes its loads
             if head_matmul.transposed(word):
                 ok, t_ready = head_matmul_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
-                                               MAX_SPINS, USE_TIMER, BIT, BOT, ALIGN, True)
+                                               MAX_SPINS, USE_TIMER, BIT, BOT, ALIGN, True, TB)
             else:
                 ok, t_ready = head_matmul_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
-                                               MAX_SPINS, USE_TIMER, BI, BO, ALIGN, False)
+                                               MAX_SPINS, USE_TIMER, BI, BO, ALIGN, False, TB)
         else:
             ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
             t_ready = now_ns(USE_TIMER)

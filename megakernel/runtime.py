@@ -135,6 +135,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
             stream_k = max(stream_k, _pow2(f["K"]))
             stream_n = max(stream_n, _pow2(f["N"], 1))
         elif t.op.name == "HEAD_MATMUL":
+            stream_n = max(stream_n, _pow2(f["N"], 1))
             k = 1 if t.has("TRANS") else 0
             head_in[k], head_out[k] = max(head_in[k], _pow2(f["in_dim"])), max(head_out[k], _pow2(f["o1"] - f["o0"]))
         elif t.op.name == "ATTENTION":
@@ -164,8 +165,8 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     # would only be multiplied by zero)
     kc = min(2048, stream_k)
     br = 16384 // kc
-    # a weight chunk is multiplied by up to TB tokens before the next is needed (T > 1, B > 1); past
-    # 16, sums of more tokens would need more registers than a chunk's stream leaves
+    # a weight chunk or per-head tile is multiplied by up to TB tokens before the next is needed
+    # (T > 1, B > 1); past 16, sums of more tokens would need more registers than a stream leaves
     tb = min(16, stream_n)
     # per-head matmuls: up to 16K weights per step (the stream's), so a q_absorb task of MLA is one
     # 128 x 128 tile, requested before its wait; TRANS tasks (v_up: 512 inputs, 64 outputs) take

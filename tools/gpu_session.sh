@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything a GPU session checks (device time is the scarce resource):
-#   [MODELS="..."] [TS="1 6"] [VARIANTS="..."] [PLAN_VARIANTS="..."] bash tools/gpu_session.sh PARTS [OUT_DIR]
+#   [MODELS="..."] [TS="1 6"] [VARIANTS="..."] [PLAN_VARIANTS="..."] [TESTS_K="..."] bash tools/gpu_session.sh PARTS [OUT_DIR]
 # PARTS: a comma list of
-#   tests    the gpu-marked tests;
+#   tests    the gpu-marked tests (TESTS_K: a pytest -k selection of them);
 #   bench    floors, plain-PyTorch baselines, the megakernel, launch/plan variants and a per-op
 #            profile for $MODELS (default: llama-1b dsv2-lite);
 #   spec     the speculative k sweep (k = 0..7, one graph replay each) and speculative-equals-plain
@@ -14,8 +14,9 @@
 #   anchors  the outside yardstick, if a copy of ../shared/anchors sits in .anchors/ (git-ignored;
 #            carry it with the device tool);
 #   all      tests,bench,spec,anchors.
-# Keep each call under the device tool's 10-minute limit (tests ~300 s, bench ~250 s per model and T
-# with two variants, spec ~300 s, stream ~150 s).
+# Keep each call under the device tool's 10-minute limit (tests: all 61 take
+# over 420 s, so split them with TESTS_K; bench ~250 s per model and T
+# with two variants, spec ~300 s, stream ~150 s).  Exits with the worst part's status.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 parts=",${1:-all},"
@@ -27,37 +28,40 @@ variants="${VARIANTS-}"
 plan_variants="${PLAN_VARIANTS-}"
 stream_variants="${STREAM_VARIANTS-BR=16,KC=1024}"
 mkdir -p "$out"
+rc=0  # the worst part's status (a part cut by its timeout gives 124), not the last test's
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$out/gpu.txt"
 if [[ "$parts" == *,tests,* ]]; then
-    timeout 420 python3 -m pytest -m gpu tests/test_gpu.py tests/test_weight_stream.py tests/test_helper.py -q \
-        -p no:cacheprovider 2>&1 \
-        | tee "$out/gpu_tests.log" | tail -15
+    timeout 570 python3 -m pytest -m gpu tests/test_gpu.py tests/test_weight_stream.py tests/test_helper.py -q \
+        -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+        | tee "$out/gpu_tests.log" | tail -15 || rc=$?
 fi
 if [[ "$parts" == *,bench,* ]]; then
     # shellcheck disable=SC2086
     timeout 560 python3 tools/bench.py --models $models --T $ts --profile --variants $variants \
-        --plan-variants $plan_variants --out "$out" 2>&1 | tee "$out/bench.log" | grep -v '^{"model'
+        --plan-variants $plan_variants --out "$out" 2>&1 | tee "$out/bench.log" | { grep -v '^{"model' || true; } || rc=$?
 fi
 if [[ "$parts" == *,spec,* ]]; then
     timeout 500 python3 tools/spec_sweep.py --models dsv2-lite llama-1b --mtp 1 --ctx 4096 --kmax 7 --out "$out" 2>&1 \
-        | tee "$out/spec.log" | tail -20
+        | tee "$out/spec.log" | tail -20 || rc=$?
 fi
 if [[ "$parts" == *,stream,* ]]; then
     for kind in dense moe; do
         # shellcheck disable=SC2086
         timeout 280 python3 tools/stream_bench.py --kind $kind --variants $stream_variants --out "$out" 2>&1 \
-            | tee "$out/stream_$kind.log" | tail -6
+            | tee "$out/stream_$kind.log" | tail -6 || rc=$?
     done
 fi
 if [[ "$parts" == *,ncu,* ]]; then
     for m in $models; do
         timeout 250 ncu --clock-control none -k regex:megakernel --launch-skip 2 --launch-count 1 \
             --section SourceCounters --section WarpStateStats -o "$out/$m" -f \
-            python3 tools/ncu_step.py --model "$m" --cubin "$out/$m.cubin" 2>&1 | tail -3
+            python3 tools/ncu_step.py --model "$m" --cubin "$out/$m.cubin" 2>&1 | tail -3 || rc=$?
         ncu --import "$out/$m.ncu-rep" --page source --csv --print-source sass > "$out/${m}_sass.csv"
     done
 fi
 if [[ "$parts" == *,anchors,* ]] && [ -f .anchors/torch_baselines.py ]; then
-    timeout 560 python3 .anchors/torch_baselines.py 2>&1 | tee "$out/anchors.log" | tail -12
+    timeout 560 python3 .anchors/torch_baselines.py 2>&1 | tee "$out/anchors.log" | tail -12 || rc=$?
 fi
+[ "$rc" = 0 ] || echo "gpu_session: a part failed or ran out of time (status $rc): see the logs in $out" >&2
+exit "$rc"

@@ -27,23 +27,23 @@ def reference(task, mem) -> None:
 
 # ---- GPU body ----------------------------------------------------------------------------
 @triton.jit
-def step_coords(s, h0, nob, nib, N, o0, BI: tl.constexpr, BO: tl.constexpr):
-    """Step s's (first input, token, first output, head): steps run head, output block, token, input
-    block, innermost last."""
-    return (s % nib) * BI, (s // nib) % N, o0 + ((s // (nib * N)) % nob) * BO, h0 + s // (nib * N * nob)
+def step_coords(s, h0, nob, nib, ngroups, o0, BI: tl.constexpr, BO: tl.constexpr):
+    """Step s's (first input, token group, first output, head): steps run head, output block, token
+    group, input block, innermost last."""
+    return (s % nib) * BI, (s // nib) % ngroups, o0 + ((s // (nib * ngroups)) % nob) * BO, h0 + s // (nib * ngroups * nob)
 
 
 @triton.jit
-def weight_tile(s, total, h0, nob, nib, N, w_ptr, w_hs, w_ld, i_dim, o0, o1, BI: tl.constexpr, BO: tl.constexpr,
+def weight_tile(s, total, h0, nob, nib, ngroups, w_ptr, w_hs, w_ld, i_dim, o0, o1, BI: tl.constexpr, BO: tl.constexpr,
                 TRANS: tl.constexpr):
-    """Step s's [BI, BO] weight tile (steps: head, output block, token, input block, innermost last).
+    """Step s's [BI, BO] weight tile (steps: head, output block, token group, input block, innermost last).
     Unmasked, like the weight stream's chunks, so each thread's vector is one load: the strided index
     is clamped to its last valid value, the contiguous one reads on past the block (at most BI or BO
     elements past the matrix; the W arena has that much slack, memory.STREAM_SLACK) and those
     products are either multiplied by zero activations or never stored.  Nothing is read when
     s == total (a scalar mask keeps the vector loads)."""
     on = s < total
-    ib, _, ob, h = step_coords(s, h0, nob, nib, N, o0, BI, BO)
+    ib, _, ob, h = step_coords(s, h0, nob, nib, ngroups, o0, BI, BO)
     i = ib + tl.arange(0, BI)
     o = ob + tl.arange(0, BO)
     if TRANS:  # W_h[i, o] at o*ld + i: rows o, contiguous i
@@ -77,29 +77,37 @@ def prefetch(word, W, BI: tl.constexpr, BO: tl.constexpr, ALIGN: tl.constexpr, T
     activations): a q_absorb task is a single tile, so its wait hides all of its weight latency."""
     w_ptr, w_hs, w_ld, h0, h1, i_dim, o0, o1, N = task_fields(word, W, ALIGN)
     nib, nob = tl.cdiv(i_dim, BI), tl.cdiv(o1 - o0, BO)
-    return weight_tile(0, 1, h0, nob, nib, N, w_ptr, w_hs, w_ld, i_dim, o0, o1, BI, BO, TRANS)
+    return weight_tile(0, 1, h0, nob, nib, 1, w_ptr, w_hs, w_ld, i_dim, o0, o1, BI, BO, TRANS)
 
 
 @triton.jit
-def body(word, W, A, w, BI: tl.constexpr, BO: tl.constexpr, ALIGN: tl.constexpr, TRANS: tl.constexpr):
+def body(word, W, A, w, BI: tl.constexpr, BO: tl.constexpr, ALIGN: tl.constexpr, TRANS: tl.constexpr,
+         TB: tl.constexpr):
     """Per head and token, a GEMV on CUDA cores over whole [BI, BO] weight tiles (fp32 sums in a
-    fixed order: batch invariant).  One flat loop over (head, output block, token, input block)
-    requests the next step's tile before reducing the current one.  w: step 0's tile (prefetch)."""
+    fixed order: batch invariant).  One flat loop over (head, output block, group of TB tokens,
+    input block) requests the next step's tile before multiplying the current one by each token of
+    the group (a tile is read once for up to TB tokens).  w: step 0's tile (prefetch)."""
     w_ptr, w_hs, w_ld, h0, h1, i_dim, o0, o1, N = task_fields(word, W, ALIGN)
     x_ptr, x_ld, x_hs, x_col0 = (A + off(word, HEAD_MATMUL_X_OFF), fld(word, HEAD_MATMUL_X_LD),
                                  fld(word, HEAD_MATMUL_X_HS), fld(word, HEAD_MATMUL_X_COL0))
     o_ptr, o_ld, o_hs = A + off(word, HEAD_MATMUL_OUT_OFF), fld(word, HEAD_MATMUL_OUT_LD), fld(word, HEAD_MATMUL_OUT_HS)
-    nib, nob = tl.cdiv(i_dim, BI), tl.cdiv(o1 - o0, BO)
-    total = (h1 - h0) * nob * N * nib
-    acc = tl.zeros((BO,), tl.float32)
+    nib, nob, ngroups = tl.cdiv(i_dim, BI), tl.cdiv(o1 - o0, BO), tl.cdiv(N, TB)
+    total = (h1 - h0) * nob * ngroups * nib
+    acc = tl.zeros((TB, BO), tl.float32)  # a row of sums per token of the group
+    tok = tl.arange(0, TB)[:, None]
     for s in range(total):
-        w_next = weight_tile(s + 1, total, h0, nob, nib, N, w_ptr, w_hs, w_ld, i_dim, o0, o1, BI, BO, TRANS)
-        ib, n, ob, h = step_coords(s, h0, nob, nib, N, o0, BI, BO)
+        w_next = weight_tile(s + 1, total, h0, nob, nib, ngroups, w_ptr, w_hs, w_ld, i_dim, o0, o1, BI, BO, TRANS)
+        ib, g, ob, h = step_coords(s, h0, nob, nib, ngroups, o0, BI, BO)
         i = ib + tl.arange(0, BI)
-        x = tl.load(x_ptr + n * x_ld + h * x_hs + x_col0 + i, mask=i < i_dim, other=0.0, cache_modifier=".cg")
-        acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)
-        if s % nib == nib - 1:  # this (head, output block, token) is complete
-            o = ob + tl.arange(0, BO)
-            tl.store(o_ptr + n * o_ld + h * o_hs + o, acc, mask=o < o1)
-            acc = tl.zeros((BO,), tl.float32)
+        wf = w.to(tl.float32)
+        n0 = g * TB
+        for t in range(tl.minimum(TB, N - n0)):
+            x = tl.load(x_ptr + (n0 + t) * x_ld + h * x_hs + x_col0 + i, mask=i < i_dim, other=0.0,
+                        cache_modifier=".cg")
+            acc = tl.where(tok == t, acc + tl.sum(wf * x[:, None], axis=0)[None, :], acc)
+        if s % nib == nib - 1:  # this (head, output block, token group) is complete
+            o = ob + tl.arange(0, BO)[None, :]
+            n = n0 + tok
+            tl.store(o_ptr + n * o_ld + h * o_hs + o, acc, mask=(o < o1) & (n < N))
+            acc = tl.zeros((TB, BO), tl.float32)
         w = w_next
