@@ -47,7 +47,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr, BI: tl.constexpr,
                BO: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr, BW: tl.constexpr, BSC: tl.constexpr,
                BN: tl.constexpr, BK: tl.constexpr, CPF: tl.constexpr, BCW: tl.constexpr,
-               SAMPLE: tl.constexpr, BV: tl.constexpr, TB: tl.constexpr,
+               SAMPLE: tl.constexpr, BV: tl.constexpr, TB: tl.constexpr, PF: tl.constexpr,
                ALIGN: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr, ATT_KIND: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
@@ -60,8 +60,14 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
         word = words + t.to(tl.int64) * WORDS
         t_begin = now_ns(USE_TIMER)
         op = tl.load(word)
+        if PF == 2:  # the next task's weights asked of the L2 a whole task ahead
+            if t + 1 < end:
+                if tl.load(word + WORDS) == OP_LINEAR:
+                    linear.prefetch_task(word + WORDS, W, ALIGN)
         # weights never depend on activations: the first of them are requested before the wait
         if op == OP_LINEAR:
+            if PF == 1 or (PF == 2 and t == start):
+                linear.prefetch_task(word, W, ALIGN)
             w = linear.prefetch(word, W, BR, KC, ALIGN)
             ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
             t_ready = now_ns(USE_TIMER)
@@ -79,7 +85,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             t_ready = now_ns(USE_TIMER)
             if ok == 1:  # the other opcodes' bodies
                 if op == OP_EXPERT_LINEAR:
-                    moe.expert_body(word, W, A, I, BR, KC, ALIGN, TB)
+                    moe.expert_body(word, W, A, I, BR, KC, ALIGN, TB, PF)
                 elif op == OP_RMSNORM:
                     norm.body(word, W, A, BN)
                 elif op == OP_ATTENTION:

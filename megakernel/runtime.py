@@ -182,13 +182,15 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # whole rows per load where registers allow: each block is one memory round trip
                 BSC=min(splits, max(1, 8192 // bcw)), BCW=bcw, BN=min(norm_width, 8192), BK=topk, CPF=0,
                 SAMPLE=sample, BV=1024, TB=tb,
+                # weights asked of the L2 in bulk, a task at a time (1) or a task ahead (2): a launch variant
+                PF=0,
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2",
                 # attention compiled for the plan's one kind (MLA or GQA), else the flag read per task
                 ATT_KIND=att_kinds.pop() if len(att_kinds) == 1 else 0)
 
 
-def check_block_overrides(blocks: dict, fitted: dict) -> None:
-    """Overrides (launch variants) that would compute something else, not just run differently."""
+def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> None:
+    """Overrides (launch variants) that would compute something else, or could not run."""
     unknown = sorted(set(blocks) - set(fitted))
     if unknown:
         raise MegakernelError(f"unknown block override {', '.join(unknown)}: the kernel takes {', '.join(sorted(fitted))}")
@@ -212,6 +214,14 @@ def check_block_overrides(blocks: dict, fitted: dict) -> None:
         kinds = {0: "of both kinds", 1: "all MLA", 2: "all GQA"}[fitted["ATT_KIND"]]
         raise MegakernelError(f"block override ATT_KIND={blocks['ATT_KIND']}: this plan's attention tasks are {kinds} "
                               "(0 reads the flag per task)")
+    if blocks["PF"] not in (0, 1, 2):
+        raise MegakernelError(f"block override PF={blocks['PF']}: 0 (no L2 prefetch), 1 (a task's weights at its "
+                              "start) or 2 (the next task's too)")
+    if blocks["PF"] and (INTERPRET or blocks["ALIGN"] * weight_bytes % 16):
+        why = ("the Triton interpreter runs no inline PTX" if INTERPRET else
+               f"bulk prefetches need 16-byte aligned slices, and ALIGN={blocks['ALIGN']} x {weight_bytes}-byte weights "
+               "are not")
+        raise MegakernelError(f"block override PF={blocks['PF']}: {why}")
     if blocks["BK"] < fitted["BK"]:
         raise MegakernelError(f"block override BK={blocks['BK']}: MOE_COMBINE reads all of a token's expert rows "
                               f"in one block of BK, this plan needs {fitted['BK']}")
@@ -250,7 +260,7 @@ class Megakernel(PlanRunner):
         self.epoch = 0
         fitted = block_sizes(tasks, self.mem.dtype)
         self.blocks = {**fitted, **(self.config.blocks or {})}
-        check_block_overrides(self.blocks, fitted)
+        check_block_overrides(self.blocks, fitted, self.mem.dtype.itemsize)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.compiled = None
         pinned = self.device.type == "cuda"

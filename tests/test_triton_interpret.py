@@ -159,6 +159,10 @@ def test_block_overrides_that_would_change_the_result_are_refused():
         check_block_overrides({**fitted, "DEPTH": 3}, fitted)
     with pytest.raises(MegakernelError, match="SAMPLE=0"):
         check_block_overrides({**fitted, "SAMPLE": 0}, {**fitted, "SAMPLE": 1})
+    with pytest.raises(MegakernelError, match="PF=3: 0 .no L2 prefetch."):
+        check_block_overrides({**fitted, "PF": 3}, fitted)
+    with pytest.raises(MegakernelError, match="PF=1: the Triton interpreter runs no inline PTX"):
+        check_block_overrides({**fitted, "PF": 1}, fitted)  # this suite runs under TRITON_INTERPRET
 
 
 def test_route_with_many_experts_and_a_large_top_k_is_refused():

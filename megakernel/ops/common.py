@@ -46,6 +46,18 @@ def aligned(v, ALIGN: tl.constexpr):
 
 
 @triton.jit
+def prefetch_l2(ptr, nbytes):
+    """Asks the L2 for nbytes from ptr (16-byte aligned, a multiple of 16 bytes), issued by the CTA's
+    thread 0 as one bulk prefetch (sm_90 copy engine): nothing waits on it and no register holds the
+    data, so a worker can have a whole task's weights in flight while its registers stream the first
+    chunks.  Compiled only (the Triton interpreter has no inline PTX): kernel launches with PF > 0."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def silu(x):
     return x / (1.0 + tl.exp(-x))
 

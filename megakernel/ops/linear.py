@@ -6,7 +6,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .common import aligned, fld, has, off, silu
+from .common import aligned, fld, has, off, prefetch_l2, silu
 from .fields import (FLAG_LINEAR_RES, FLAG_LINEAR_SILU_MUL, LINEAR_FLAGS, LINEAR_K, LINEAR_N, LINEAR_OUT_LD,
                      LINEAR_OUT_OFF, LINEAR_R0, LINEAR_R1, LINEAR_RES_LD, LINEAR_RES_OFF, LINEAR_W2_OFF, LINEAR_W_OFF,
                      LINEAR_X_LD, LINEAR_X_OFF)
@@ -181,6 +181,25 @@ def first_chunk(w_ptr, r0, r1, K, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.
 @triton.jit
 def aligned_base(base, word, IDX: tl.constexpr, ALIGN: tl.constexpr):
     return base + aligned(off(word, IDX), ALIGN)
+
+
+@triton.jit
+def prefetch_rows(w_ptr, w2_ptr, two, r0, r1, K, ALIGN: tl.constexpr):
+    """Rows r0..r1 of a weight matrix (and of its up half), each a contiguous slice of the arena (row
+    stride K), asked of the L2 in bulk: the stream's register loads then find them there or in flight."""
+    K = aligned(K, ALIGN)
+    nbytes = (r1 - r0) * K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+    prefetch_l2(w_ptr + r0.to(tl.int64) * K, nbytes)
+    if two:
+        prefetch_l2(w2_ptr + r0.to(tl.int64) * K, nbytes)
+
+
+@triton.jit
+def prefetch_task(word, W, ALIGN: tl.constexpr):
+    """A LINEAR task's whole weight slice asked of the L2 (launch variant PF)."""
+    prefetch_rows(aligned_base(W, word, LINEAR_W_OFF, ALIGN), aligned_base(W, word, LINEAR_W2_OFF, ALIGN),
+                  has(fld(word, LINEAR_FLAGS), FLAG_LINEAR_SILU_MUL), fld(word, LINEAR_R0), fld(word, LINEAR_R1),
+                  fld(word, LINEAR_K), ALIGN)
 
 
 @triton.jit

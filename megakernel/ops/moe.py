@@ -26,7 +26,7 @@ from .fields import (EXPERT_LINEAR_FLAGS, EXPERT_LINEAR_K, EXPERT_LINEAR_TOPK, E
                      MOE_COMBINE_WTS_OFF, MOE_COMBINE_Y_OFF, ROUTE_BIAS_OFF, ROUTE_E, ROUTE_FLAGS, ROUTE_IDS_OFF,
                      ROUTE_TOPK, ROUTE_LG_LD, ROUTE_LG_OFF, ROUTE_N, ROUTE_N_GROUP, ROUTE_S, ROUTE_SC_BUF, ROUTE_SC_OFF,
                      ROUTE_SCALE, ROUTE_ST_OFF, ROUTE_TOPK_GROUP, ROUTE_WTS_OFF)
-from .linear import aligned_base, first_chunk, stream_chunks
+from .linear import aligned_base, first_chunk, prefetch_rows, stream_chunks
 
 
 def reference_route(task, mem) -> None:
@@ -253,7 +253,8 @@ def slot_table(ids, st, P, E, S, BE: tl.constexpr, BP: tl.constexpr):
 
 
 @triton.jit
-def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr):
+def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
+                PF: tl.constexpr):
     flags, S, slot = fld(word, EXPERT_LINEAR_FLAGS), fld(word, EXPERT_LINEAR_S), fld(word, EXPERT_LINEAR_SLOT)
     st = I + off(word, EXPERT_LINEAR_ST_OFF)
     expert = tl.load(st + slot, cache_modifier=".cg")
@@ -265,6 +266,8 @@ def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.con
         base = expert.to(tl.int64) * aligned(fld(word, EXPERT_LINEAR_W_ES), ALIGN)
         w_ptr = aligned_base(W, word, EXPERT_LINEAR_W_OFF, ALIGN) + base
         w2_ptr = aligned_base(W, word, EXPERT_LINEAR_W2_OFF, ALIGN) + base
+        if PF > 0:  # the expert is known only now: its whole slice in flight at once
+            prefetch_rows(w_ptr, w2_ptr, two, r0, r1, K, ALIGN)
         w = first_chunk(w_ptr, r0, r1, K, BR, KC, ALIGN)
         pairs = st + 2 * S + slot * (N * kk)
         div = tl.where(has(flags, FLAG_EXPERT_LINEAR_GATHER), kk, 1)  # gate/up read token rows, down pair rows
