@@ -235,16 +235,17 @@ def test_thirty_two_sequences_per_step():
 
 
 def test_spec_sweep_tool_dry_run(tmp_path):
-    """tools/spec_sweep.py (the GPU k sweep + equality check) runs end to end on the CPU interpreter."""
+    """tools/spec_sweep.py (the GPU k sweep + equality check) runs end to end on the CPU interpreter,
+    two sequences per step."""
     import json
     import subprocess
     import sys
     out = subprocess.run([sys.executable, "tools/spec_sweep.py", "--models", "tiny-moe", "--device", "cpu", "--ctx", "24",
-                          "--kmax", "2", "--tokens", "8", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+                          "--kmax", "2", "--tokens", "8", "--batch", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads((tmp_path / "sweep_tiny-moe.json").read_text())
     assert [r["k"] for r in rows] == [0, 1, 2]
-    assert rows[0]["reference"] and all(r["equal_mtp"] and r["equal_noisy"] for r in rows[1:])
+    assert rows[0]["reference"] and rows[0]["batch"] == 2 and all(r["equal_mtp"] and r["equal_noisy"] for r in rows[1:])
     assert rows[2]["acceptance_length_noisy"] > 1.0  # some drafts were accepted: the accept path ran
 
 

@@ -1,16 +1,17 @@
 """Speculative decoding on the GPU: the step time for each k, and speculative output equal to plain.
 
     python tools/spec_sweep.py [--models dsv2-lite llama-1b] [--mtp 1] [--ctx 4096] [--kmax 7]
-                               [--tokens 48] [--out DIR]
+                               [--tokens 48] [--batch 1] [--out DIR]
 
 For each model (with --mtp N MTP layers added where the preset has none: DeepSeek-V2-Lite and
 Llama ship without, the seed's engine drafts with DeepSeek-V3's one):
 1. the k sweep: for k = 0..kmax, one CUDA-graph replay of the verify step (k+1 tokens, accept on
    the device, k MTP draft passes) against a cache of ctx positions, median of many replays, and
    the launches one replay makes (torch.profiler);
-2. equality: from the same start token, greedy output for every k with MTP drafts and with
-   noisy:0.5 oracle drafts (half the drafts wrong: every accept length occurs) equals k=0's,
-   token for token.  Every k runs on one engine, so one set of plans serves both parts.
+2. equality: from the same start tokens (one per sequence, --batch of them), greedy output for
+   every k with MTP drafts and with noisy:0.5 oracle drafts (half the drafts wrong: every accept
+   length occurs) equals k=0's, token for token, for every sequence.  Every k runs on one engine,
+   so one set of plans serves both parts.
 Writes DIR/sweep_<model>.json (a list of {"k", "step_ms", ...}: `tools/stepmath.py --sweep` reads it)
 and prints a table.  Random weights: MTP acceptance here says nothing about a trained model.
 """
@@ -67,7 +68,7 @@ def sweep_model(name: str, args, workers: int) -> list[dict]:
     dtype = torch.bfloat16 if gpu else torch.float32
     weights = init_weights(cfg, seed=0, device=args.device, dtype=dtype)
     max_len = args.ctx + 2 * (args.kmax + 1) + args.tokens
-    dec = SpeculativeDecoder(cfg, weights, k=args.kmax, batch=1, max_len=max_len, device=args.device, dtype=dtype,
+    dec = SpeculativeDecoder(cfg, weights, k=args.kmax, batch=args.batch, max_len=max_len, device=args.device, dtype=dtype,
                              backend="megakernel" if gpu else "interpret", options=CompileOptions(workers=workers))
     del weights  # the engine packed its own copy
     gen = torch.Generator().manual_seed(1)
@@ -79,8 +80,8 @@ def sweep_model(name: str, args, workers: int) -> list[dict]:
         rows.append(time_step(dec, k, args.ctx, gen))
         print(f"{name} k={k}: {rows[-1]['step_ms']:.3f} ms", flush=True)
 
-    # equality: one start token (every k shares the one prefill plan), greedy
-    prompt = torch.randint(0, cfg.vocab_size, (1, 1), generator=gen)
+    # equality: one start token per sequence (every k shares the one prefill plan), greedy
+    prompt = torch.randint(0, cfg.vocab_size, (args.batch, 1), generator=gen)
     plain, _ = dec.with_k(0).generate(prompt, args.tokens + args.kmax + 1)
     for row in rows[1:]:
         k = row["k"]
@@ -88,9 +89,9 @@ def sweep_model(name: str, args, workers: int) -> list[dict]:
             drafts = Drafts(source, plain, cfg.vocab_size, seed=k)
             out, stats = dec.with_k(k).generate(prompt, args.tokens, drafts)
             key = source.split(":")[0]
-            row[f"equal_{key}"] = out[0] == plain[0][:args.tokens]
+            row[f"equal_{key}"] = out == [seq[:args.tokens] for seq in plain]
             row[f"acceptance_length_{key}"] = stats.acceptance_length
-    rows[0].update(reference=True, tokens_checked=args.tokens, setup_s=time.perf_counter() - t0)  # what k >= 1 equal
+    rows[0].update(reference=True, tokens_checked=args.tokens, batch=args.batch, setup_s=time.perf_counter() - t0)  # what k >= 1 equal
     return rows
 
 
@@ -101,6 +102,7 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--kmax", type=int, default=7)
     p.add_argument("--tokens", type=int, default=48, help="tokens generated per equality check (default 48)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a dry run on the interpreter)")
     p.add_argument("--out", default=".")
     args = p.parse_args()

@@ -120,6 +120,21 @@ def list_rows(n, on, xrows_ptr, xrows_div):
 
 
 @triton.jit
+def token_sums(w, x_ptr, xrow, x_ld, kb, K, sub, t, acc, acc2, w_ptr, BR: tl.constexpr, KC: tl.constexpr,
+               ALIGN: tl.constexpr, TB: tl.constexpr):
+    """Token t of a group (activation row xrow) times the step's weight chunk, added to its column of
+    acc (gate or plain rows, sub 0) or acc2 (up rows, sub 1)."""
+    x = act_chunk(x_ptr, xrow, x_ld, kb, K, BR, KC, ALIGN)
+    part = chunk_dot(w, x, w_ptr, BR, KC, ALIGN)[:, None]
+    hit = tl.arange(0, TB)[None, :] == t
+    if sub == 0:
+        acc = tl.where(hit, acc + part, acc)
+    else:
+        acc2 = tl.where(hit, acc2 + part, acc2)
+    return acc, acc2
+
+
+@triton.jit
 def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, res_ptr, res_ld, use_res,
                   w_ptr, w2_ptr, two, r0, r1, K, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr,
                   TB: tl.constexpr):
@@ -144,21 +159,25 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     acc = tl.zeros((BR, TB), tl.float32)
     acc2 = tl.zeros((BR, TB), tl.float32)
     col = tl.arange(0, TB)[None, :]
+    # the activation row of each step's first token is looked up a step ahead, so the step's first
+    # activation load never waits on a row-list load (a T=1 expert task's only token); later tokens
+    # of a group (T > 1, B > 1) look theirs up in turn
+    row0, xrow0 = list_rows(zero, zero < total, xrows_ptr, xrows_div)
     for i in tl.range(total, loop_unroll_factor=2):
         w_next = weight_rows(tl.where(sub_a == 1, w2_ptr, w_ptr), r0 + blk_a * BR, r1, K, kc_a * KC, BR, KC, ALIGN)
+        xrow0_a = xrow0
+        if g_a != g:
+            row0, xrow0_a = list_rows(g_a * TB, True, xrows_ptr, xrows_div)
         n0 = g * TB
-        for t in range(tl.minimum(TB, n_rows - n0)):
-            _, xrow = list_rows(n0 + t, True, xrows_ptr, xrows_div)
-            x = act_chunk(x_ptr, xrow, x_ld, kc * KC, K, BR, KC, ALIGN)
-            part = chunk_dot(w, x, w_ptr, BR, KC, ALIGN)[:, None]
-            if sub == 0:
-                acc = tl.where(col == t, acc + part, acc)
-            else:
-                acc2 = tl.where(col == t, acc2 + part, acc2)
+        acc, acc2 = token_sums(w, x_ptr, xrow0, x_ld, kc * KC, K, sub, 0, acc, acc2, w_ptr, BR, KC, ALIGN, TB)
+        if TB > 1:
+            for t in range(1, tl.minimum(TB, n_rows - n0)):
+                row_t, xrow = list_rows(n0 + t, True, xrows_ptr, xrows_div)
+                acc, acc2 = token_sums(w, x_ptr, xrow, x_ld, kc * KC, K, sub, t, acc, acc2, w_ptr, BR, KC, ALIGN, TB)
         if (kc == nk - 1) & (sub == nsub - 1):  # the group's rows are complete
             rows = (r0 + blk * BR + tl.arange(0, BR))[:, None]
             n = n0 + col
-            orow, _ = list_rows(n, n < n_rows, xrows_ptr, xrows_div)
+            orow, xrows = list_rows(n, n < n_rows, xrows_ptr, xrows_div)
             mask = (rows < r1) & (n < n_rows)
             y = acc
             if two:
@@ -168,6 +187,7 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
             acc = tl.zeros((BR, TB), tl.float32)
             acc2 = tl.zeros((BR, TB), tl.float32)
         w = w_next
+        xrow0 = xrow0_a
         sub, kc, g, blk = sub_a, kc_a, g_a, blk_a
         sub_a, kc_a, g_a, blk_a = advance(sub_a, kc_a, g_a, blk_a, nsub, nk, ngroups)
 
