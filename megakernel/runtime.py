@@ -184,6 +184,9 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 SAMPLE=sample, BV=1024, TB=tb,
                 # weights asked of the L2 in bulk, a task at a time (1) or a task ahead (2): a launch variant
                 PF=0,
+                # weight chunks in flight per warp: 2 is a launch variant (DEPTH=2 lost on the old,
+                # instruction-bound stream: docs/PERF.md run 13)
+                DEPTH=1,
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2",
                 # attention compiled for the plan's one kind (MLA or GQA), else the flag read per task
                 ATT_KIND=att_kinds.pop() if len(att_kinds) == 1 else 0)
@@ -214,6 +217,8 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
         kinds = {0: "of both kinds", 1: "all MLA", 2: "all GQA"}[fitted["ATT_KIND"]]
         raise MegakernelError(f"block override ATT_KIND={blocks['ATT_KIND']}: this plan's attention tasks are {kinds} "
                               "(0 reads the flag per task)")
+    if blocks["DEPTH"] not in (1, 2):
+        raise MegakernelError(f"block override DEPTH={blocks['DEPTH']}: 1 or 2 weight chunks in flight per warp")
     if blocks["PF"] not in (0, 1, 2):
         raise MegakernelError(f"block override PF={blocks['PF']}: 0 (no L2 prefetch), 1 (a task's weights at its "
                               "start) or 2 (the next task's too)")

@@ -61,12 +61,13 @@ def test_kernel_equals_interpreter_one_worker(name):
 def test_kernel_small_blocks(name):
     """The bodies' other paths: the attention combine over several blocks of splits (online maximum),
     RMSNorm rows longer than a block (two passes), the weight stream over several K chunks and row
-    blocks (token groups wider than the step: TB=2), the combine's next block requested early,
-    rope over several blocks of heads, per-head matmuls over several input and output blocks, attention
-    compiled for either kind (ATT_KIND=0, the flag read per task; the other tests run the plan's one kind),
-    top-k by rounds of argmax (BE > 64; the other tests rank the experts)."""
-    cfg, plan, interp, mk = _pair(name, blocks=dict(BSC=2, BCW=8, BN=16, CPF=1, BR=8, KC=32, TB=2, BH=512, BI=8, BO=8,
-                                                  BIT=8, BOT=4, ATT_KIND=0, BE=128))
+    blocks (token groups wider than the step: TB=2; two chunks in flight: DEPTH=2), the combine's
+    next block requested early, rope over several blocks of heads, per-head matmuls over several
+    input and output blocks, attention compiled for either kind (ATT_KIND=0, the flag read per task;
+    the other tests run the plan's one kind), top-k by rounds of argmax (BE > 64; the other tests
+    rank the experts)."""
+    cfg, plan, interp, mk = _pair(name, blocks=dict(BSC=2, BCW=8, BN=16, CPF=1, BR=8, KC=32, TB=2, DEPTH=2, BH=512,
+                                                  BI=8, BO=8, BIT=8, BOT=4, ATT_KIND=0, BE=128))
     assert cfg.hidden_size > 16 and plan.shape["max_len"] // plan.shape["attn_split"] > 2
     _compare(cfg, interp, mk, torch.tensor([3, 11]))
 
@@ -155,7 +156,9 @@ def test_block_overrides_that_would_change_the_result_are_refused():
     check_block_overrides({**fitted, "ATT_KIND": 0}, fitted)  # the flag read per task: the same result
     with pytest.raises(MegakernelError, match="BI=256, BO=256"):
         check_block_overrides({**fitted, "BI": 256, "BO": 256}, fitted)
-    with pytest.raises(MegakernelError, match="unknown block override DEPTH"):
+    with pytest.raises(MegakernelError, match="unknown block override XKEEP"):
+        check_block_overrides({**fitted, "XKEEP": 1}, fitted)
+    with pytest.raises(MegakernelError, match="DEPTH=3: 1 or 2"):
         check_block_overrides({**fitted, "DEPTH": 3}, fitted)
     with pytest.raises(MegakernelError, match="SAMPLE=0"):
         check_block_overrides({**fitted, "SAMPLE": 0}, {**fitted, "SAMPLE": 1})

@@ -29,13 +29,13 @@ GUARD = 256  # NaN before the weights and after the slack: a read outside [weigh
 
 @triton.jit
 def _stream_kernel(W, A, I, K, n_rows, xrows_div, x_ld, r0, r1, out_off, res_off, w_off, w2_off, flags,
-                   BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr):
+                   BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr):
     w = linear.first_chunk(W + w_off, r0, r1, K, BR, KC, ALIGN)
     linear.stream_chunks(A, x_ld, I, xrows_div, n_rows, A + out_off, r1, A + res_off, r1, (flags & 2) != 0,
-                         W + w_off, W + w2_off, (flags & 1) != 0, r0, r1, K, w, BR, KC, ALIGN, TB)
+                         W + w_off, W + w2_off, (flags & 1) != 0, r0, r1, K, w, BR, KC, ALIGN, TB, DEPTH)
 
 
-def _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res):
+def _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res, depth=1):
     g = torch.Generator().manual_seed(K + R + N)
     w1 = torch.randn(R, K, generator=g).to(dtype)
     w2 = torch.randn(R, K, generator=g).to(dtype)
@@ -48,7 +48,7 @@ def _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res):
     W, A, dev_rows = W.to(device), A.to(device), rows.to(device)
     # flags: bit 0 gate|up, bit 1 residual; + 4 so no argument is a literal 1 (Triton would make it a constexpr)
     _stream_kernel[(1,)](W, A, dev_rows, K, N, 2 if listed else 0, K, r0, R, x.numel(), x.numel() + 8 * R, GUARD,
-                         GUARD + R * K, 4 + int(two) + 2 * int(res), BR=BR, KC=KC, ALIGN=8, TB=tb, num_warps=8)
+                         GUARD + R * K, 4 + int(two) + 2 * int(res), BR=BR, KC=KC, ALIGN=8, TB=tb, DEPTH=depth, num_warps=8)
     xs = (x[rows.long() // 2] if listed else x[:N]).double()
     want = xs @ w1[r0:].double().T
     if two:
@@ -60,15 +60,16 @@ def _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("tb", [1, 2])
+@pytest.mark.parametrize("tb,depth", [(1, 1), (2, 2)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("K,R,r0,N,KC,BR,two,listed,res", SHAPES)
-def test_weight_stream_irregular_shapes(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res):
+def test_weight_stream_irregular_shapes(device, tb, depth, dtype, K, R, r0, N, KC, BR, two, listed, res):
     """bf16 weights as 32-bit words of two columns (what the GPU runs), fp32 weights plainly; K not a
     multiple of KC, rows not a multiple of BR, a block that starts inside the matrix, one step and an
-    odd number of steps, several tokens (in groups of TB per weight chunk, the last one partial), gate|up, rows from a list, a residual; whole chunks read past
+    odd number of steps, several tokens (in groups of TB per weight chunk, the last one partial), one
+    or two chunks in flight (DEPTH), gate|up, rows from a list, a residual; whole chunks read past
     the matrix's end into the arena's slack, and no read outside [weights, slack] reaches an output."""
-    out, rows, want = _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res)
+    out, rows, want = _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res, depth)
     got = out[rows.long(), r0:]
     assert not got.isnan().any() and rel_err(got, want) <= 1e-5, rel_err(got, want)
     untouched = torch.ones(8, dtype=torch.bool)

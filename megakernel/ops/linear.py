@@ -137,7 +137,7 @@ def token_sums(w, x_ptr, xrow, x_ld, kb, K, sub, t, acc, acc2, w_ptr, BR: tl.con
 @triton.jit
 def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, res_ptr, res_ld, use_res,
                   w_ptr, w2_ptr, two, r0, r1, K, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr,
-                  TB: tl.constexpr):
+                  TB: tl.constexpr, DEPTH: tl.constexpr):
     """out[orow(n), r0:r1] = f(x[xrow(n)] @ W[r0:r1].T) for n < n_rows, f = identity, + residual, or
     SiLU(x@W.T) * (x@W2.T).  Rows come from a list (xrows_div > 0: row = list[n] // xrows_div, out row
     = list[n]) or are n itself.  CUDA cores, fp32 products and sums, K in chunks of KC in a fixed
@@ -147,6 +147,7 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     weight chunk is read once for up to TB tokens (T > 1, B > 1: the weights are what a step
     streams) and its load latency hides behind the arithmetic (waiting for each chunk cost 2x on
     the GPU: docs/PERF.md); the step counters advance by compares, not divisions.
+    DEPTH 2 (a launch variant) keeps a second chunk in flight: step i+2's is requested in step i.
     w: step 0's weight chunk, already requested (before the dependency wait)."""
     nsub = 1 + two.to(tl.int32)
     nk = tl.cdiv(K, KC)
@@ -155,6 +156,10 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     zero = r0 * 0
     sub, kc, g, blk = zero, zero, zero, zero
     sub_a, kc_a, g_a, blk_a = advance(sub, kc, g, blk, nsub, nk, ngroups)
+    w_a = w  # DEPTH 2: step i+1's chunk, in flight since step i-1
+    if DEPTH == 2:
+        sub_b, kc_b, g_b, blk_b = advance(sub_a, kc_a, g_a, blk_a, nsub, nk, ngroups)
+        w_a = weight_rows(tl.where(sub_a == 1, w2_ptr, w_ptr), r0 + blk_a * BR, r1, K, kc_a * KC, BR, KC, ALIGN)
     # one column of sums per token of the group (sums of gate rows; acc2: of up rows)
     acc = tl.zeros((BR, TB), tl.float32)
     acc2 = tl.zeros((BR, TB), tl.float32)
@@ -164,7 +169,10 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     # of a group (T > 1, B > 1) look theirs up in turn
     row0, xrow0 = list_rows(zero, zero < total, xrows_ptr, xrows_div)
     for i in tl.range(total, loop_unroll_factor=2):
-        w_next = weight_rows(tl.where(sub_a == 1, w2_ptr, w_ptr), r0 + blk_a * BR, r1, K, kc_a * KC, BR, KC, ALIGN)
+        if DEPTH == 2:
+            w_next = weight_rows(tl.where(sub_b == 1, w2_ptr, w_ptr), r0 + blk_b * BR, r1, K, kc_b * KC, BR, KC, ALIGN)
+        else:
+            w_next = weight_rows(tl.where(sub_a == 1, w2_ptr, w_ptr), r0 + blk_a * BR, r1, K, kc_a * KC, BR, KC, ALIGN)
         xrow0_a = xrow0
         if g_a != g:
             row0, xrow0_a = list_rows(g_a * TB, True, xrows_ptr, xrows_div)
@@ -186,10 +194,15 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
             tl.store(out_ptr + orow.to(tl.int64) * out_ld + rows, y + res, mask=mask)
             acc = tl.zeros((BR, TB), tl.float32)
             acc2 = tl.zeros((BR, TB), tl.float32)
-        w = w_next
         xrow0 = xrow0_a
         sub, kc, g, blk = sub_a, kc_a, g_a, blk_a
-        sub_a, kc_a, g_a, blk_a = advance(sub_a, kc_a, g_a, blk_a, nsub, nk, ngroups)
+        if DEPTH == 2:
+            w, w_a = w_a, w_next
+            sub_a, kc_a, g_a, blk_a = sub_b, kc_b, g_b, blk_b
+            sub_b, kc_b, g_b, blk_b = advance(sub_b, kc_b, g_b, blk_b, nsub, nk, ngroups)
+        else:
+            w = w_next
+            sub_a, kc_a, g_a, blk_a = advance(sub_a, kc_a, g_a, blk_a, nsub, nk, ngroups)
 
 
 @triton.jit
@@ -230,10 +243,11 @@ def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr):
+def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
+         DEPTH: tl.constexpr):
     flags = fld(word, LINEAR_FLAGS)
     stream_chunks(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
                   A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
                   fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), aligned_base(W, word, LINEAR_W_OFF, ALIGN),
                   aligned_base(W, word, LINEAR_W2_OFF, ALIGN), has(flags, FLAG_LINEAR_SILU_MUL), fld(word, LINEAR_R0),
-                  fld(word, LINEAR_R1), fld(word, LINEAR_K), w, BR, KC, ALIGN, TB)
+                  fld(word, LINEAR_R1), fld(word, LINEAR_K), w, BR, KC, ALIGN, TB, DEPTH)
