@@ -26,7 +26,7 @@ models="${MODELS:-llama-1b dsv2-lite}"
 ts="${TS:-1}"
 variants="${VARIANTS-DEPTH=2}"
 plan_variants="${PLAN_VARIANTS-}"
-stream_variants="${STREAM_VARIANTS-BR=16,KC=1024}"
+stream_variants="${STREAM_VARIANTS-DEPTH=2 BR=16,KC=1024}"
 mkdir -p "$out"
 rc=0  # the worst part's status (a part cut by its timeout gives 124), not the last test's
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
