@@ -217,6 +217,8 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
         kinds = {0: "of both kinds", 1: "all MLA", 2: "all GQA"}[fitted["ATT_KIND"]]
         raise MegakernelError(f"block override ATT_KIND={blocks['ATT_KIND']}: this plan's attention tasks are {kinds} "
                               "(0 reads the flag per task)")
+    if blocks["TB"] not in (1, 2, 4, 8, 16):
+        raise MegakernelError(f"block override TB={blocks['TB']}: tokens per weight chunk are a power of two <= 16")
     if blocks["DEPTH"] not in (1, 2):
         raise MegakernelError(f"block override DEPTH={blocks['DEPTH']}: 1 or 2 weight chunks in flight per warp")
     if blocks["PF"] not in (0, 1, 2):

@@ -158,6 +158,8 @@ def test_block_overrides_that_would_change_the_result_are_refused():
         check_block_overrides({**fitted, "BI": 256, "BO": 256}, fitted)
     with pytest.raises(MegakernelError, match="unknown block override XKEEP"):
         check_block_overrides({**fitted, "XKEEP": 1}, fitted)
+    with pytest.raises(MegakernelError, match="TB=3: tokens per weight chunk"):
+        check_block_overrides({**fitted, "TB": 3}, fitted)
     with pytest.raises(MegakernelError, match="DEPTH=3: 1 or 2"):
         check_block_overrides({**fitted, "DEPTH": 3}, fitted)
     with pytest.raises(MegakernelError, match="SAMPLE=0"):

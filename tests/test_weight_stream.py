@@ -60,7 +60,7 @@ def _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res, depth=1):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("tb,depth", [(1, 1), (2, 2)])
+@pytest.mark.parametrize("tb,depth", [(1, 1), (2, 2), (4, 1)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("K,R,r0,N,KC,BR,two,listed,res", SHAPES)
 def test_weight_stream_irregular_shapes(device, tb, depth, dtype, K, R, r0, N, KC, BR, two, listed, res):

@@ -29,39 +29,40 @@ plan_variants="${PLAN_VARIANTS-}"
 stream_variants="${STREAM_VARIANTS-DEPTH=2 BR=16,KC=1024}"
 mkdir -p "$out"
 rc=0  # the worst part's status (a part cut by its timeout gives 124), not the last test's
+worst() { [ "$1" -gt "$rc" ] && rc=$1; return 0; }
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$out/gpu.txt"
 if [[ "$parts" == *,tests,* ]]; then
     timeout 570 python3 -m pytest -m gpu tests/test_gpu.py tests/test_weight_stream.py tests/test_helper.py -q \
         -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
-        | tee "$out/gpu_tests.log" | tail -15 || rc=$?
+        | tee "$out/gpu_tests.log" | tail -15 || worst $?
 fi
 if [[ "$parts" == *,bench,* ]]; then
     # shellcheck disable=SC2086
     timeout 560 python3 tools/bench.py --models $models --T $ts --profile --variants $variants \
-        --plan-variants $plan_variants --out "$out" 2>&1 | tee "$out/bench.log" | { grep -v '^{"model' || true; } || rc=$?
+        --plan-variants $plan_variants --out "$out" 2>&1 | tee "$out/bench.log" | { grep -v '^{"model' || true; } || worst $?
 fi
 if [[ "$parts" == *,spec,* ]]; then
     timeout 500 python3 tools/spec_sweep.py --models dsv2-lite llama-1b --mtp 1 --ctx 4096 --kmax 7 --out "$out" 2>&1 \
-        | tee "$out/spec.log" | tail -20 || rc=$?
+        | tee "$out/spec.log" | tail -20 || worst $?
 fi
 if [[ "$parts" == *,stream,* ]]; then
     for kind in dense moe; do
         # shellcheck disable=SC2086
         timeout 280 python3 tools/stream_bench.py --kind $kind --variants $stream_variants --out "$out" 2>&1 \
-            | tee "$out/stream_$kind.log" | tail -6 || rc=$?
+            | tee "$out/stream_$kind.log" | tail -6 || worst $?
     done
 fi
 if [[ "$parts" == *,ncu,* ]]; then
     for m in $models; do
         timeout 250 ncu --clock-control none -k regex:megakernel --launch-skip 2 --launch-count 1 \
             --section SourceCounters --section WarpStateStats -o "$out/$m" -f \
-            python3 tools/ncu_step.py --model "$m" --cubin "$out/$m.cubin" 2>&1 | tail -3 || rc=$?
+            python3 tools/ncu_step.py --model "$m" --cubin "$out/$m.cubin" 2>&1 | tail -3 || worst $?
         ncu --import "$out/$m.ncu-rep" --page source --csv --print-source sass > "$out/${m}_sass.csv"
     done
 fi
 if [[ "$parts" == *,anchors,* ]] && [ -f .anchors/torch_baselines.py ]; then
-    timeout 560 python3 .anchors/torch_baselines.py 2>&1 | tee "$out/anchors.log" | tail -12 || rc=$?
+    timeout 560 python3 .anchors/torch_baselines.py 2>&1 | tee "$out/anchors.log" | tail -12 || worst $?
 fi
 [ "$rc" = 0 ] || echo "gpu_session: a part failed or ran out of time (status $rc): see the logs in $out" >&2
 exit "$rc"

@@ -167,7 +167,7 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     # the activation row of each step's first token is looked up a step ahead, so the step's first
     # activation load never waits on a row-list load (a T=1 expert task's only token); later tokens
     # of a group (T > 1, B > 1) look theirs up in turn
-    row0, xrow0 = list_rows(zero, zero < total, xrows_ptr, xrows_div)
+    xrow0 = list_rows(zero, zero < total, xrows_ptr, xrows_div)[1]
     for i in tl.range(total, loop_unroll_factor=2):
         if DEPTH == 2:
             w_next = weight_rows(tl.where(sub_b == 1, w2_ptr, w_ptr), r0 + blk_b * BR, r1, K, kc_b * KC, BR, KC, ALIGN)
@@ -175,17 +175,17 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
             w_next = weight_rows(tl.where(sub_a == 1, w2_ptr, w_ptr), r0 + blk_a * BR, r1, K, kc_a * KC, BR, KC, ALIGN)
         xrow0_a = xrow0
         if g_a != g:
-            row0, xrow0_a = list_rows(g_a * TB, True, xrows_ptr, xrows_div)
+            xrow0_a = list_rows(g_a * TB, True, xrows_ptr, xrows_div)[1]
         n0 = g * TB
         acc, acc2 = token_sums(w, x_ptr, xrow0, x_ld, kc * KC, K, sub, 0, acc, acc2, w_ptr, BR, KC, ALIGN, TB)
         if TB > 1:
             for t in range(1, tl.minimum(TB, n_rows - n0)):
-                row_t, xrow = list_rows(n0 + t, True, xrows_ptr, xrows_div)
+                xrow = list_rows(n0 + t, True, xrows_ptr, xrows_div)[1]
                 acc, acc2 = token_sums(w, x_ptr, xrow, x_ld, kc * KC, K, sub, t, acc, acc2, w_ptr, BR, KC, ALIGN, TB)
         if (kc == nk - 1) & (sub == nsub - 1):  # the group's rows are complete
             rows = (r0 + blk * BR + tl.arange(0, BR))[:, None]
             n = n0 + col
-            orow, xrows = list_rows(n, n < n_rows, xrows_ptr, xrows_div)
+            orow = list_rows(n, n < n_rows, xrows_ptr, xrows_div)[0]
             mask = (rows < r1) & (n < n_rows)
             y = acc
             if two:
