@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from graph.compile import CompileOptions, compile_step
-from graph.isa import Buf
+from graph.isa import Buf, decode
 from graph.lower import StepShape
 from graph.tiling import TilingOptions
 from megakernel.interpreter import Interpreter
@@ -70,6 +70,14 @@ def test_kernel_small_blocks(name):
                                                   BI=8, BO=8, BIT=8, BOT=4, ATT_KIND=0, BE=128))
     assert cfg.hidden_size > 16 and plan.shape["max_len"] // plan.shape["attn_split"] > 2
     _compare(cfg, interp, mk, torch.tensor([3, 11]))
+
+
+def test_kernel_partial_token_groups():
+    """Three tokens in groups of two: the weight stream, the per-head matmuls (MLA) and the expert row
+    lists each end on a group of one, with two weight chunks in flight."""
+    cfg, plan, interp, mk = _pair("tiny-moe", T=3, B=1, blocks=dict(TB=2, DEPTH=2))
+    assert any(decode(w).op.name == "HEAD_MATMUL" for w in plan.words)
+    _compare(cfg, interp, mk, torch.tensor([7]))
 
 
 @pytest.mark.parametrize("name", ["tiny-moe", "tiny-mhc"])
