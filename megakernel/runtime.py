@@ -166,8 +166,10 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     kc = min(2048, stream_k)
     br = 16384 // kc
     # a weight chunk or per-head tile is multiplied by up to TB tokens before the next is needed
-    # (T > 1, B > 1); past 16, sums of more tokens would need more registers than a stream leaves
-    tb = min(16, stream_n)
+    # (T > 1, B > 1); past 16, sums of more tokens would need more registers than a stream leaves.
+    # Only 1, 8 or 16: each distinct TB is another JIT compile (~25 s) of the kernel for every step
+    # size the engine warms (prefill chunks, k + 1), and a wider TB costs only masked columns
+    tb = 1 if stream_n == 1 else min(16, max(8, stream_n))
     # per-head matmuls: up to 16K weights per step (the stream's), so a q_absorb task of MLA is one
     # 128 x 128 tile, requested before its wait; TRANS tasks (v_up: 512 inputs, 64 outputs) take
     # as many inputs per step as their outputs leave room for
