@@ -126,6 +126,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     sample = 0
     stream_k = 32
     stream_n = 1
+    att_rows = 16  # query rows (tokens x heads) of the widest attention task
     pairs = combine_cols = 16
     head_in, head_out = [16, 16], [16, 16]  # [plain, TRANS] per-head matmuls
     att_kinds = set()
@@ -140,6 +141,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
             head_in[k], head_out[k] = max(head_in[k], _pow2(f["in_dim"])), max(head_out[k], _pow2(f["o1"] - f["o0"]))
         elif t.op.name == "ATTENTION":
             dmax, rmax = max(dmax, _pow2(f["dim"])), max(rmax, _pow2(f["rope_dim"]))
+            att_rows = max(att_rows, _pow2(f["T"] * (f["h1"] - f["h0"])))
             att_kinds.add(1 if t.has("MLA") else 2)
         elif t.op.name == "ROUTE":
             experts = max(experts, _pow2(f["E"]))
@@ -160,6 +162,10 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     # heaviest body, which sets every worker's register budget) a cache-block prefetch spills and costs
     # 5%; with GQA it gains 3%.
     stages = 1 if dmax > 128 else 2
+    # every block of BM query rows streams the task's whole cache split again: a GQA task's rows
+    # (T x its heads, e.g. 6 x 4 at T=6) take one block up to 64; MLA's 512-wide rows keep 16, where
+    # each doubling of BM costs another 32 accumulator registers in the heaviest body
+    bm = 16 if dmax > 128 else min(64, att_rows)
     # 16K weights per step: 128 bytes per thread, one row per warp at KC = 2048 (docs/PERF.md run 13);
     # no wider than the widest matrix (small models: more rows per step instead of columns that
     # would only be multiplied by zero)
@@ -179,7 +185,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     # the attention combine: all splits of a task's columns in one load where 8K values allow
     bcw = min(combine_cols, max(16, 8192 // splits))
     # bf16 weights: activations enter the tensor cores as a bf16 (high, low) pair, ~16 mantissa bits
-    return dict(BR=br, KC=kc, STAGES=stages, BD=256, BH=32, BM=16, BJ=32, DMAX=dmax, RMAX=rmax, BI=bi, BO=bo, BIT=bit, BOT=bot,
+    return dict(BR=br, KC=kc, STAGES=stages, BD=256, BH=32, BM=bm, BJ=32, DMAX=dmax, RMAX=rmax, BI=bi, BO=bo, BIT=bit, BOT=bot,
                 BE=experts, BP=min(256, pairs), BW=width, ALIGN=alignment(tasks), BT=spec_t,
                 # whole rows per load where registers allow: each block is one memory round trip
                 BSC=min(splits, max(1, 8192 // bcw)), BCW=bcw, BN=min(norm_width, 8192), BK=topk, CPF=0,

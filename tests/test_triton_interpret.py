@@ -74,8 +74,9 @@ def test_kernel_small_blocks(name):
 
 def test_kernel_partial_token_groups():
     """Three tokens in groups of two: the weight stream, the per-head matmuls (MLA) and the expert row
-    lists each end on a group of one, with two weight chunks in flight."""
-    cfg, plan, interp, mk = _pair("tiny-moe", T=3, B=1, blocks=dict(TB=2, DEPTH=2))
+    lists each end on a group of one, with two weight chunks in flight; attention takes all of a
+    task's query rows in one block of 32."""
+    cfg, plan, interp, mk = _pair("tiny-moe", T=3, B=1, blocks=dict(TB=2, DEPTH=2, BM=32))
     assert any(decode(w).op.name == "HEAD_MATMUL" for w in plan.words)
     _compare(cfg, interp, mk, torch.tensor([7]))
 
@@ -176,6 +177,22 @@ def test_block_overrides_that_would_change_the_result_are_refused():
         check_block_overrides({**fitted, "PF": 3}, fitted)
     with pytest.raises(MegakernelError, match="PF=1: the Triton interpreter runs no inline PTX"):
         check_block_overrides({**fitted, "PF": 1}, fitted)  # this suite runs under TRITON_INTERPRET
+
+
+def test_block_sizes_fit_the_step():
+    """Tokens per weight chunk (TB) and attention query rows per block (BM) follow the step's shape:
+    T=1 keeps the smallest kernel, GQA takes a task's T x heads rows in one block, MLA keeps 16."""
+    from megakernel.runtime import block_sizes
+
+    def fitted(name, T, B):
+        plan = compile_step(preset(name), StepShape(T=T, B=B, max_len=256), CompileOptions(workers=132))
+        blocks = block_sizes([decode(w) for w in plan.words], torch.bfloat16)
+        return blocks["TB"], blocks["BM"]
+
+    assert fitted("llama-1b", 1, 1) == (1, 16)
+    assert fitted("llama-1b", 6, 1) == (8, 32)  # 6 tokens x 4 query heads per KV head
+    assert fitted("llama-1b", 8, 4) == (16, 32)
+    assert fitted("dsv2-lite", 6, 1) == (8, 16)  # MLA: 512-wide rows
 
 
 def test_route_with_many_experts_and_a_large_top_k_is_refused():
