@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .isa import Buf, Decoded
+from .isa import BOX_HEADER, BOX_WAIT_NS, Buf, Decoded, box_layout
 
 
 @dataclass(frozen=True)
@@ -259,9 +259,13 @@ def footprint(task: Decoded) -> list[Access]:
         out += _flat(task, "st", 0, 2 * S + S * N * k, False) + _flat(task, "map", 0, f["E"], False)
         out += _acc(task, "x", 0, N, 0, f["K"], False)
         out += _flat(task, "st2", 0, 2 * S + S * N * k, True) + _flat(task, "mail", 0, 2, True)
+        box = box_layout(S, N * k, N, f["K"])  # the request (the host writes the answer parts)
+        out += _flat(task, "box", 0, BOX_HEADER, True) + _flat(task, "box", box["table"], box["size"], True)
     elif name == "HELPER_WAIT":
         P, H = f["N"] * f["topk"], f["H"]
         out += _acc(task, "y", 0, P, 0, H, False, ld=H) + _flat(task, "mail", 0, 2, False)
+        box = box_layout(0, P, f["N"], H)
+        out += _flat(task, "box", 0, box["table"], False) + _flat(task, "box", BOX_WAIT_NS, BOX_WAIT_NS + 1, True)
         out += _acc(task, "out", 0, P, 0, H, True, ld=H)
     else:
         raise ValueError(f"no footprint for opcode {name}")

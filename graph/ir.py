@@ -19,7 +19,7 @@ class Tensor:
     buf: Buf
     rows: int
     cols: int
-    role: str = "act"  # act | weight | const | input | output | cache
+    role: str = "act"  # act | weight | const | input | output | cache | mailbox
     parts: tuple[tuple[str, int], ...] = ()  # weights: (HF tensor name, element offset) packed into this tensor
     data: tuple[float, ...] | None = None  # constants
     offset: int | None = None  # placement in its buffer, set by memory planning / weight layout

@@ -31,6 +31,30 @@ class Buf(IntEnum):
     A = 2  # fp32 activations
     I = 3  # int32 activations and inputs (tokens, cache lengths, routing tables, argmax)
     C = 4  # the KV / latent cache, model dtype, [layers, B, S_max, width]
+    H = 5  # int32 mailboxes in host-mapped memory (helper plans): what a helper device reads and answers
+
+
+# A helper call site's mailbox (int32 words of Buf.H; rows are fp32 bit patterns), written by
+# HELPER_CALL, answered by the host's helper service, read by HELPER_WAIT:
+#   header  [BOX_SEQ] request sequence number (the step's epoch; written last, release, system scope)
+#           [BOX_ACK] answered sequence number (host, written after the answer)
+#           [BOX_WAIT_NS] how long HELPER_WAIT waited for it (device timer; 0 without one)
+#   mask    P words: 1 where pair row p is the helper's (host)
+#   ans     P x K: the helper's rows (host)
+#   table   the routed slot table (ROUTE's st, 2S + S·P words), written every step (device): the host
+#           takes the helper's slots by its placement, and routing statistics from all of them
+#   x       N x K token rows (device)
+BOX_SEQ, BOX_ACK, BOX_WAIT_NS = 0, 1, 2
+BOX_HEADER = 32  # one 128-byte line
+
+
+def box_layout(S: int, P: int, N: int, K: int) -> dict[str, int]:
+    """Word offsets of a mailbox's parts, and its size (P = N·topk pair rows, K = hidden size)."""
+    mask = BOX_HEADER
+    ans = mask + -(-P // 32) * 32
+    table = ans + P * K
+    x = table + -(-(2 * S + S * P) // 32) * 32
+    return {"mask": mask, "ans": ans, "table": table, "x": x, "size": x + N * K}
 
 
 @dataclass(frozen=True)
@@ -121,10 +145,11 @@ _OPS = [
     # out[b, :cols] = src[b·T + idx[b], :cols] for b in b0..b1 (fp32, or int32 with INT)
     Opcode("GATHER", 19, _f("src* idx+ out* T cols b0 b1"), ("INT",)),
     # st2 = st without the slots whose expert map[e] sends to the helper; those slots' token rows
-    # x (N x K), expert ids and a sequence number are published: mail = [seq, helper slots]
-    Opcode("HELPER_CALL", 20, _f("st+ map+ x* st2+ mail+ N K E topk S layer")),
+    # x (N x K), expert ids and a sequence number are published (into mailbox `box`, see box_layout):
+    # mail = [seq, helper slots], [0, 0] when no slot goes to the helper (nothing published)
+    Opcode("HELPER_CALL", 20, _f("st+ map+ x* st2+ mail+ box+ N K E topk S layer")),
     # out = y, then the helper's rows (acknowledged call mail[0], waited for with a bound) merged in
-    Opcode("HELPER_WAIT", 21, _f("y+ mail+ out+ N H topk layer")),
+    Opcode("HELPER_WAIT", 21, _f("y+ mail+ box+ out+ N H topk layer")),
 ]
 
 OPCODES: dict[str, Opcode] = {op.name: op for op in _OPS}

@@ -16,7 +16,7 @@ from model.rope import inv_freq_and_scale
 from model.schema import TensorSpec, layer_prefix, tensor_specs
 
 from .ir import Graph, Op, Tensor, View
-from .isa import Buf
+from .isa import Buf, box_layout
 
 
 @dataclass(frozen=True)
@@ -80,10 +80,13 @@ class _Lowering:
     def _io(self, name: str, rows: int, role: str, buf: Buf = Buf.I, cols: int = 1) -> str:
         return self.g.add_tensor(Tensor(name, buf, rows, cols, role=role))
 
-    def act(self, label: str, rows: int, cols: int, buf: Buf = Buf.A) -> str:
+    def unique(self, label: str) -> str:
         n = self.names.get(label, 0)
         self.names[label] = n + 1
-        return self.g.add_tensor(Tensor(f"{label}#{n}" if n else label, buf, rows, cols))
+        return f"{label}#{n}" if n else label
+
+    def act(self, label: str, rows: int, cols: int, buf: Buf = Buf.A) -> str:
+        return self.g.add_tensor(Tensor(self.unique(label), buf, rows, cols))
 
     def weight(self, hf_name: str) -> str:
         """The tensor holding one HF weight (optional ones fall back to the tensor they share)."""
@@ -298,8 +301,12 @@ class _Lowering:
                 self._io(emap, 1, "input", cols=E)
             main_table = self.act(f"{L}.slots_main", 1, 2 * slots + slots * N * k, Buf.I)
             mail = self.act(f"{L}.helper_mail", 1, 2, Buf.I)
+            # each call site its own mailbox (an MTP layer lowered for several passes has several)
+            box = self.g.add_tensor(Tensor(self.unique(f"{L}.helper_box"), Buf.H, 1,
+                                           box_layout(slots, pairs, N, H)["size"], role="mailbox"))
             self.emit("HELPER_CALL", f"{L}.helper_call", reads={"st": table, "map": emap, "x": h},
-                      writes={"st2": main_table, "mail": mail}, layer=layer, N=N, K=H, E=E, topk=k, S=slots)
+                      writes={"st2": main_table, "mail": mail, "box": box}, layer=layer, N=N, K=H, E=E, topk=k,
+                      S=slots)
             table, extra = main_table, {"map": emap}
         else:
             experts = self.experts(layer)
@@ -318,7 +325,8 @@ class _Lowering:
         y = expert("expert_down", m, 2 * I * H, H, I, ())
         if self.shape.helper:
             merged = self.act(f"{L}.expert_rows", pairs, H)
-            self.emit("HELPER_WAIT", f"{L}.helper_wait", reads={"y": y, "mail": mail}, writes={"out": merged},
+            self.emit("HELPER_WAIT", f"{L}.helper_wait", reads={"y": y, "mail": mail, "box": box},
+                      writes={"out": merged},
                       layer=layer, N=N, H=H, topk=k)
             y = merged
         out = self.act(f"{L}.combine", N, H)

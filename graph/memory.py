@@ -72,9 +72,10 @@ def plan_memory(graph: Graph, reuse: bool = True, weights: list[Tensor] | None =
         if t.role == "cache":
             t.offset = sizes[Buf.C]
             sizes[Buf.C] += t.numel
-    # pinned inputs and outputs first, so the host finds them at fixed places
+    # pinned inputs and outputs first, so the host finds them at fixed places; mailboxes keep theirs
+    # across steps (a request's sequence number and the helper's answer outlive the step)
     for t in graph.tensors.values():
-        if t.role in ("input", "output"):
+        if t.role in ("input", "output", "mailbox"):
             t.offset = _align(sizes[t.buf])
             sizes[t.buf] = t.offset + t.numel
     users: dict[str, int] = {}

@@ -20,6 +20,7 @@ from model.schema import layer_prefix
 from .backends import make_backend
 from .copy_engine import CopyEngine
 from .link import HelperLink, expert_store
+from .mailbox import MailboxService
 from .migration import MigrationPolicy, RoutingStats
 from .placement import HELPER, Placement
 
@@ -58,6 +59,18 @@ def capacity_for(cfg: ModelConfig, fraction: float) -> int:
     return total - round(fraction * total)
 
 
+def make_helper(backend: str, cfg: ModelConfig, weights, opts: HelperOptions, device, dtype) -> "Helper":
+    """The helper of an engine running on `backend` (interpret | megakernel), or a clear refusal."""
+    device = torch.device(device)
+    if backend == "megakernel" and opts.fallback:
+        raise ValueError("--helper-fallback recomputes a late call on the main side between its call and its wait, "
+                         "which a megakernel step (one graph replay) cannot: use --backend interpret")
+    if backend == "megakernel" and opts.kind == "emulate" and device.type == "cuda":
+        raise ValueError("--helper emulate computes on the main GPU, which the persistent megakernel fills while it "
+                         "waits for the answer: use --helper cpu or cuda:N")
+    return Helper(cfg, weights, opts, device, dtype or next(iter(weights.values())).dtype)
+
+
 class Helper:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], opts: HelperOptions, device, dtype,
                  counts=None):
@@ -80,12 +93,14 @@ class Helper:
         self.arena_ptr = None
         self.moves = 0
         self.stall_s = 0.0
+        self.services: list[MailboxService] = []
 
     def row(self, layer: int, expert: int) -> int:
         return self.layers.index(layer) * self.cfg.n_routed_experts + expert
 
     def attach(self, runner) -> None:
-        """Give a runner (interpreter) of a helper plan its link and the main slots their experts."""
+        """Give a runner of a helper plan its link and the main slots their experts; a megakernel runner
+        also a mailbox service (its calls cannot reach Python: the step is one graph replay)."""
         if runner.plan.shape.get("helper_slots", -1) != self.capacity:
             raise ValueError(f"plan has {runner.plan.shape.get('helper_slots', -1)} main expert slots, the helper "
                              f"placement needs {self.capacity}: compile with StepShape(helper_slots={self.capacity})")
@@ -100,9 +115,15 @@ class Helper:
             raise ValueError("every plan of one engine must share the weight arena (Memory share=...)")
         self.link.attach(runner)
         self.runners.append(runner)
+        if hasattr(runner, "launch_hooks"):  # a megakernel: its calls reach the helper through mailboxes
+            service = MailboxService(self.link, runner)
+            runner.launch_hooks.append(service.kick)
+            self.services.append(service)
 
     def end_step(self, decode: bool = True) -> dict:
         """At a step boundary: this step's metrics, then migration (flips take effect next step)."""
+        for service in self.services:
+            service.count_step()
         step = self.link.metrics.end_step()
         t0 = time.perf_counter()
         moved = self._migrate(decode) if self.opts.migrate else 0
@@ -130,4 +151,6 @@ class Helper:
         return len(landed)
 
     def close(self) -> None:
+        for service in self.services:
+            service.close()
         self.backend.close()

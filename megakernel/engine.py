@@ -119,8 +119,9 @@ class MegakernelBackend(InterpreterBackend):
     name = "megakernel"
 
     def build(self, plan: Plan, weights, share):
-        from .runtime import Megakernel
-        mk = Megakernel(plan, weights, self.device, self.dtype, share=share)
+        from .runtime import LaunchConfig, Megakernel
+        config = LaunchConfig(helper_timeout_s=self.helper.opts.timeout_s) if self.helper is not None else None
+        mk = Megakernel(plan, weights, self.device, self.dtype, share=share, config=config)
         if self.device.type == "cuda":
             mk.capture()
         return mk
@@ -233,17 +234,14 @@ def make_engine(cfg: ModelConfig, weights, backend: str, batch: int, max_len: in
     device = torch.device(device)
     if backend == "reference":
         if helper is not None and helper.enabled:
-            raise ValueError("--helper needs a compiled backend (interpret), not the reference")
+            raise ValueError("--helper needs a compiled backend (interpret or megakernel), not the reference")
         impl = ReferenceBackend(cfg, weights, batch, max_len, device, dtype)
     elif backend in BACKENDS:
         impl = BACKENDS[backend](cfg, weights, batch, max_len, device, dtype,
                                  options or CompileOptions(workers=workers), order, seed)
         if helper is not None and helper.enabled:
-            from helper_card.setup import Helper
-            if backend != "interpret":
-                raise ValueError("--helper runs on the interpret backend for now: the megakernel has no device-side "
-                                 "mailbox yet")
-            impl.set_helper(Helper(cfg, weights, helper, device, dtype or next(iter(weights.values())).dtype))
+            from helper_card.setup import make_helper
+            impl.set_helper(make_helper(backend, cfg, weights, helper, device, dtype))
     else:
         raise ValueError(f"unknown backend {backend!r} (reference, interpret, megakernel)")
     engine = Engine(cfg, impl, batch, max_len, device)

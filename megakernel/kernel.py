@@ -17,10 +17,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .ops import argmax, attention, elementwise, embed, head_matmul, linear, mhc, moe, norm, rope, spec
+from .ops import argmax, attention, elementwise, embed, head_matmul, helper, linear, mhc, moe, norm, rope, spec
 from .ops.common import COUNTER_STRIDE, now_ns, sm_id, wait_task
 from .ops.fields import (OP_ACCEPT, OP_ARGMAX, OP_ATTENTION, OP_ATTN_COMBINE, OP_CACHE_WRITE, OP_EMBED, OP_EWISE,
-                         OP_EXPERT_LINEAR, OP_GATHER, OP_HC_COEFF, OP_HC_EXPAND, OP_HC_HEAD, OP_HEAD_MATMUL, OP_LINEAR,
+                         OP_EXPERT_LINEAR, OP_GATHER, OP_HC_COEFF, OP_HC_EXPAND, OP_HC_HEAD, OP_HEAD_MATMUL, OP_HELPER_CALL,
+                         OP_HELPER_WAIT, OP_LINEAR,
                          OP_MOE_COMBINE, OP_RMSNORM, OP_ROPE, OP_ROPE_TABLE, OP_ROUTE, WORD_SIGNAL)
 
 
@@ -39,8 +40,9 @@ def head_matmul_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS: tl.con
 
 
 @triton.jit
-def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I, C,
+def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I, C, HB,
                WORDS: tl.constexpr, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr, MAX_SPINS: tl.constexpr,
+               HELPER_NS: tl.constexpr,
                USE_TIMER: tl.constexpr, PROFILE: tl.constexpr,
                BR: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr, BD: tl.constexpr,
                BH: tl.constexpr, BIT: tl.constexpr, BOT: tl.constexpr,
@@ -118,6 +120,10 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                     spec.accept_body(word, A, I, BT, SAMPLE, BV)
                 elif op == OP_GATHER:
                     spec.gather_body(word, A, I, BD)
+                elif op == OP_HELPER_CALL:
+                    helper.call_body(word, A, I, HB, epoch, USE_TIMER, BD)
+                elif op == OP_HELPER_WAIT:
+                    ok = helper.wait_body(word, t, A, I, HB, err, pid, HELPER_NS, MAX_SPINS, USE_TIMER, BD)
         if ok == 1:
             tl.debug_barrier()  # every thread's stores happen before the release below
             tl.atomic_add(counters + tl.load(word + WORD_SIGNAL).to(tl.int64) * COUNTER_STRIDE, 1, sem="release", scope="gpu")

@@ -1,7 +1,8 @@
 """Device memory of a plan: the buffers tasks address, and typed views into them.
 
 Buffers are flat tensors: W (model-dtype weight arena), WF (fp32 weights and
-constants), A (fp32 activations), I (int32), C (the cache, [layers, B, S, width]).
+constants), A (fp32 activations), I (int32), C (the cache, [layers, B, S, width]), H (int32
+mailboxes of helper plans, in host memory the GPU maps).
 Weights are packed into the arenas at the offsets the plan chose.
 """
 
@@ -33,6 +34,7 @@ class Memory:
         acts = {
             Buf.A: torch.full((max(1, sizes["A"]),), float("nan"), dtype=torch.float32, device=self.device),
             Buf.I: torch.full((max(1, sizes["I"]),), -7, dtype=torch.int32, device=self.device),
+            Buf.H: mailboxes(sizes.get("H", 0), self.device),
         }
         if share is not None:
             if share.layout != _layout(plan):
@@ -90,6 +92,14 @@ class Memory:
         s, cfg = self.shape, self.cfg
         n = cfg.num_layers_total * s["B"] * s["max_len"] * cfg.cache_width
         return self.bufs[Buf.C][:n].view(cfg.num_layers_total, s["B"], s["max_len"], cfg.cache_width)
+
+
+def mailboxes(size: int, device: torch.device) -> torch.Tensor:
+    """Buf.H: pinned host memory (a GPU reads and writes it over the bus, a host thread answers
+    there); without mailboxes one word on the device, so the kernel's pointer is a device one."""
+    if size == 0:
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    return torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
 
 
 def _all_finite(t: torch.Tensor, chunk: int = 1 << 26) -> bool:

@@ -73,7 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "one track per worker), PATH with .png (timeline) and a per-op table into --json")
     p.add_argument("--helper", default="none", metavar="KIND",
                    help="routed experts partly on a helper: none (default), cpu (a host worker thread), emulate "
-                        "(same device, for tests), cuda:N (a worker thread driving GPU N); interpret backend only for now")
+                        "(same device, for tests), cuda:N (a worker thread driving GPU N); the megakernel reaches it through "
+                        "mailboxes in host memory that a host thread serves")
     p.add_argument("--helper-fraction", type=float, default=0.5,
                    help="share of routed experts placed on the helper (default 0.5)")
     p.add_argument("--migrate", choices=["on", "off"], default="off",

@@ -23,6 +23,7 @@ from graph.verify import verify_plan
 from .interpreter import StepResult, check_step_inputs, read_outputs, write_follow
 from .kernel import megakernel
 from .ops import common
+from .ops.helper import HELPER_TIMEOUT
 from .memory import STREAM_SLACK, Memory, PlanRunner
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -50,6 +51,8 @@ OPERAND_BUFFERS = {
     "ACCEPT": {**{k: Buf.I for k in ("tok", "tgt", "cl", "follow", "acc", "emit", "next", "base", "lens", "mtp",
                                       "rng")}, "lg": Buf.A},
     "GATHER": {"idx": Buf.I},  # src and out: A, or I with INT (checked below)
+    "HELPER_CALL": {"st": Buf.I, "map": Buf.I, "x": Buf.A, "st2": Buf.I, "mail": Buf.I, "box": Buf.H},
+    "HELPER_WAIT": {"y": Buf.A, "mail": Buf.I, "box": Buf.H, "out": Buf.A},
 }
 
 
@@ -71,9 +74,6 @@ ERR_HEADER, ERR_PER_WORKER = common.ERR_HEADER.value, common.ERR_PER_WORKER.valu
 
 def check_operand_buffers(plan: Plan, tasks: list[Decoded]) -> None:
     for i, t in enumerate(tasks):
-        if t.op.name in ("HELPER_CALL", "HELPER_WAIT"):
-            raise MegakernelError("experts on a helper run on the plan interpreter only for now (the device-side "
-                                  "mailbox is not built); use --backend interpret with --helper")
         if t.op.name in ("LINEAR", "EXPERT_LINEAR") and t["r1"] <= t["r0"]:
             raise MegakernelError(f"task {i} ({plan.task_labels[i]}): rows {t['r0']}..{t['r1']} are empty; the weight "
                                   "stream reads its first chunk before it knows (row r1 - 1 would be read)")
@@ -248,6 +248,7 @@ class LaunchConfig:
     num_stages: int = 1  # > 1: Triton pipelines weight loads through shared memory (cp.async)
     timeout_s: float = 0.25  # longest a task may wait for one counter
     max_spins: int = 200_000  # bound without a timer (TRITON_INTERPRET)
+    helper_timeout_s: float = 1.0  # longest HELPER_WAIT waits for the helper's answer
     profile: bool = False
     blocks: dict | None = None  # overrides of block_sizes()
 
@@ -278,6 +279,7 @@ class Megakernel(PlanRunner):
         check_block_overrides(self.blocks, fitted, self.mem.dtype.itemsize)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.compiled = None
+        self.launch_hooks: list = []  # called before every launch or replay (a helper service's wake-up)
         pinned = self.device.type == "cuda"
         B, T = plan.shape["B"], plan.shape["T"]
         self.stage_tokens = torch.zeros(B * T, 1, dtype=torch.int32, pin_memory=pinned)
@@ -287,12 +289,12 @@ class Megakernel(PlanRunner):
     def _args(self):
         m = self.mem.bufs
         return (self.words, self.queue_ptr, self.counters, self.worker_epoch, self.err, self.prof,
-                m[Buf.W], m[Buf.WF], m[Buf.A], m[Buf.I], m[Buf.C])
+                m[Buf.W], m[Buf.WF], m[Buf.A], m[Buf.I], m[Buf.C], m[Buf.H])
 
     def _constexprs(self) -> dict:
         use_timer = self.device.type == "cuda" and not INTERPRET
         return dict(WORDS=WORDS, MAX_WAITS=MAX_WAITS, TIMEOUT_NS=int(self.config.timeout_s * 1e9),
-                    MAX_SPINS=self.config.max_spins, USE_TIMER=use_timer, PROFILE=self.config.profile and use_timer,
+                    MAX_SPINS=self.config.max_spins, HELPER_NS=int(self.config.helper_timeout_s * 1e9), USE_TIMER=use_timer, PROFILE=self.config.profile and use_timer,
                     **self.blocks)
 
     def compile(self):
@@ -317,6 +319,8 @@ class Megakernel(PlanRunner):
 
     def launch(self) -> None:
         self.compile()
+        for hook in self.launch_hooks:
+            hook()
         megakernel[(self.plan.workers,)](*self._args(), **self._constexprs(), num_warps=self.config.num_warps,
                                          num_stages=self.config.num_stages)
         self.epoch += 1
@@ -343,6 +347,8 @@ class Megakernel(PlanRunner):
     def replay(self) -> None:
         """One replay of the captured step (with the inputs staged last): a step, so the epoch the
         counters are checked against advances too.  Timing and launch counting replay through this."""
+        for hook in self.launch_hooks:
+            hook()
         self.graph.replay()
         self.epoch += 1
 
@@ -376,6 +382,10 @@ class Megakernel(PlanRunner):
             if reason:
                 what = "timed out" if reason == 1 else "stopped"
                 label = self.plan.task_labels[task] if 0 <= task < self.plan.num_tasks else "?"
+                if reason == HELPER_TIMEOUT.value:
+                    lines.append(f"worker {w} timed out at task {task} ({label}): the helper did not answer call "
+                                 f"{target} within {self.config.helper_timeout_s} s (last answer: call {seen})")
+                    continue
                 counter_label = (self.plan.counter_labels[counter] if 0 <= counter < self.plan.num_counters
                                  else "the stall test counter")
                 lines.append(f"worker {w} {what} at task {task} ({label}) waiting for counter {counter} "

@@ -124,12 +124,8 @@ class SpeculativeDecoder:
         self.engine = BACKENDS[backend](cfg, weights, batch, max_len, torch.device(device), dtype,
                                         options or CompileOptions(workers=workers))
         if helper is not None and helper.enabled:
-            from helper_card.setup import Helper
-            if backend != "interpret":
-                raise ValueError("--helper runs on the interpret backend for now: the megakernel has no device-side "
-                                 "mailbox yet")
-            self.engine.set_helper(Helper(cfg, weights, helper, torch.device(device),
-                                          dtype or next(iter(weights.values())).dtype))
+            from helper_card.setup import make_helper
+            self.engine.set_helper(make_helper(backend, cfg, weights, helper, device, dtype))
 
     def with_k(self, k: int) -> SpeculativeDecoder:
         """This decoder drafting k <= self.k tokens per step: the same engine (plans, graphs, weights, cache)."""

@@ -15,14 +15,14 @@ from triton.compiler import ASTSource
 from megakernel.kernel import megakernel
 from graph.isa import WORDS, MAX_WAITS
 sig = {"words": "*i32", "queue_ptr": "*i32", "counters": "*i32", "worker_epoch": "*i32", "err": "*i32",
-       "prof": "*i64", "W": "*bf16", "WF": "*fp32", "A": "*fp32", "I": "*i32", "C": "*bf16"}
-const = dict(WORDS=WORDS, MAX_WAITS=MAX_WAITS, TIMEOUT_NS=250_000_000, MAX_SPINS=1000, USE_TIMER=True, PROFILE=True,
+       "prof": "*i64", "W": "*bf16", "WF": "*fp32", "A": "*fp32", "I": "*i32", "C": "*bf16", "HB": "*i32"}
+const = dict(WORDS=WORDS, MAX_WAITS=MAX_WAITS, TIMEOUT_NS=250_000_000, MAX_SPINS=1000, HELPER_NS=1_000_000_000, USE_TIMER=True, PROFILE=True,
              BR=8, KC=2048, STAGES=2, BD=256, BH=32, BM=16, BJ=32, DMAX=512, RMAX=64, BI=64, BO=128, BIT=256, BOT=64,
              BE=256, BP=256, BW=32, BSC=16, BCW=64, BN=2048, BK=8, CPF=1, SAMPLE=1, BV=1024, TB=8, PF=2, DEPTH=2, ALIGN=8, BT=16, DOT_PREC="tf32",
              ATT_KIND=0)
 sig.update({k: "constexpr" for k in const})
 # pointers are 16-byte aligned, as Triton's JIT finds them at launch
-attrs = {(i,): [["tt.divisibility", 16]] for i in range(11)}
+attrs = {(i,): [["tt.divisibility", 16]] for i in range(12)}
 k = triton.compile(ASTSource(fn=megakernel, signature=sig, constexprs=const, attrs=attrs),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 1})
 ptx = k.asm["ptx"]
@@ -31,6 +31,8 @@ assert "atom.global.gpu.release" in ptx and "ld.global.gpu.acquire" in ptx
 assert ptx.count("ld.global.v4") >= 64, ptx.count("ld.global.v4")
 # PF=2: weight slices asked of the L2 in bulk (a LINEAR task's, the next task's, an expert's)
 assert ptx.count("cp.async.bulk.prefetch.L2.global") >= 3, ptx.count("cp.async.bulk.prefetch.L2.global")
+# the helper mailbox: a system-scope release publishes a request, an acquire polls the answer
+assert "st.release.sys.global.b32" in ptx and "ld.acquire.sys.global.b32" in ptx and "fence.acq_rel.sys" in ptx
 print("shared", k.metadata.shared)
 """
 

@@ -11,6 +11,8 @@
 #            tasks, default launch beside $STREAM_VARIANTS;
 #   ncu      Nsight Compute's warp-state samples of one step of each of $MODELS (tools/ncu_step.py; the
 #            report, its per-instruction CSV and the cubin come back; tools/ncu_lines.py reads them offline);
+#   helper   experts on a helper with the megakernel as main: its GPU tests (tests/test_helper_megakernel.py)
+#            and tools/helper_bench.py on $HELPER (default cuda:1: the nvidia-h200-x2 kind) for dsv2-lite;
 #   anchors  the outside yardstick, if a copy of ../shared/anchors sits in .anchors/ (git-ignored;
 #            carry it with the device tool);
 #   all      tests,bench,spec,anchors.
@@ -60,6 +62,12 @@ if [[ "$parts" == *,ncu,* ]]; then
             python3 tools/ncu_step.py --model "$m" --cubin "$out/$m.cubin" 2>&1 | tail -3 || worst $?
         ncu --import "$out/$m.ncu-rep" --page source --csv --print-source sass > "$out/${m}_sass.csv"
     done
+fi
+if [[ "$parts" == *,helper,* ]]; then
+    timeout 200 python3 -m pytest -m gpu tests/test_helper_megakernel.py -q -p no:cacheprovider --durations=0 2>&1 \
+        | tee "$out/helper_tests.log" | tail -12 || worst $?
+    timeout 360 python3 tools/helper_bench.py --model dsv2-lite --helper "${HELPER:-cuda:1}" --fractions 0.25 0.5 \
+        --steps 16 --warmup 3 --shift 8 --out "$out" 2>&1 | tee "$out/helper_bench.log" | tail -10 || worst $?
 fi
 if [[ "$parts" == *,anchors,* ]] && [ -f .anchors/torch_baselines.py ]; then
     timeout 560 python3 .anchors/torch_baselines.py 2>&1 | tee "$out/anchors.log" | tail -12 || worst $?

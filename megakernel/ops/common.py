@@ -57,6 +57,40 @@ def prefetch_l2(ptr, nbytes):
         "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
+# System scope (another device or the host reads or writes the memory: the helper's mailbox in host-
+# mapped memory).  Compiled, these are plain PTX loads, stores and fences: GPU atomics on host memory
+# over PCIe are not atomic for the host, and none is needed (one writer per word).  The Triton
+# interpreter has no inline PTX; there its atomics give the same ordering.
+@triton.jit
+def fence_sys(COMPILED: tl.constexpr):
+    """This thread's earlier writes are visible system-wide before its later ones."""
+    if COMPILED:
+        tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
+
+@triton.jit
+def store_release_sys(ptr, value, COMPILED: tl.constexpr):
+    """ptr[0] = value (int32) by thread 0, after every write it has seen (call after a barrier)."""
+    if COMPILED:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "@p st.release.sys.global.b32 [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [ptr, value], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.atomic_xchg(ptr, value, sem="release", scope="sys")
+
+
+@triton.jit
+def load_acquire_sys(ptr, COMPILED: tl.constexpr):
+    """ptr[0] (int32), ordered before this thread's later loads."""
+    if COMPILED:
+        return tl.inline_asm_elementwise("ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+    else:
+        return tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+
+
 @triton.jit
 def silu(x):
     return x / (1.0 + tl.exp(-x))

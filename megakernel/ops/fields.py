@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import triton.language as tl
 
+from graph import isa
 from graph.isa import LAYOUTS, OPCODES
 
 WORD_OPCODE = tl.constexpr(0)
@@ -16,7 +17,11 @@ WORD_FLAGS = tl.constexpr(1)
 WORD_SIGNAL = tl.constexpr(2)
 WORD_WAITS = tl.constexpr(3)  # (counter, count) pairs from here
 WORD_TILE = tl.constexpr(11)
-__all__ = ["WORD_OPCODE", "WORD_FLAGS", "WORD_SIGNAL", "WORD_WAITS", "WORD_TILE"]
+# a helper call site's mailbox (graph.isa.box_layout) and the expert-map value of a helper's expert
+BOX_SEQ, BOX_ACK, BOX_WAIT_NS = tl.constexpr(isa.BOX_SEQ), tl.constexpr(isa.BOX_ACK), tl.constexpr(isa.BOX_WAIT_NS)
+BOX_HEADER, ON_HELPER = tl.constexpr(isa.BOX_HEADER), tl.constexpr(isa.ON_HELPER)
+__all__ = ["WORD_OPCODE", "WORD_FLAGS", "WORD_SIGNAL", "WORD_WAITS", "WORD_TILE", "BOX_SEQ", "BOX_ACK", "BOX_WAIT_NS",
+           "BOX_HEADER", "ON_HELPER"]
 for _name, _op in OPCODES.items():
     globals()[f"OP_{_name}"] = tl.constexpr(_op.code)
     globals()[f"{_name}_FLAGS"] = tl.constexpr(1)

@@ -10,17 +10,31 @@ that sequence number and merges the helper rows into the expert output.  A
 layer none of whose tokens route to the helper publishes nothing and waits for
 nothing.
 
-Only the interpreter runs these ops so far: the link to the helper is the
-`helper` object attached to the plan's Memory (helper_card.link.HelperLink).
+Two runners, one contract (graph.isa.box_layout):
+- the plan interpreter calls the link attached to the plan's Memory
+  (helper_card.link.PlanLink) directly, and mirrors the request into the mailbox;
+- the megakernel's bodies below write the request into the call site's mailbox in
+  host-mapped memory (Buf.H) and publish the step's epoch as its sequence number
+  with a system-scope release; the host's helper service (helper_card/mailbox.py)
+  answers there, and HELPER_WAIT acquires the acknowledgement, bounded.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from graph.isa import ON_HELPER
+from graph.isa import box_layout
 
+from .common import ERR_HEADER, ERR_PER_WORKER, fence_sys, fld, load_acquire_sys, now_ns, off, store_release_sys
+from .fields import (BOX_ACK, BOX_HEADER, BOX_SEQ, BOX_WAIT_NS, ON_HELPER, HELPER_CALL_BOX_OFF, HELPER_CALL_K, HELPER_CALL_MAIL_OFF, HELPER_CALL_MAP_OFF,
+                     HELPER_CALL_N, HELPER_CALL_S, HELPER_CALL_ST2_OFF, HELPER_CALL_ST_OFF, HELPER_CALL_TOPK,
+                     HELPER_CALL_X_LD, HELPER_CALL_X_OFF, HELPER_WAIT_BOX_OFF, HELPER_WAIT_H, HELPER_WAIT_MAIL_OFF,
+                     HELPER_WAIT_N, HELPER_WAIT_OUT_OFF, HELPER_WAIT_TOPK, HELPER_WAIT_Y_OFF)
 from .moe import slot_pairs
+
+HELPER_TIMEOUT = tl.constexpr(3)  # the watchdog reason HELPER_WAIT records (1: a counter wait, 2: stopped by another)
 
 
 def helper_slots(task, mem) -> list[tuple[int, int, torch.Tensor]]:
@@ -30,13 +44,13 @@ def helper_slots(task, mem) -> list[tuple[int, int, torch.Tensor]]:
     out = []
     for slot in range(task["S"]):
         expert, pairs = slot_pairs(task, mem, slot)
-        if expert >= 0 and int(emap[expert]) == ON_HELPER:
+        if expert >= 0 and int(emap[expert]) == ON_HELPER.value:
             out.append((slot, expert, pairs))
     return out
 
 
 def reference_call(task, mem) -> None:
-    S, P = task["S"], task["N"] * task["topk"]
+    S, N, K, P = task["S"], task["N"], task["K"], task["N"] * task["topk"]
     size = 2 * S + S * P
     table = mem.flat(task, "st", 0, size).clone()
     routed = table.clone()
@@ -45,6 +59,9 @@ def reference_call(task, mem) -> None:
         table[slot] = -1
         table[S + slot] = 0
     mem.flat(task, "st2", 0, size).copy_(table)
+    box = box_layout(S, P, N, K)
+    if mem.present(task, "box"):  # the request as the megakernel's body writes it
+        mem.flat(task, "box", box["table"], size).copy_(routed)
     link = getattr(mem, "helper", None)
     if link is not None:  # routing statistics for the migration policy
         link.routed(task["layer"], routed[:S], routed[S: 2 * S])
@@ -57,9 +74,12 @@ def reference_call(task, mem) -> None:
     if link is None:
         raise RuntimeError(f"layer {task['layer']}: the expert map sends experts "
                            f"{[e for _, e, _ in remote]} to a helper, but no helper is attached to this runner")
-    seq = link.publish(task["layer"], task.signal, [(e, pairs) for _, e, pairs in remote],
-                       mem.mat(task, "x", task["N"], task["K"]))
+    x = mem.mat(task, "x", N, K)
+    seq = link.publish(task["layer"], task.signal, [(e, pairs) for _, e, pairs in remote], x)
     mail.copy_(torch.tensor([seq, len(remote)], dtype=torch.int32))
+    if mem.present(task, "box"):
+        mem.flat(task, "box", box["x"], N * K).copy_(x.float().reshape(-1).view(torch.int32))
+        mem.flat(task, "box", BOX_SEQ.value, 1).fill_(seq)
 
 
 def reference_wait(task, mem) -> None:
@@ -72,3 +92,104 @@ def reference_wait(task, mem) -> None:
     rows = mem.helper.wait(task["layer"], seq)  # bounded; raises HelperTimeout or falls back
     for pairs, y in rows:
         out[pairs.to(out.device)] = y.to(out.device, out.dtype)
+
+
+# ---- GPU bodies ----------------------------------------------------------------------------
+@triton.jit
+def call_body(word, A, I, HB, epoch, COMPILED: tl.constexpr, BD: tl.constexpr):
+    """Split the slot table; publish it (whole: routing statistics) and the token rows, with the step's
+    epoch as sequence number, when a slot's expert is on the helper."""
+    S, N, K = fld(word, HELPER_CALL_S), fld(word, HELPER_CALL_N), fld(word, HELPER_CALL_K)
+    P = N * fld(word, HELPER_CALL_TOPK)
+    st, st2 = I + off(word, HELPER_CALL_ST_OFF), I + off(word, HELPER_CALL_ST2_OFF)
+    emap, mail = I + off(word, HELPER_CALL_MAP_OFF), I + off(word, HELPER_CALL_MAIL_OFF)
+    box = HB + off(word, HELPER_CALL_BOX_OFF)
+    table = box + BOX_HEADER + (P + 31) // 32 * 32 + P * K  # box_layout's "table"
+    remote = 0
+    for s0 in range(0, S, BD):
+        s = s0 + tl.arange(0, BD)
+        m = s < S
+        expert = tl.load(st + s, mask=m, other=-1, cache_modifier=".cg")
+        count = tl.load(st + S + s, mask=m, other=0, cache_modifier=".cg")
+        where = tl.load(emap + tl.maximum(expert, 0), mask=m & (expert >= 0), other=0, cache_modifier=".cg")
+        helper = (expert >= 0) & (where == ON_HELPER)
+        remote += tl.sum(helper.to(tl.int32), axis=0)
+        tl.store(st2 + s, tl.where(helper, -1, expert), mask=m)
+        tl.store(st2 + S + s, tl.where(helper, 0, count), mask=m)
+        tl.store(table + s, expert, mask=m)
+        tl.store(table + S + s, count, mask=m)
+    for i0 in range(0, S * P, BD):  # pair ids: the same in both tables (read only where a slot is set)
+        i = i0 + tl.arange(0, BD)
+        ids = tl.load(st + 2 * S + i, mask=i < S * P, cache_modifier=".cg")
+        tl.store(st2 + 2 * S + i, ids, mask=i < S * P)
+        tl.store(table + 2 * S + i, ids, mask=i < S * P)
+    if remote > 0:
+        x, x_ld = A + off(word, HELPER_CALL_X_OFF), fld(word, HELPER_CALL_X_LD)
+        rows = table + (2 * S + S * P + 31) // 32 * 32  # box_layout's "x"
+        for r in range(N):
+            for c0 in range(0, K, BD):
+                c = c0 + tl.arange(0, BD)
+                v = tl.load(x + r * x_ld + c, mask=c < K, cache_modifier=".cg")
+                tl.store(rows + r * K + c, v.to(tl.int32, bitcast=True), mask=c < K)
+        fence_sys(COMPILED)  # this thread's rows reach host memory before the barrier...
+        tl.debug_barrier()
+        store_release_sys(box + BOX_SEQ, epoch, COMPILED)  # ...and the sequence number after all of them
+        tl.store(mail, epoch)
+    else:
+        tl.store(mail, 0)
+    tl.store(mail + 1, remote)
+
+
+@triton.jit
+def wait_body(word, t, A, I, HB, err, pid, TIMEOUT_NS: tl.constexpr, MAX_SPINS: tl.constexpr,
+              COMPILED: tl.constexpr, BD: tl.constexpr):
+    """out = y with the helper's rows merged in, once the helper acknowledged mail[0] (bounded wait).
+    Returns 0 when this worker must stop (the helper timed out, or another worker failed)."""
+    P, K = fld(word, HELPER_WAIT_N) * fld(word, HELPER_WAIT_TOPK), fld(word, HELPER_WAIT_H)
+    y, out = A + off(word, HELPER_WAIT_Y_OFF), A + off(word, HELPER_WAIT_OUT_OFF)
+    mail, box = I + off(word, HELPER_WAIT_MAIL_OFF), HB + off(word, HELPER_WAIT_BOX_OFF)
+    seq = tl.load(mail, cache_modifier=".cg")
+    calls = tl.load(mail + 1, cache_modifier=".cg")
+    ok = 1
+    if calls > 0:
+        start = now_ns(COMPILED)
+        seen = load_acquire_sys(box + BOX_ACK, COMPILED)
+        spins = 0
+        reason = 0
+        while (seen < seq) & (reason == 0):
+            seen = load_acquire_sys(box + BOX_ACK, COMPILED)
+            spins += 1
+            if spins % 32 == 0:
+                if tl.atomic_add(err, 0, sem="acquire", scope="gpu") != 0:
+                    reason = 2
+                elif COMPILED:
+                    if now_ns(COMPILED) - start > TIMEOUT_NS:
+                        reason = HELPER_TIMEOUT
+                elif spins > MAX_SPINS:
+                    reason = HELPER_TIMEOUT
+        if reason != 0:
+            ok = 0
+            state = err + ERR_HEADER + pid * ERR_PER_WORKER
+            tl.store(state, reason)
+            tl.store(state + 1, t)
+            tl.store(state + 2, -1)
+            tl.store(state + 3, seen)
+            tl.store(state + 4, seq)
+            if reason == HELPER_TIMEOUT:
+                tl.atomic_xchg(err, 1, sem="release", scope="gpu")
+        else:
+            tl.store(box + BOX_WAIT_NS, tl.minimum(now_ns(COMPILED) - start, 2147483647).to(tl.int32))
+    if ok == 1:
+        mask, ans = box + BOX_HEADER, box + BOX_HEADER + (P + 31) // 32 * 32
+        for p in range(P):
+            mine = 0
+            if calls > 0:  # host memory, written after this step began: never from a cache
+                mine = tl.load(mask + p, cache_modifier=".cv")
+            for c0 in range(0, K, BD):
+                c = c0 + tl.arange(0, BD)
+                if mine != 0:
+                    v = tl.load(ans + p * K + c, mask=c < K, cache_modifier=".cv").to(tl.float32, bitcast=True)
+                else:
+                    v = tl.load(y + p * K + c, mask=c < K, cache_modifier=".cg")
+                tl.store(out + p * K + c, v, mask=c < K)
+    return ok

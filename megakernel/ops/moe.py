@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .common import aligned, ffld, fld, has, off
-from .fields import (EXPERT_LINEAR_FLAGS, EXPERT_LINEAR_K, EXPERT_LINEAR_TOPK, EXPERT_LINEAR_N, EXPERT_LINEAR_OUT_LD,
+from .fields import (EXPERT_LINEAR_FLAGS, EXPERT_LINEAR_K, EXPERT_LINEAR_MAP_BUF, EXPERT_LINEAR_MAP_OFF, EXPERT_LINEAR_TOPK, EXPERT_LINEAR_N, EXPERT_LINEAR_OUT_LD,
                      EXPERT_LINEAR_OUT_OFF, EXPERT_LINEAR_R0, EXPERT_LINEAR_R1, EXPERT_LINEAR_S, EXPERT_LINEAR_SLOT,
                      EXPERT_LINEAR_ST_OFF, EXPERT_LINEAR_W2_OFF, EXPERT_LINEAR_W_ES, EXPERT_LINEAR_W_OFF,
                      EXPERT_LINEAR_X_LD, EXPERT_LINEAR_X_OFF,
@@ -263,7 +263,10 @@ def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.con
         N, K, kk = fld(word, EXPERT_LINEAR_N), fld(word, EXPERT_LINEAR_K), fld(word, EXPERT_LINEAR_TOPK)
         r0, r1 = fld(word, EXPERT_LINEAR_R0), fld(word, EXPERT_LINEAR_R1)
         two = has(flags, FLAG_EXPERT_LINEAR_SILU_MUL)
-        base = expert.to(tl.int64) * aligned(fld(word, EXPERT_LINEAR_W_ES), ALIGN)
+        where = expert
+        if fld(word, EXPERT_LINEAR_MAP_BUF) >= 0:  # helper plans: the main slot holding the expert
+            where = tl.load(I + off(word, EXPERT_LINEAR_MAP_OFF) + expert, cache_modifier=".cg")
+        base = where.to(tl.int64) * aligned(fld(word, EXPERT_LINEAR_W_ES), ALIGN)
         w_ptr = aligned_base(W, word, EXPERT_LINEAR_W_OFF, ALIGN) + base
         w2_ptr = aligned_base(W, word, EXPERT_LINEAR_W2_OFF, ALIGN) + base
         if PF > 0:  # the expert is known only now: its whole slice in flight at once

@@ -1,0 +1,168 @@
+"""The host's helper service for the megakernel: answers helper calls through host-mapped mailboxes.
+
+A megakernel step is one graph replay, so no host code runs between a layer's HELPER_CALL and
+its HELPER_WAIT.  The call's body writes the request into its site's mailbox (graph.isa.box_layout:
+the routed slot table, the token rows) and publishes the step's epoch as the sequence number.  A
+thread here polls every site's sequence number, runs the call through the helper backend (the same
+layer program the interpreter's link runs, helper_card.link), writes the rows and their mask, then
+the acknowledgement, which HELPER_WAIT acquires within LaunchConfig.helper_timeout_s.
+
+Metrics come from the mailboxes too, at the step boundary: a site whose sequence number is the
+step's epoch published (its helper rows are counted from its table), any other skipped; the wait
+HELPER_WAIT measured on the device timer is the exposed wait.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from graph.isa import BOX_ACK, BOX_SEQ, BOX_WAIT_NS, Buf, box_layout, decode
+
+from .link import HelperLink, HelperProgramRunner, HelperTimeout
+
+IDLE_S = 0.05  # polling this long without a request, the thread sleeps until the next launch
+
+
+@dataclass
+class Site:
+    """One HELPER_CALL of the plan and where its mailbox lies in Buf.H (words)."""
+
+    signal: int  # the call's op id (helper_card.link.layer_programs keys its program by it)
+    layer: int
+    box: int
+    S: int
+    N: int
+    K: int
+    P: int
+
+    @property
+    def parts(self) -> dict[str, int]:
+        return {k: self.box + v for k, v in box_layout(self.S, self.P, self.N, self.K).items()}
+
+
+def call_sites(plan) -> list[Site]:
+    sites = {}
+    for w in plan.words:
+        t = decode(w)
+        if t.op.name == "HELPER_CALL" and t.signal not in sites:
+            sites[t.signal] = Site(t.signal, t["layer"], t["box.off"], t["S"], t["N"], t["K"], t["N"] * t["topk"])
+    return [sites[k] for k in sorted(sites)]
+
+
+class MailboxService:
+    """Serves one megakernel runner's helper calls from a thread.  `kick()` at every launch wakes it."""
+
+    def __init__(self, link: HelperLink, runner):
+        self.link, self.runner = link, runner
+        self.sites = call_sites(runner.plan)
+        box = runner.mem.bufs[Buf.H]
+        if box.device.type != "cpu":
+            raise ValueError("the helper mailboxes must be in host memory (Buf.H of a helper plan)")
+        self.words = box.numpy()  # views of the same host memory the GPU writes
+        self.rows = self.words.view(np.float32)
+        self.program = HelperProgramRunner(runner.plan, link.backend.store, link.layers, link.n_experts)
+        self.served = {s.signal: int(self.words[s.box + BOX_SEQ]) for s in self.sites}
+        self.counted_epoch = 0
+        self.errors: list[str] = []
+        self.wake = threading.Event()
+        self.closing = False
+        self.thread = threading.Thread(target=self._serve, name="helper-mailbox", daemon=True)
+        self.thread.start()
+
+    def kick(self) -> None:
+        self.wake.set()
+
+    def close(self) -> None:
+        self.closing = True
+        self.wake.set()
+        self.thread.join(timeout=5)
+
+    # ---- the service thread ----------------------------------------------------------------
+    def _serve(self) -> None:
+        last = time.perf_counter()
+        while not self.closing:
+            busy = False
+            for site in self.sites:
+                seq = int(self.words[site.box + BOX_SEQ])
+                if seq > self.served[site.signal]:
+                    self._answer(site, seq)
+                    busy = True
+            now = time.perf_counter()
+            if busy:
+                last = now
+            elif now - last > IDLE_S:
+                self.wake.wait(0.5)
+                self.wake.clear()
+                last = time.perf_counter()
+            else:
+                time.sleep(0)  # let the backend's worker thread run
+
+    def _request(self, site: Site, seq: int):
+        """(slots, x) of call `seq`, or None if the device overwrote it meanwhile (it gave up on it)."""
+        at = site.parts
+        table = self.words[at["table"]: at["table"] + 2 * site.S + site.S * site.P].copy()
+        x = self.rows[at["x"]: at["x"] + site.N * site.K].copy()
+        if int(self.words[site.box + BOX_SEQ]) != seq:
+            return None
+        placement, S, P = self.link.placement, site.S, site.P
+        slots = [(int(table[s]), torch.from_numpy(table[2 * S + s * P: 2 * S + s * P + table[S + s]].astype(np.int64)))
+                 for s in range(S) if table[s] >= 0 and placement.on_helper(site.layer, int(table[s]))]
+        return slots, torch.from_numpy(x).view(site.N, site.K)
+
+    def _answer(self, site: Site, seq: int) -> None:
+        self.served[site.signal] = seq
+        request = self._request(site, seq)
+        if request is None:
+            return
+        slots, x = request
+        backend = self.link.backend
+        try:
+            backend.submit(functools.partial(self.program.run, site.signal), site.layer, seq, slots, x)
+            rows = backend.result(site.layer, seq, self.link.timeout_s)
+        except HelperTimeout:
+            backend.abandon(site.layer, seq)
+            return  # no answer: HELPER_WAIT's bound turns it into the step's error
+        except Exception as e:  # noqa: BLE001 - reported at the step boundary, the device times out
+            self.errors.append(f"layer {site.layer} call {seq}: {e!r}")
+            return
+        at = site.parts
+        mask = np.zeros(site.P, dtype=np.int32)
+        for pairs, y in rows:
+            p = pairs.cpu().numpy()
+            mask[p] = 1
+            ans = self.rows[at["ans"]: at["ans"] + site.P * site.K].reshape(site.P, site.K)
+            ans[p] = y.detach().to("cpu", torch.float32).numpy()
+        self.words[at["mask"]: at["mask"] + site.P] = mask
+        self.words[site.box + BOX_ACK] = seq  # after the rows (x86 stores stay in order)
+
+    # ---- at the step boundary -------------------------------------------------------------
+    def count_step(self) -> None:
+        """Metrics and routing statistics of the runner's last step, read from its mailboxes."""
+        if self.errors:
+            errors, self.errors = self.errors, []
+            raise RuntimeError("helper service failed: " + "; ".join(errors))
+        epoch = self.runner.epoch
+        if epoch == self.counted_epoch:
+            return
+        self.counted_epoch = epoch
+        metrics, stats, placement = self.link.metrics, self.link.stats, self.link.placement
+        for site in self.sites:
+            at = site.parts
+            table = self.words[at["table"]: at["table"] + 2 * site.S].copy()
+            experts, counts = table[: site.S], table[site.S:]
+            used = experts >= 0
+            if stats is not None:
+                stats.add(site.layer, experts[used], counts[used])
+            if int(self.words[site.box + BOX_SEQ]) != epoch:
+                metrics.skipped += 1
+                continue
+            metrics.calls += 1
+            metrics.rows += int(sum(c for e, c in zip(experts[used], counts[used])
+                                    if placement.on_helper(site.layer, int(e))))
+            metrics.exposed_wait_s += int(self.words[site.box + BOX_WAIT_NS]) * 1e-9

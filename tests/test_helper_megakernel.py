@@ -1,0 +1,117 @@
+"""Experts on a helper, with the megakernel as the main side: its step is one launch (one graph
+replay on a GPU), so a layer's call reaches the helper through a mailbox in host memory that a host
+thread serves (helper_card/mailbox.py).  The megakernel with a helper equals the plan interpreter
+with one (the same plan), counts the same calls, skips and rows, and a silent helper is a bounded
+error after which the next step runs.
+
+On a CPU the kernel runs under TRITON_INTERPRET (one worker); on a GPU (`gpu`) the compiled kernel
+reads and writes the mailboxes in pinned host memory over the bus."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from graph.compile import CompileOptions, compile_step
+from graph.lower import StepShape
+from helper_card.setup import Helper, HelperOptions
+from megakernel.interpreter import Interpreter
+from model import init_weights, preset
+
+from .conftest import rel_err
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU Triton interpreter only")),
+           pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _runners(name, device, opts, workers, T=2, B=2, passes=1, config=None):
+    """(helper, interpreter, helper, megakernel) of one helper plan, each runner with its own helper."""
+    from megakernel.runtime import LaunchConfig, Megakernel
+    cfg = preset(name)
+    w = init_weights(cfg, seed=3)
+    helpers = [Helper(cfg, w, opts, device, torch.float32) for _ in range(2)]
+    shape = StepShape(T=T, B=B, max_len=16, mtp_passes=passes if cfg.num_nextn_predict_layers else 0, attn_split=4,
+                      helper_slots=helpers[0].capacity)
+    plan = compile_step(cfg, shape, CompileOptions(workers=workers))
+    interp = Interpreter(plan, w, device)
+    mk = Megakernel(plan, w, device, config=config or LaunchConfig(max_spins=100_000,
+                                                                   helper_timeout_s=opts.timeout_s))
+    helpers[0].attach(interp)
+    helpers[1].attach(mk)
+    return cfg, helpers, interp, mk
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_megakernel_with_a_helper_equals_the_interpreter_with_one(device, fraction):
+    workers = 1 if device == "cpu" else 16
+    opts = HelperOptions(kind="cpu", fraction=fraction, migrate=True, window=2, timeout_s=60 if INTERPRET else 2.0)
+    cfg, (h_interp, h_mk), interp, mk = _runners("tiny-moe", device, opts, workers)
+    if device == "cuda":
+        mk.capture()
+    gen = torch.Generator().manual_seed(1)
+    for step in range(2 if INTERPRET else 4):
+        tokens = torch.randint(0, cfg.vocab_size, (2, 2), generator=gen)
+        lens = torch.tensor([step, 5 + step])
+        want, got = interp.step(tokens, lens), mk.step(tokens, lens)
+        assert rel_err(got.logits, want.logits) <= 1e-5
+        assert torch.equal(got.tokens, want.tokens)
+        a, b = h_interp.end_step(), h_mk.end_step()
+        for key in ("calls", "skipped", "rows"):  # the mailboxes count what the interpreter's link counts
+            assert a[key] == b[key], (step, key, a, b)
+        if fraction == 1.0:
+            assert b["skipped"] == 0 and b["rows"] == 2 * 2 * cfg.num_experts_per_tok * b["calls"]
+        if not INTERPRET and b["calls"]:
+            assert b["exposed_wait_ms"] > 0  # measured on the device timer
+    # routing statistics from the mailboxes' slot tables: the same counts the interpreter's calls saw
+    for layer, counts in h_interp.link.stats.counts().items():
+        assert (h_mk.link.stats.counts()[layer] == counts).all()
+    for h in (h_interp, h_mk):
+        h.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_megakernel_with_a_silent_helper_is_a_bounded_error_and_the_next_step_runs(device):
+    from megakernel.runtime import LaunchConfig, WatchdogError
+    # under the interpreter the kernel's bound is a number of polls (no timer; ~0.4 ms each) and the
+    # helper thread shares the GIL with the interpreted kernel, so every bound is longer there
+    bound, stall = (1.5, 3.0) if device == "cpu" else (0.3, 1.0)
+    opts = HelperOptions(kind="cpu", fraction=1.0, timeout_s=bound)
+    config = LaunchConfig(max_spins=8000, helper_timeout_s=bound)
+    cfg, (h_interp, h_mk), interp, mk = _runners("tiny-moe", device, opts, 1 if device == "cpu" else 16, T=1, B=1,
+                                                passes=0, config=config)
+    tok, lens = torch.tensor([[7]]), torch.tensor([3])
+    mk.step(tok, lens)  # compiled and answered once before the stall
+    h_mk.backend.stall_s = stall
+    t0 = time.perf_counter()
+    with pytest.raises(WatchdogError, match="the helper did not answer call 2"):
+        mk.step(tok, lens)
+    if device == "cuda":
+        assert time.perf_counter() - t0 < bound + 0.5  # the bound, not the stall, ends the wait
+    h_mk.backend.stall_s = 0.0
+    time.sleep(max(0.0, stall - (time.perf_counter() - t0)) + 0.2)  # the stalled call drains from the queue
+    want, got = interp.step(tok, lens), mk.step(tok, lens)
+    assert rel_err(got.logits, want.logits) <= 1e-5
+    for h in (h_interp, h_mk):
+        h.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU for the helper")
+def test_megakernel_with_a_second_gpu_as_helper():
+    opts = HelperOptions(kind="cuda:1", fraction=0.5, timeout_s=5.0)
+    cfg, (h_interp, h_mk), interp, mk = _runners("tiny-moe", "cuda", opts, 16)
+    mk.capture()
+    gen = torch.Generator().manual_seed(2)
+    for step in range(4):
+        tokens = torch.randint(0, cfg.vocab_size, (2, 2), generator=gen)
+        lens = torch.tensor([step, 3 + step])
+        want, got = interp.step(tokens, lens), mk.step(tokens, lens)
+        assert rel_err(got.logits, want.logits) <= 1e-5
+        assert torch.equal(got.tokens, want.tokens)
+        a, b = h_interp.end_step(), h_mk.end_step()
+        assert (a["calls"], a["skipped"], a["rows"]) == (b["calls"], b["skipped"], b["rows"])
+    for h in (h_interp, h_mk):
+        h.close()

@@ -1,0 +1,145 @@
+"""Routed experts partly on a helper, the megakernel as the main side: step time, helper calls, exposed
+wait and migration, beside the same engine with every expert on main.
+
+    python tools/helper_bench.py --model dsv2-lite --helper cuda:1 --fractions 0 0.25 0.5 --migrate off on
+
+Decode steps (T=1, B=1) at a fixed cache length of --ctx - 1 over a random cache, teacher-forced
+on the all-on-main engine's greedy tokens, so every row sees the same inputs and its logits and
+tokens are compared with that engine's.  Routing is skewed (a Zipf correction bias whose hot set
+moves every --shift steps, helper_card.migration.BiasSkew) so migration has experts to move; the
+all-on-main engine runs with the same bias.  A step's time is wall time around the runner's step
+(host staging, one graph replay, the sync and the result read): the helper service answers inside
+it.  A table on screen, JSON in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from helper_card.migration import BiasSkew, with_routing_bias
+from helper_card.setup import HelperOptions, moe_layers
+from megakernel.engine import make_engine
+from model import init_weights, preset
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def run(engine, cfg, args, tokens=None) -> dict:
+    """`args.steps` decode steps; tokens: the inputs to feed (None: greedy, recording them)."""
+    runner = engine.backend.runner(1)
+    layers = [layer for layer in moe_layers(cfg) if layer < cfg.num_hidden_layers]
+    skew = BiasSkew(cfg, layers, a=1.2, scale=1.0, shift_every=args.shift, seed=3)
+    skew.apply(runner)
+    cache = runner.cache()
+    cache.normal_(generator=torch.Generator(device=cache.device).manual_seed(1))
+    lens = torch.tensor([args.ctx - 1])
+    feed = tokens or [torch.tensor([[11]])]
+    times, logits, metrics = [], [], []
+    helper = engine.backend.helper
+    for n in range(args.steps):
+        tok = feed[n] if tokens else feed[-1]
+        t0 = time.perf_counter()
+        out = runner.step(tok, lens)
+        times.append((time.perf_counter() - t0) * 1e3)
+        logits.append(out.logits[0, -1].float().cpu())
+        if helper is not None:
+            metrics.append(helper.end_step())
+        if not tokens:
+            feed.append(out.logits[:, -1].argmax(-1, keepdim=True).cpu())
+        skew.step(runner)
+    row = {"step_ms_median": statistics.median(times[args.warmup:]), "step_ms": [round(t, 3) for t in times],
+           "logits": logits, "tokens": feed}
+    if helper is not None:
+        steps = metrics[args.warmup:]
+        for key in ("calls", "skipped", "rows", "exposed_wait_ms", "moves"):
+            row[key + "_per_step"] = sum(s[key] for s in steps) / len(steps)
+        row["bytes_migrated"] = helper.copier.bytes_moved
+        row["migration_stall_ms_max"] = max(s["migration_stall_ms"] for s in steps)
+        helper.close()
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="dsv2-lite")
+    p.add_argument("--helper", default="cuda:1", help="cpu | cuda:N")
+    p.add_argument("--fractions", nargs="*", type=float, default=[0.0, 0.25, 0.5])
+    p.add_argument("--migrate", nargs="*", choices=["off", "on"], default=["off", "on"])
+    p.add_argument("--ctx", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--shift", type=int, default=12, help="steps between moves of the routing hot set")
+    p.add_argument("--timeout", type=float, default=10.0, help="helper bound, seconds")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu under TRITON_INTERPRET=1 (a tiny preset)")
+    p.add_argument("--out", default=".")
+    args = p.parse_args()
+    cfg = with_routing_bias(preset(args.model))
+    device, dtype = torch.device(args.device), torch.bfloat16 if args.device == "cuda" else torch.float32
+    weights = init_weights(cfg, seed=0, device=device, dtype=dtype)
+    workers = torch.cuda.get_device_properties(0).multi_processor_count if device.type == "cuda" else 1
+    rows = []
+
+    def engine(opts):
+        return make_engine(cfg, weights, "megakernel", 1, args.ctx + 1, device, dtype, workers=workers, helper=opts)
+
+    base = run(engine(None), cfg, args)
+    rows.append({"helper": "none", "fraction": 0.0, "migrate": "off", "step_ms_median": base["step_ms_median"]})
+    print(f"all on main: {base['step_ms_median']:.3f} ms/step", flush=True)
+    for fraction in args.fractions:
+        for migrate in args.migrate if fraction > 0 else ["off"]:
+            opts = HelperOptions(kind=args.helper, fraction=fraction, migrate=migrate == "on", timeout_s=args.timeout)
+            t0 = time.perf_counter()
+            try:
+                got = run(engine(opts), cfg, args, base["tokens"][: args.steps])
+            except Exception as e:  # a row that failed says why; the others still run
+                rows.append({"helper": args.helper, "fraction": fraction, "migrate": migrate, "error": repr(e)[:400]})
+                print(f"{fraction} {migrate}: {e!r}"[:300], flush=True)
+                continue
+            errs = [rel_err(a, b) for a, b in zip(got["logits"], base["logits"])]
+            same = sum(int(a.argmax() == b.argmax()) for a, b in zip(got["logits"], base["logits"]))
+            row = {"helper": args.helper, "fraction": fraction, "migrate": migrate,
+                   **{k: v for k, v in got.items() if k not in ("logits", "tokens")},
+                   "rel_err_max_vs_main": max(errs), "tokens_equal": f"{same}/{len(errs)}",
+                   "setup_s": round(time.perf_counter() - t0 - sum(got["step_ms"]) / 1e3, 1)}
+            row["x_all_on_main"] = row["step_ms_median"] / base["step_ms_median"]
+            rows.append(row)
+            print(f"{args.helper} {fraction:.2f} migrate {migrate}: {row['step_ms_median']:.3f} ms/step, "
+                  f"{row['calls_per_step']:.1f} calls, {row['skipped_per_step']:.1f} skipped, "
+                  f"{row['exposed_wait_ms_per_step']:.3f} ms exposed wait, {row['moves_per_step']:.2f} moves/step, "
+                  f"rel. err {row['rel_err_max_vs_main']:.1e}, tokens {row['tokens_equal']}", flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+    # migration's cost: each step beside the same step (same inputs) without migration
+    for on in [r for r in rows if r["migrate"] == "on" and "error" not in r]:
+        off = next((r for r in rows if r["migrate"] == "off" and r["fraction"] == on["fraction"] and "error" not in r),
+                   None)
+        if off is not None:
+            ratios = [a / b for a, b in zip(on["step_ms"][args.warmup:], off["step_ms"][args.warmup:])]
+            on["max_step_ratio_vs_no_migration"] = max(ratios)
+            on["median_step_ratio_vs_no_migration"] = statistics.median(ratios)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"helper_{args.model}.json").write_text(json.dumps(rows, indent=1))
+    print(f"\n{'helper':8} {'frac':>5} {'migr':>4} {'ms/step':>8} {'x main':>7} {'calls':>6} {'skip':>5} "
+          f"{'wait ms':>8} {'moves':>6} {'tokens':>7}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['helper']:8} {r['fraction']:5.2f} {r['migrate']:>4} error: {r['error'][:60]}")
+            continue
+        print(f"{r['helper']:8} {r['fraction']:5.2f} {r['migrate']:>4} {r['step_ms_median']:8.3f} "
+              f"{r.get('x_all_on_main', 1.0):7.2f} {r.get('calls_per_step', 0):6.1f} {r.get('skipped_per_step', 0):5.1f} "
+              f"{r.get('exposed_wait_ms_per_step', 0):8.3f} {r.get('moves_per_step', 0):6.2f} {r.get('tokens_equal', '-'):>7}")
+
+
+if __name__ == "__main__":
+    main()
