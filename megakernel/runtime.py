@@ -273,6 +273,10 @@ class Megakernel(PlanRunner):
         self.prof = torch.zeros(max(1, plan.num_tasks) * 4 if self.config.profile else 4, dtype=torch.int64,
                                 device=self.device)
         self.expected = np.bincount(plan.words[:, 2], minlength=plan.num_counters).astype(np.int64)
+        # a task after a HELPER_WAIT may wait for as long as the helper may take, and then some: its
+        # bound must not fire before the helper's (which names the call)
+        helper = any(t.op.name == "HELPER_WAIT" for t in tasks)
+        self.wait_bound_s = self.config.timeout_s + (self.config.helper_timeout_s if helper else 0.0)
         self.epoch = 0
         fitted = block_sizes(tasks, self.mem.dtype)
         self.blocks = {**fitted, **(self.config.blocks or {})}
@@ -293,8 +297,9 @@ class Megakernel(PlanRunner):
 
     def _constexprs(self) -> dict:
         use_timer = self.device.type == "cuda" and not INTERPRET
-        return dict(WORDS=WORDS, MAX_WAITS=MAX_WAITS, TIMEOUT_NS=int(self.config.timeout_s * 1e9),
-                    MAX_SPINS=self.config.max_spins, HELPER_NS=int(self.config.helper_timeout_s * 1e9), USE_TIMER=use_timer, PROFILE=self.config.profile and use_timer,
+        return dict(WORDS=WORDS, MAX_WAITS=MAX_WAITS, TIMEOUT_NS=int(self.wait_bound_s * 1e9),
+                    MAX_SPINS=self.config.max_spins, HELPER_NS=int(self.config.helper_timeout_s * 1e9),
+                    USE_TIMER=use_timer, PROFILE=self.config.profile and use_timer,
                     **self.blocks)
 
     def compile(self):
@@ -392,7 +397,7 @@ class Megakernel(PlanRunner):
                              f"({counter_label}) to reach {target}, saw {seen}")
         lines.sort(key=lambda s: "stopped" in s)
         self.repair()
-        bound = f"{self.config.timeout_s} s" if self._constexprs()["USE_TIMER"] else f"{self.config.max_spins} polls"
+        bound = f"{self.wait_bound_s} s" if self._constexprs()["USE_TIMER"] else f"{self.config.max_spins} polls"
         raise WatchdogError(f"megakernel watchdog: a wait exceeded {bound} in step {self.epoch}; "
                             + "; ".join(lines[:6]) + (f"; and {len(lines) - 6} more" if len(lines) > 6 else ""))
 

@@ -73,7 +73,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="dsv2-lite")
     p.add_argument("--helper", default="cuda:1", help="cpu | cuda:N")
-    p.add_argument("--fractions", nargs="*", type=float, default=[0.0, 0.25, 0.5])
+    p.add_argument("--fractions", nargs="*", type=float, default=[0.0, 0.25, 0.5],
+                   help="0: a helper plan with every expert on main (the calls' own cost)")
     p.add_argument("--migrate", nargs="*", choices=["off", "on"], default=["off", "on"])
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--steps", type=int, default=24)
@@ -109,7 +110,8 @@ def main() -> None:
             same = sum(int(a.argmax() == b.argmax()) for a, b in zip(got["logits"], base["logits"]))
             row = {"helper": args.helper, "fraction": fraction, "migrate": migrate,
                    **{k: v for k, v in got.items() if k not in ("logits", "tokens")},
-                   "rel_err_max_vs_main": max(errs), "tokens_equal": f"{same}/{len(errs)}",
+                   "rel_err_max_vs_main": max(errs), "rel_err_vs_main": [float(f"{e:.2e}") for e in errs],
+                   "tokens_equal": f"{same}/{len(errs)}",
                    "setup_s": round(time.perf_counter() - t0 - sum(got["step_ms"]) / 1e3, 1)}
             row["x_all_on_main"] = row["step_ms_median"] / base["step_ms_median"]
             rows.append(row)
