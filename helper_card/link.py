@@ -142,6 +142,35 @@ class HelperProgramRunner:
         return [(pairs, y[pairs.to(y.device)].clone()) for _, pairs in slots]
 
 
+class WholeExpertRunner(HelperProgramRunner):
+    """The same experts as whole matrices: per slot, one matmul per projection over its rows.  A
+    layer call is a few dozen tensor ops instead of the tiles' hundreds of tasks (420 per dsv2-lite
+    call at T=1, each with host syncs: ~100 ms on a GPU).  It rounds differently from the tiles
+    (another summation blocking), which only matters where the helper could be bit-exact with main:
+    the megakernel's main side computes its tiles in Triton, so its helper uses this runner."""
+
+    def __init__(self, plan: Plan, store: torch.Tensor, layers: list[int], n_experts: int):
+        super().__init__(plan, store, layers, n_experts)
+        from model.config import ModelConfig
+        cfg = ModelConfig.from_hf_dict(plan.config)
+        self.I, self.H = cfg.moe_intermediate_size, cfg.hidden_size
+        self.rows = store.reshape(-1, 3 * self.I * self.H)
+
+    def run(self, site, slots, x):
+        prog, I, H = self.programs[site], self.I, self.H
+        topk = prog.P // prog.x[1]
+        x = x.to(self.rows.device, torch.float32).reshape(prog.x[1], prog.x[2])
+        out = []
+        for expert, pairs in slots:
+            w = self.rows[self.row_of[prog.layer] + expert]
+            pairs = pairs.to(self.rows.device)
+            tokens = x[pairs // topk]
+            gate, up = tokens @ w[: I * H].view(I, H).float().T, tokens @ w[I * H: 2 * I * H].view(I, H).float().T
+            y = (torch.nn.functional.silu(gate) * up) @ w[2 * I * H:].view(H, I).float().T
+            out.append((pairs, y))
+        return out
+
+
 def expert_store(cfg, weights: dict[str, torch.Tensor], layers: list[int], device, dtype) -> torch.Tensor:
     """Every routed expert of `layers` as one [layers·E, 3·I·H] tensor: row = gate | up | down
     (the layout of the main arena's slots)."""

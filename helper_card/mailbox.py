@@ -3,9 +3,9 @@
 A megakernel step is one graph replay, so no host code runs between a layer's HELPER_CALL and
 its HELPER_WAIT.  The call's body writes the request into its site's mailbox (graph.isa.box_layout:
 the routed slot table, the token rows) and publishes the step's epoch as the sequence number.  A
-thread here polls every site's sequence number, runs the call through the helper backend (the same
-layer program the interpreter's link runs, helper_card.link), writes the rows and their mask, then
-the acknowledgement, which HELPER_WAIT acquires within LaunchConfig.helper_timeout_s.
+thread here polls every site's sequence number, runs the call through the helper backend (whole
+experts: helper_card.link.WholeExpertRunner), writes the rows and their mask, then the
+acknowledgement, which HELPER_WAIT acquires within LaunchConfig.helper_timeout_s.
 
 Metrics come from the mailboxes too, at the step boundary: a site whose sequence number is the
 step's epoch published (its helper rows are counted from its table), any other skipped; the wait
@@ -24,7 +24,7 @@ import torch
 
 from graph.isa import BOX_ACK, BOX_SEQ, BOX_WAIT_NS, Buf, box_layout, decode
 
-from .link import HelperLink, HelperProgramRunner, HelperTimeout
+from .link import HelperLink, HelperTimeout, WholeExpertRunner
 
 IDLE_S = 0.05  # polling this long without a request, the thread sleeps until the next launch
 
@@ -66,7 +66,8 @@ class MailboxService:
             raise ValueError("the helper mailboxes must be in host memory (Buf.H of a helper plan)")
         self.words = box.numpy()  # views of the same host memory the GPU writes
         self.rows = self.words.view(np.float32)
-        self.program = HelperProgramRunner(runner.plan, link.backend.store, link.layers, link.n_experts)
+        # whole experts, not the plan's tiles: the main side's Triton tiles round differently anyway
+        self.program = WholeExpertRunner(runner.plan, link.backend.store, link.layers, link.n_experts)
         self.served = {s.signal: int(self.words[s.box + BOX_SEQ]) for s in self.sites}
         self.counted_epoch = 0
         self.errors: list[str] = []
