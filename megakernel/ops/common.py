@@ -82,11 +82,18 @@ def store_release_sys(ptr, value, COMPILED: tl.constexpr):
 
 
 @triton.jit
-def load_acquire_sys(ptr, COMPILED: tl.constexpr):
-    """ptr[0] (int32), ordered before this thread's later loads."""
+def load_acquire_sys(ptr, COMPILED: tl.constexpr, WIDTH: tl.constexpr):
+    """ptr[0] (int32), ordered before every thread's later loads, the same value in every thread.
+    Each thread's own acquire load (inline PTX runs per thread, unlike a scalar atomic, which one
+    thread runs and shares) would let threads leave a polling loop at different turns: a barrier
+    inside the loop then pairs with the task's closing one, and the task signals before its
+    laggards have written.  So every thread loads (WIDTH >= 1 element each: fewer elements than
+    threads are replicated) and the CTA takes the minimum: the loop ends for all threads at once,
+    each after its own acquire saw the value."""
     if COMPILED:
-        return tl.inline_asm_elementwise("ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
-                                         is_pure=False, pack=1)
+        seen = tl.inline_asm_elementwise("ld.acquire.sys.global.b32 $0, [$1];", "=r,l",
+                                         [ptr + tl.zeros([WIDTH], tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        return tl.min(seen, axis=0)
     else:
         return tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
 

@@ -153,11 +153,11 @@ def wait_body(word, t, A, I, HB, err, pid, TIMEOUT_NS: tl.constexpr, MAX_SPINS: 
     ok = 1
     if calls > 0:
         start = now_ns(COMPILED)
-        seen = load_acquire_sys(box + BOX_ACK, COMPILED)
+        seen = load_acquire_sys(box + BOX_ACK, COMPILED, BD)
         spins = 0
         reason = 0
         while (seen < seq) & (reason == 0):
-            seen = load_acquire_sys(box + BOX_ACK, COMPILED)
+            seen = load_acquire_sys(box + BOX_ACK, COMPILED, BD)
             spins += 1
             if spins % 32 == 0:
                 if tl.atomic_add(err, 0, sem="acquire", scope="gpu") != 0:
@@ -183,12 +183,12 @@ def wait_body(word, t, A, I, HB, err, pid, TIMEOUT_NS: tl.constexpr, MAX_SPINS: 
         mask, ans = box + BOX_HEADER, box + BOX_HEADER + (P + 31) // 32 * 32
         for p in range(P):
             mine = 0
-            if calls > 0:  # host memory, written after this step began: never from a cache
-                mine = tl.load(mask + p, cache_modifier=".cv")
+            if calls > 0:  # host memory the helper wrote: after this thread's acquire above
+                mine = tl.load(mask + p)
             for c0 in range(0, K, BD):
                 c = c0 + tl.arange(0, BD)
                 if mine != 0:
-                    v = tl.load(ans + p * K + c, mask=c < K, cache_modifier=".cv").to(tl.float32, bitcast=True)
+                    v = tl.load(ans + p * K + c, mask=c < K).to(tl.float32, bitcast=True)
                 else:
                     v = tl.load(y + p * K + c, mask=c < K, cache_modifier=".cg")
                 tl.store(out + p * K + c, v, mask=c < K)
