@@ -9,6 +9,7 @@ replay: copy the step's tokens and cache lengths from pinned staging, launch.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -242,6 +243,36 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
                               f"in one block of BK, this plan needs {fitted['BK']}")
 
 
+SHARED_BLOCKS: dict = {}  # set by shared_blocks()
+
+
+def raised_to(fitted: dict, floor: dict) -> dict:
+    """Block sizes at least `floor`'s: larger blocks only mask more (ALIGN the smaller; ATT_KIND 0, which
+    reads each task's kind, where the two differ)."""
+    out = dict(fitted)
+    for key, value in floor.items():
+        if key == "ATT_KIND":
+            out[key] = fitted[key] if value == fitted[key] else 0
+        elif key == "ALIGN":
+            out[key] = min(value, fitted[key])
+        else:
+            out[key] = max(value, fitted[key])
+    return out
+
+
+@contextlib.contextmanager
+def shared_blocks(floor: dict):
+    """Within: every Megakernel takes block sizes of at least `floor`, so plans of several shapes and
+    models compile to one kernel (each distinct set of block sizes is a JIT compile of ~30-40 s).
+    For test suites that build dozens of small plans; a served model keeps the sizes fitted to it."""
+    global SHARED_BLOCKS
+    saved, SHARED_BLOCKS = SHARED_BLOCKS, dict(floor)
+    try:
+        yield
+    finally:
+        SHARED_BLOCKS = saved
+
+
 @dataclass
 class LaunchConfig:
     num_warps: int = 8
@@ -279,7 +310,7 @@ class Megakernel(PlanRunner):
         self.wait_bound_s = self.config.timeout_s + (self.config.helper_timeout_s if helper else 0.0)
         self.epoch = 0
         fitted = block_sizes(tasks, self.mem.dtype)
-        self.blocks = {**fitted, **(self.config.blocks or {})}
+        self.blocks = {**raised_to(fitted, SHARED_BLOCKS), **(self.config.blocks or {})}
         check_block_overrides(self.blocks, fitted, self.mem.dtype.itemsize)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.compiled = None

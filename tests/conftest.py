@@ -30,3 +30,24 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """‖a − b‖ / ‖b‖ in float64."""
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# Block sizes every tiny preset's plans (T <= 8, B <= 3, any attention split) fit within: GPU tests
+# build dozens of small plans, and each distinct set of block sizes is another JIT compile of the
+# megakernel (~30-40 s on an H200), so they run under megakernel.runtime.shared_blocks(TINY_BLOCKS):
+# one compile per weight dtype.  tests/test_triton_interpret.py checks both that it covers the plans
+# and that the kernel built with it equals the interpreter.
+TINY_BLOCKS = dict(ATT_KIND=0, BM=32, DMAX=32, BIT=32, BP=128, BW=32, BSC=16, BCW=32, BK=4, TB=16)
+
+
+@pytest.fixture
+def one_kernel_for_tiny_models(request):
+    """GPU tests: tiny presets share one compiled kernel (TINY_BLOCKS); llama-1b and dsv2-lite keep the
+    sizes fitted to them, as they are served."""
+    from megakernel.runtime import shared_blocks
+    params = getattr(getattr(request.node, "callspec", None), "params", {})
+    if params.get("name") in ("llama-1b", "dsv2-lite"):
+        yield
+        return
+    with shared_blocks(TINY_BLOCKS):
+        yield

@@ -10,7 +10,7 @@ from model import TINY_PRESETS, Cache, Reference, init_weights, preset
 
 from .conftest import rel_err
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("one_kernel_for_tiny_models")]
 BF16_TOL = 1e-2
 
 

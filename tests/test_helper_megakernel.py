@@ -22,6 +22,7 @@ from model import init_weights, preset
 from .conftest import rel_err
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.usefixtures("one_kernel_for_tiny_models")
 DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU Triton interpreter only")),
            pytest.param("cuda", marks=pytest.mark.gpu)]
 

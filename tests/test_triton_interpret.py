@@ -17,7 +17,7 @@ from megakernel.interpreter import Interpreter
 from megakernel.ops import moe
 from model import TINY_PRESETS, init_weights, preset
 
-from .conftest import rel_err
+from .conftest import TINY_BLOCKS, rel_err
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton interpreter only")
 
@@ -70,6 +70,32 @@ def test_kernel_small_blocks(name):
                                                   BI=8, BO=8, BIT=8, BOT=4, ATT_KIND=0, BE=128))
     assert cfg.hidden_size > 16 and plan.shape["max_len"] // plan.shape["attn_split"] > 2
     _compare(cfg, interp, mk, torch.tensor([3, 11]))
+
+
+def test_tiny_blocks_cover_every_tiny_plan_as_one_kernel():
+    """conftest.TINY_BLOCKS (the GPU tests' shared block sizes) raises the sizes fitted to every tiny
+    plan the tests build to one set, which the launch checks accept: one JIT compile per dtype."""
+    import itertools
+    from megakernel.runtime import block_sizes, check_block_overrides, raised_to
+    kernels = set()
+    for name, T, B, split in itertools.product(TINY_PRESETS, (1, 2, 3, 8), (1, 2, 3), (4, 8)):
+        cfg = preset(name)
+        shape = StepShape(T=T, B=B, max_len=64, mtp_passes=1 if cfg.num_nextn_predict_layers else 0, attn_split=split)
+        fitted = block_sizes([decode(w) for w in compile_step(cfg, shape, CompileOptions(workers=16)).words],
+                             torch.bfloat16)
+        blocks = raised_to(fitted, TINY_BLOCKS)
+        check_block_overrides(blocks, fitted)
+        kernels.add(tuple(sorted(blocks.items())))
+    assert len(kernels) == 1
+
+
+@pytest.mark.parametrize("name", TINY_PRESETS)
+def test_kernel_with_the_shared_tiny_blocks_equals_the_interpreter(name):
+    from megakernel.runtime import shared_blocks
+    with shared_blocks(TINY_BLOCKS):
+        cfg, plan, interp, mk = _pair(name, T=1, B=2)
+    assert mk.blocks["TB"] == 16 and mk.blocks["ATT_KIND"] == 0
+    _compare(cfg, interp, mk, torch.tensor([4, 13]))
 
 
 def test_kernel_partial_token_groups():

@@ -16,9 +16,11 @@
 #   anchors  the outside yardstick, if a copy of ../shared/anchors sits in .anchors/ (git-ignored;
 #            carry it with the device tool);
 #   all      tests,bench,spec,anchors.
-# Keep each call under the device tool's 10-minute limit (tests: all 61 take
-# over 420 s, so split them with TESTS_K; bench ~250 s per model and T
-# with two variants, spec ~300 s, stream ~150 s).  Exits with the worst part's status.
+# Keep each call under the device tool's 10-minute limit (tests: each distinct set of block sizes is
+# a ~40 s JIT compile; session 7's first call passed only 13 tests in 570 s, before the tiny presets'
+# tests shared one kernel (tests/conftest.py TINY_BLOCKS); split them with TESTS_K if they still do
+# not fit; bench ~250 s per model and T with two variants, spec ~300 s, stream ~150 s, helper ~400 s).
+# Exits with the worst part's status.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 parts=",${1:-all},"
