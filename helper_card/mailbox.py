@@ -79,6 +79,11 @@ class MailboxService:
     def kick(self) -> None:
         self.wake.set()
 
+    def failures(self) -> str:
+        """What went wrong in the service thread, once ('' if nothing): a watchdog error names it."""
+        errors, self.errors = self.errors, []
+        return ("helper service: " + "; ".join(errors[-3:])) if errors else ""
+
     def close(self) -> None:
         self.closing = True
         self.wake.set()
@@ -92,7 +97,10 @@ class MailboxService:
             for site in self.sites:
                 seq = int(self.words[site.box + BOX_SEQ])
                 if seq > self.served[site.signal]:
-                    self._answer(site, seq)
+                    try:
+                        self._answer(site, seq)
+                    except Exception as e:  # noqa: BLE001 - the thread must outlive one bad call
+                        self.errors.append(f"layer {site.layer} call {seq}: {e!r}")
                     busy = True
             now = time.perf_counter()
             if busy:
@@ -129,9 +137,7 @@ class MailboxService:
         except HelperTimeout:
             backend.abandon(site.layer, seq)
             return  # no answer: HELPER_WAIT's bound turns it into the step's error
-        except Exception as e:  # noqa: BLE001 - reported at the step boundary, the device times out
-            self.errors.append(f"layer {site.layer} call {seq}: {e!r}")
-            return
+        # any other failure is recorded by _serve and raised at the step boundary (the device times out)
         at = site.parts
         mask = np.zeros(site.P, dtype=np.int32)
         for pairs, y in rows:

@@ -118,6 +118,7 @@ class Helper:
         if hasattr(runner, "launch_hooks"):  # a megakernel: its calls reach the helper through mailboxes
             service = MailboxService(self.link, runner)
             runner.launch_hooks.append(service.kick)
+            runner.diagnostics.append(service.failures)
             self.services.append(service)
 
     def end_step(self, decode: bool = True) -> dict:

@@ -315,6 +315,7 @@ class Megakernel(PlanRunner):
         self.graph: torch.cuda.CUDAGraph | None = None
         self.compiled = None
         self.launch_hooks: list = []  # called before every launch or replay (a helper service's wake-up)
+        self.diagnostics: list = []  # () -> str, added to a watchdog error (a helper service's failures)
         pinned = self.device.type == "cuda"
         B, T = plan.shape["B"], plan.shape["T"]
         self.stage_tokens = torch.zeros(B * T, 1, dtype=torch.int32, pin_memory=pinned)
@@ -429,8 +430,10 @@ class Megakernel(PlanRunner):
         lines.sort(key=lambda s: "stopped" in s)
         self.repair()
         bound = f"{self.wait_bound_s} s" if self._constexprs()["USE_TIMER"] else f"{self.config.max_spins} polls"
+        extra = "".join(f"; {d}" for d in (diagnose() for diagnose in self.diagnostics) if d)
         raise WatchdogError(f"megakernel watchdog: a wait exceeded {bound} in step {self.epoch}; "
-                            + "; ".join(lines[:6]) + (f"; and {len(lines) - 6} more" if len(lines) > 6 else ""))
+                            + "; ".join(lines[:6]) + (f"; and {len(lines) - 6} more" if len(lines) > 6 else "")
+                            + extra)
 
     def repair(self) -> None:
         """Make the counters consistent with a completed step so the next step can run."""

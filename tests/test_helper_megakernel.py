@@ -116,3 +116,21 @@ def test_megakernel_with_a_second_gpu_as_helper():
         assert (a["calls"], a["skipped"], a["rows"]) == (b["calls"], b["skipped"], b["rows"])
     for h in (h_interp, h_mk):
         h.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_failing_helper_call_is_named_in_the_watchdog_error(device):
+    from megakernel.runtime import LaunchConfig, WatchdogError
+    opts = HelperOptions(kind="cpu", fraction=1.0, timeout_s=1.5 if device == "cpu" else 0.3)
+    config = LaunchConfig(max_spins=8000, helper_timeout_s=opts.timeout_s)
+    cfg, helpers, interp, mk = _runners("tiny-moe", device, opts, 1 if device == "cpu" else 16, T=1, B=1, passes=0,
+                                        config=config)
+    service = helpers[1].services[0]
+
+    def broken(site, slots, x):
+        raise ValueError("no such expert")
+    service.program.run = broken
+    with pytest.raises(WatchdogError, match="helper service: layer .* call 1: RuntimeError.*no such expert"):
+        mk.step(torch.tensor([[7]]), torch.tensor([3]))
+    for h in helpers:
+        h.close()

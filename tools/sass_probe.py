@@ -165,7 +165,8 @@ def probe_kernel(model: str, variants: list[str], lines: bool = False) -> None:
     pointers = {"words": "*i32", "queue_ptr": "*i32", "counters": "*i32", "worker_epoch": "*i32", "err": "*i32",
                 "prof": "*i64", "W": "*bf16", "WF": "*fp32", "A": "*fp32", "I": "*i32", "C": "*bf16", "HB": "*i32"}
     for spec in variants or [""]:
-        const = dict(WORDS=WORDS, MAX_WAITS=MAX_WAITS, TIMEOUT_NS=250_000_000, MAX_SPINS=200_000, HELPER_NS=1_000_000_000, USE_TIMER=True,
+        const = dict(WORDS=WORDS, MAX_WAITS=MAX_WAITS, TIMEOUT_NS=250_000_000, MAX_SPINS=200_000,
+                     HELPER_NS=1_000_000_000, USE_TIMER=True,
                      PROFILE=False, **fitted)
         const.update(parse_variant(spec))
         info, sass = compile_sass(megakernel, pointers, [], const)
