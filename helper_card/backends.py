@@ -151,6 +151,15 @@ class ThreadHelper(HelperBackend):
         self.thread.join(timeout=5)
 
 
+def on_device(store: torch.Tensor, device) -> torch.Tensor:
+    """A copy of the store on `device` whose storage runs STREAM_SLACK elements past its end: the
+    megakernel's weight stream, which a GPU helper runs too (kernel_helper), reads whole chunks."""
+    from megakernel.memory import STREAM_SLACK
+    flat = torch.zeros(store.numel() + STREAM_SLACK, dtype=store.dtype, device=device)
+    flat[: store.numel()].copy_(store.reshape(-1))
+    return flat[: store.numel()].view(store.shape)
+
+
 def make_backend(kind: str, store: torch.Tensor, placement: Placement) -> HelperBackend:
     """kind: emulate (store stays where it is) | cpu (store copied to host memory) | cuda:N (store
     copied to GPU N)."""
@@ -165,5 +174,5 @@ def make_backend(kind: str, store: torch.Tensor, placement: Placement) -> Helper
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if int(index) >= count:
             raise ValueError(f"--helper {kind}: this machine has {count} CUDA device(s)")
-        return ThreadHelper(store.to(kind), placement, fallback_store=store)
+        return ThreadHelper(on_device(store, kind), placement, fallback_store=store)
     raise ValueError(f"unknown helper backend {kind!r} (none, cpu, emulate, cuda:N)")

@@ -57,9 +57,14 @@ class HelperMemory(Memory):
 
     def __init__(self, plan: Plan, store: torch.Tensor):
         self.shape, self.io, self.device, self.dtype = plan.shape, plan.io, store.device, store.dtype
+        dev = store.device
         self.bufs = {Buf.W: store.reshape(-1),
-                     Buf.A: torch.zeros(max(1, plan.buffers["A"]), dtype=torch.float32, device=store.device),
-                     Buf.I: torch.zeros(max(1, plan.buffers["I"]), dtype=torch.int32, device=store.device)}
+                     Buf.A: torch.zeros(max(1, plan.buffers["A"]), dtype=torch.float32, device=dev),
+                     Buf.I: torch.zeros(max(1, plan.buffers["I"]), dtype=torch.int32, device=dev),
+                     # unused by expert tasks; the megakernel (helper_card.kernel_helper) takes a pointer to each
+                     Buf.WF: torch.zeros(1, dtype=torch.float32, device=dev),
+                     Buf.C: torch.zeros(1, dtype=store.dtype, device=dev),
+                     Buf.H: torch.zeros(1, dtype=torch.int32, device=dev)}
 
 
 @dataclass

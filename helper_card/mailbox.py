@@ -3,9 +3,14 @@
 A megakernel step is one graph replay, so no host code runs between a layer's HELPER_CALL and
 its HELPER_WAIT.  The call's body writes the request into its site's mailbox (graph.isa.box_layout:
 the routed slot table, the token rows) and publishes the step's epoch as the sequence number.  A
-thread here polls every site's sequence number, runs the call through the helper backend (whole
-experts: helper_card.link.WholeExpertRunner), writes the rows and their mask, then the
-acknowledgement, which HELPER_WAIT acquires within LaunchConfig.helper_timeout_s.
+thread here polls every site's sequence number and answers; HELPER_WAIT acquires the answer within
+LaunchConfig.helper_timeout_s.  Two ways to answer:
+- a helper GPU (cuda:N) runs the plan's own expert tiles with the megakernel (kernel_helper): the
+  thread writes the helper's slot table and the row mask and replays the site's graph on GPU N,
+  which copies the rows in and out and acknowledges by itself; the output is bit for bit the
+  all-on-main engine's;
+- any other helper (cpu) gets the call through its backend, computing whole experts
+  (link.WholeExpertRunner); the thread writes the rows and their mask, then the acknowledgement.
 
 Metrics come from the mailboxes too, at the step boundary: a site whose sequence number is the
 step's epoch published (its helper rows are counted from its table), any other skipped; the wait
@@ -24,6 +29,7 @@ import torch
 
 from graph.isa import BOX_ACK, BOX_SEQ, BOX_WAIT_NS, Buf, box_layout, decode
 
+from .kernel_helper import KernelHelper, helper_table
 from .link import HelperLink, HelperTimeout, WholeExpertRunner
 
 IDLE_S = 0.05  # polling this long without a request, the thread sleeps until the next launch
@@ -66,8 +72,16 @@ class MailboxService:
             raise ValueError("the helper mailboxes must be in host memory (Buf.H of a helper plan)")
         self.words = box.numpy()  # views of the same host memory the GPU writes
         self.rows = self.words.view(np.float32)
-        # whole experts, not the plan's tiles: the main side's Triton tiles round differently anyway
-        self.program = WholeExpertRunner(runner.plan, link.backend.store, link.layers, link.n_experts)
+        # a GPU helper runs the plan's own tiles with the megakernel, one graph per site (bit-exact);
+        # another computes whole experts (the main side's Triton tiles round differently anyway)
+        self.kernel: KernelHelper | None = None
+        self.program: WholeExpertRunner | None = None
+        store = link.backend.store
+        if runner.device.type == "cuda" and store.device.type == "cuda":
+            self.kernel = KernelHelper(runner, store, link.layers, link.n_experts)
+            self.kernel.capture(box, {s.signal: {**s.parts, "box": s.box} for s in self.sites})
+        else:
+            self.program = WholeExpertRunner(runner.plan, store, link.layers, link.n_experts)
         self.served = {s.signal: int(self.words[s.box + BOX_SEQ]) for s in self.sites}
         self.counted_epoch = 0
         self.errors: list[str] = []
@@ -80,8 +94,11 @@ class MailboxService:
         self.wake.set()
 
     def failures(self) -> str:
-        """What went wrong in the service thread, once ('' if nothing): a watchdog error names it."""
+        """What went wrong in the service thread or on a helper GPU, once ('' if nothing): a watchdog
+        error names it."""
         errors, self.errors = self.errors, []
+        if self.kernel is not None:
+            errors += self.kernel.failures()
         return ("helper service: " + "; ".join(errors[-3:])) if errors else ""
 
     def close(self) -> None:
@@ -91,6 +108,8 @@ class MailboxService:
 
     # ---- the service thread ----------------------------------------------------------------
     def _serve(self) -> None:
+        if self.kernel is not None:
+            torch.cuda.set_device(self.kernel.device)  # graphs replay on the helper GPU's stream
         last = time.perf_counter()
         while not self.closing:
             busy = False
@@ -113,7 +132,7 @@ class MailboxService:
                 time.sleep(0)  # let the backend's worker thread run
 
     def _request(self, site: Site, seq: int):
-        """(slots, x) of call `seq`, or None if the device overwrote it meanwhile (it gave up on it)."""
+        """(table, slots, x) of call `seq`, or None if the device overwrote it meanwhile (it gave up on it)."""
         at = site.parts
         table = self.words[at["table"]: at["table"] + 2 * site.S + site.S * site.P].copy()
         x = self.rows[at["x"]: at["x"] + site.N * site.K].copy()
@@ -122,14 +141,23 @@ class MailboxService:
         placement, S, P = self.link.placement, site.S, site.P
         slots = [(int(table[s]), torch.from_numpy(table[2 * S + s * P: 2 * S + s * P + table[S + s]].astype(np.int64)))
                  for s in range(S) if table[s] >= 0 and placement.on_helper(site.layer, int(table[s]))]
-        return slots, torch.from_numpy(x).view(site.N, site.K)
+        return table, slots, torch.from_numpy(x).view(site.N, site.K)
 
     def _answer(self, site: Site, seq: int) -> None:
         self.served[site.signal] = seq
         request = self._request(site, seq)
         if request is None:
             return
-        slots, x = request
+        table, slots, x = request
+        if self.kernel is not None:  # the helper GPU copies the rows in and out and acknowledges itself
+            mask = np.zeros(site.P, dtype=np.int32)
+            for _, pairs in slots:
+                mask[pairs.numpy()] = 1
+            at = site.parts
+            self.words[at["mask"]: at["mask"] + site.P] = mask
+            self.kernel.replay(site.signal, helper_table(table, site.S, lambda e: self.link.placement.on_helper(
+                site.layer, e)), seq)
+            return
         backend = self.link.backend
         try:
             backend.submit(functools.partial(self.program.run, site.signal), site.layer, seq, slots, x)

@@ -286,7 +286,9 @@ class LaunchConfig:
 
 class Megakernel(PlanRunner):
     def __init__(self, plan: Plan, weights: dict[str, torch.Tensor] | None, device="cuda",
-                 dtype: torch.dtype | None = None, share: Memory | None = None, config: LaunchConfig | None = None):
+                 dtype: torch.dtype | None = None, share: Memory | None = None, config: LaunchConfig | None = None,
+                 mem: Memory | None = None):
+        """mem: buffers already built for this plan (a helper's site plan over its own expert store)."""
         tasks = [decode(w) for w in plan.words]  # once: verification, checks and block sizes all read them
         verify_plan(plan, tasks=tasks)
         check_operand_buffers(plan, tasks)
@@ -294,7 +296,7 @@ class Megakernel(PlanRunner):
         self.device = torch.device(device)
         if self.device.type != "cuda" and not INTERPRET:
             raise MegakernelError("the megakernel needs a CUDA device (or TRITON_INTERPRET=1 for CPU tests)")
-        self.mem = Memory(plan, weights, self.device, dtype, share)
+        self.mem = mem if mem is not None else Memory(plan, weights, self.device, dtype, share)
         self.words = torch.from_numpy(np.ascontiguousarray(plan.words)).to(self.device)
         self.queue_ptr = torch.tensor(plan.queue_ptr, dtype=torch.int32, device=self.device)
         # one spare counter nobody signals: the stall test hook waits on it
@@ -354,12 +356,16 @@ class Megakernel(PlanRunner):
         self.resident_per_sm = per_sm
         return self.compiled
 
+    def kernel(self) -> None:
+        """Issue the kernel on the current stream (compiled before; nothing else: a graph captures it)."""
+        megakernel[(self.plan.workers,)](*self._args(), **self._constexprs(), num_warps=self.config.num_warps,
+                                         num_stages=self.config.num_stages)
+
     def launch(self) -> None:
         self.compile()
         for hook in self.launch_hooks:
             hook()
-        megakernel[(self.plan.workers,)](*self._args(), **self._constexprs(), num_warps=self.config.num_warps,
-                                         num_stages=self.config.num_stages)
+        self.kernel()
         self.epoch += 1
 
     def _stage(self, tokens: torch.Tensor, cache_lens: torch.Tensor) -> None:
@@ -378,8 +384,7 @@ class Megakernel(PlanRunner):
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self._inputs_to_device()
-            megakernel[(self.plan.workers,)](*self._args(), **self._constexprs(), num_warps=self.config.num_warps,
-                                             num_stages=self.config.num_stages)
+            self.kernel()
 
     def replay(self) -> None:
         """One replay of the captured step (with the inputs staged last): a step, so the epoch the

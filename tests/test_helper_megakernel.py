@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from graph.compile import CompileOptions, compile_step
+from graph.isa import Buf
 from graph.lower import StepShape
 from helper_card.setup import Helper, HelperOptions
 from megakernel.interpreter import Interpreter
@@ -101,19 +102,27 @@ def test_megakernel_with_a_silent_helper_is_a_bounded_error_and_the_next_step_ru
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU for the helper")
-def test_megakernel_with_a_second_gpu_as_helper():
+def test_megakernel_with_a_second_gpu_as_helper_is_bit_exact_with_all_on_main():
+    """cuda:1 runs each call's expert tiles with the megakernel (kernel_helper), so the output is the
+    all-on-main megakernel's bit for bit; calls and skips are the interpreter's."""
+    from megakernel.runtime import Megakernel
     opts = HelperOptions(kind="cuda:1", fraction=0.5, timeout_s=5.0)
     cfg, (h_interp, h_mk), interp, mk = _runners("tiny-moe", "cuda", opts, 16)
+    shape = StepShape(T=2, B=2, max_len=16, mtp_passes=1 if cfg.num_nextn_predict_layers else 0, attn_split=4)
+    plain = Megakernel(compile_step(cfg, shape, CompileOptions(workers=16)), init_weights(cfg, seed=3), "cuda")
+    assert h_mk.services[0].kernel is not None  # the helper GPU path, not the host's matmuls
     mk.capture()
+    plain.capture()
     gen = torch.Generator().manual_seed(2)
     for step in range(4):
         tokens = torch.randint(0, cfg.vocab_size, (2, 2), generator=gen)
         lens = torch.tensor([step, 3 + step])
-        want, got = interp.step(tokens, lens), mk.step(tokens, lens)
+        want, got, alone = interp.step(tokens, lens), mk.step(tokens, lens), plain.step(tokens, lens)
+        assert torch.equal(got.logits, alone.logits), step
         assert rel_err(got.logits, want.logits) <= 1e-5
-        assert torch.equal(got.tokens, want.tokens)
         a, b = h_interp.end_step(), h_mk.end_step()
         assert (a["calls"], a["skipped"], a["rows"]) == (b["calls"], b["skipped"], b["rows"])
+        assert b["calls"] > 0
     for h in (h_interp, h_mk):
         h.close()
 
@@ -134,3 +143,33 @@ def test_a_failing_helper_call_is_named_in_the_watchdog_error(device):
         mk.step(torch.tensor([[7]]), torch.tensor([3]))
     for h in helpers:
         h.close()
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU Triton interpreter only (the GPU runs it through the mailbox)")
+def test_kernel_helper_rows_are_the_main_megakernels_rows_bit_for_bit():
+    """A helper GPU runs each call site's expert tiles with the megakernel (helper_card.kernel_helper):
+    fed the routed table and token rows of a step in which main computed every expert, its rows are
+    main's, bit for bit (same bodies, same stream block sizes)."""
+    from graph.isa import decode
+    from helper_card.kernel_helper import KernelHelper
+    from megakernel.runtime import LaunchConfig, Megakernel
+    cfg = preset("tiny-moe")
+    w = init_weights(cfg, seed=3)
+    helper = Helper(cfg, w, HelperOptions(kind="cpu", fraction=0.0), "cpu", torch.float32)
+    plan = compile_step(cfg, StepShape(T=2, B=2, max_len=16, attn_split=4, helper_slots=helper.capacity),
+                        CompileOptions(workers=1, reuse_memory=False))  # every layer's rows stay readable
+    mk = Megakernel(plan, w, "cpu", config=LaunchConfig(max_spins=100_000))
+    helper.attach(mk)
+    mk.step(torch.randint(0, cfg.vocab_size, (2, 2), generator=torch.Generator().manual_seed(5)), torch.tensor([2, 6]))
+    kernel = KernelHelper(mk, helper.store, helper.layers, cfg.n_routed_experts, workers=1)  # interpreted: one
+    A, I = mk.mem.bufs[Buf.A], mk.mem.bufs[Buf.I]
+    calls = {t.signal: t for t in map(decode, plan.words) if t.op.name == "HELPER_CALL"}
+    assert len(kernel.sites) == len(calls) >= 2
+    for signal, site in kernel.sites.items():
+        call, prog = calls[signal], site.prog
+        table = I[call["st.off"]: call["st.off"] + 2 * prog.S + prog.S * prog.P].numpy()
+        x = A.as_strided((call["N"], call["K"]), (call["x.ld"], 1), call["x.off"])
+        got = kernel.run(signal, table, x)
+        want = A.as_strided((prog.P, call["K"]), (prog.y[1], 1), prog.y[0])
+        assert torch.equal(got, want), prog.layer
+    helper.close()

@@ -194,3 +194,22 @@ def wait_body(word, t, A, I, HB, err, pid, TIMEOUT_NS: tl.constexpr, MAX_SPINS: 
                     v = tl.load(y + p * K + c, mask=c < K, cache_modifier=".cg")
                 tl.store(out + p * K + c, v, mask=c < K)
     return ok
+
+
+# ---- a helper GPU's call (helper_card/kernel_helper.py): plain kernels around the site's megakernel ----
+@triton.jit
+def copy_rows(src, src_ld, dst, dst_ld, cols, BLOCK: tl.constexpr):
+    """dst[r, :cols] = src[r, :cols] for row r = program id.  Either side may be host memory the GPU
+    maps (a mailbox): kernels reach it from any GPU, where a copy engine might not treat another
+    context's pinned memory as pinned."""
+    r = tl.program_id(0).to(tl.int64)
+    for c0 in range(0, cols, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        tl.store(dst + r * dst_ld + c, tl.load(src + r * src_ld + c, mask=c < cols), mask=c < cols)
+
+
+@triton.jit
+def publish_ack(ack, seq, COMPILED: tl.constexpr):
+    """A helper GPU's last kernel of a call, after its rows reached the mailbox (stream order): the
+    acknowledgement, released at system scope."""
+    store_release_sys(ack, tl.load(seq), COMPILED)
