@@ -9,8 +9,8 @@ would have summed it: bit for bit the all-on-main output, where the helper is th
 
 On the helper GPU one CUDA graph per site holds the whole call: copy the helper's slot table and
 the token rows in (from pinned staging and from the mailbox), launch, copy the rows out to the
-mailbox, publish the acknowledgement (ops.helper.copy_rows and publish_ack: kernels, which reach
-host memory from any GPU).  The mailbox thread's part of a call
+mailbox and publish the acknowledgement (ops.helper.copy_rows and publish_rows: kernels, which
+reach host memory from any GPU).  The mailbox thread's part of a call
 is to write the table and the mask and replay the graph; it never waits for the helper GPU.
 """
 
@@ -111,15 +111,15 @@ class KernelHelper:
     def _call(self, site: Site, x: torch.Tensor, x_ld: int, ans: torch.Tensor | None, ack: torch.Tensor | None):
         """A call's kernels, in stream order: table and token rows in, the site's tiles, then (with a
         mailbox) the rows out and the acknowledgement.  x: [N, K] fp32, anywhere a kernel can read."""
-        from megakernel.ops.helper import copy_rows, publish_ack
+        from megakernel.ops.helper import copy_rows, publish_rows
         prog, A, I = site.prog, site.mk.mem.bufs[Buf.A], site.mk.mem.bufs[Buf.I]
         N, K, P = prog.x[1], prog.x[2], prog.P
-        copy_rows[(1,)](site.staging, 0, I[prog.st:], 0, site.table_words, BLOCK=1024)
-        copy_rows[(N,)](x, x_ld, A[prog.x[0]:], site.x_ld, K, BLOCK=1024)
+        seq = site.staging[site.table_words:]  # written by the host last: what the copies acquire
+        copy_rows[(1,)](site.staging, 0, I[prog.st:], 0, site.table_words, seq, self.compiled, BLOCK=1024)
+        copy_rows[(N,)](x, x_ld, A[prog.x[0]:], site.x_ld, K, seq, self.compiled, BLOCK=1024)
         site.mk.kernel()
         if ans is not None:
-            copy_rows[(P,)](A[prog.y[0]:], prog.y[1], ans, K, K, BLOCK=1024)
-            publish_ack[(1,)](ack, site.staging[site.table_words:], self.compiled)
+            publish_rows[(1,)](A[prog.y[0]:], prog.y[1], ans, P, K, ack, seq, self.compiled, BLOCK=1024)
 
     def run(self, signal: int, table: np.ndarray, x: torch.Tensor) -> torch.Tensor:
         """One call, synchronously (CPU tests under TRITON_INTERPRET): the helper's slot table and token

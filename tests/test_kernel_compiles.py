@@ -35,13 +35,17 @@ assert ptx.count("cp.async.bulk.prefetch.L2.global") >= 3, ptx.count("cp.async.b
 # the helper mailbox: a system-scope release publishes a request, an acquire polls the answer
 assert "st.release.sys.global.b32" in ptx and "ld.acquire.sys.global.b32" in ptx and "fence.acq_rel.sys" in ptx
 # a helper GPU's kernels around its site megakernel (helper_card/kernel_helper.py)
-from megakernel.ops.helper import copy_rows, publish_ack
-ack = triton.compile(ASTSource(fn=publish_ack, signature={"ack": "*i32", "seq": "*i32", "COMPILED": "constexpr"},
-                               constexprs={"COMPILED": True}), target=GPUTarget("cuda", 90, 32))
-assert "st.release.sys.global.b32" in ack.asm["ptx"]
-triton.compile(ASTSource(fn=copy_rows, signature={"src": "*fp32", "src_ld": "i32", "dst": "*fp32", "dst_ld": "i32",
-                                                  "cols": "i32", "BLOCK": "constexpr"}, constexprs={"BLOCK": 1024}),
-               target=GPUTarget("cuda", 90, 32))
+from megakernel.ops.helper import copy_rows, publish_rows
+rows = triton.compile(ASTSource(fn=publish_rows, signature={"src": "*fp32", "src_ld": "i32", "dst": "*fp32",
+                                                            "rows": "i32", "cols": "i32", "ack": "*i32", "seq": "*i32",
+                                                            "COMPILED": "constexpr", "BLOCK": "constexpr"},
+                                constexprs={"COMPILED": True, "BLOCK": 1024}), target=GPUTarget("cuda", 90, 32))
+assert "st.release.sys.global.b32" in rows.asm["ptx"] and "fence.acq_rel.sys" in rows.asm["ptx"]
+copy = triton.compile(ASTSource(fn=copy_rows, signature={"src": "*fp32", "src_ld": "i32", "dst": "*fp32", "dst_ld": "i32",
+                                                         "cols": "i32", "gate": "*i32", "COMPILED": "constexpr",
+                                                         "BLOCK": "constexpr"},
+                                constexprs={"COMPILED": True, "BLOCK": 1024}), target=GPUTarget("cuda", 90, 32))
+assert "ld.acquire.sys.global.b32" in copy.asm["ptx"]
 print("shared", k.metadata.shared)
 """
 

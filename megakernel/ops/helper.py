@@ -197,11 +197,14 @@ def wait_body(word, t, A, I, HB, err, pid, TIMEOUT_NS: tl.constexpr, MAX_SPINS: 
 
 
 # ---- a helper GPU's call (helper_card/kernel_helper.py): plain kernels around the site's megakernel ----
+# Either side of a copy may be host memory the GPU maps (a mailbox, pinned staging): kernels reach it
+# from any GPU, where a copy engine might not treat another context's pinned memory as pinned.
 @triton.jit
-def copy_rows(src, src_ld, dst, dst_ld, cols, BLOCK: tl.constexpr):
-    """dst[r, :cols] = src[r, :cols] for row r = program id.  Either side may be host memory the GPU
-    maps (a mailbox): kernels reach it from any GPU, where a copy engine might not treat another
-    context's pinned memory as pinned."""
+def copy_rows(src, src_ld, dst, dst_ld, cols, gate, COMPILED: tl.constexpr, BLOCK: tl.constexpr):
+    """dst[r, :cols] = src[r, :cols] for row r = program id, each thread's loads after its own acquire of
+    `gate` (a word the host wrote after the rows): nothing read from host memory comes from a cache
+    filled by an earlier call."""
+    load_acquire_sys(gate, COMPILED, BLOCK)
     r = tl.program_id(0).to(tl.int64)
     for c0 in range(0, cols, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
@@ -209,7 +212,13 @@ def copy_rows(src, src_ld, dst, dst_ld, cols, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def publish_ack(ack, seq, COMPILED: tl.constexpr):
-    """A helper GPU's last kernel of a call, after its rows reached the mailbox (stream order): the
-    acknowledgement, released at system scope."""
+def publish_rows(src, src_ld, dst, rows, cols, ack, seq, COMPILED: tl.constexpr, BLOCK: tl.constexpr):
+    """A helper GPU's answer, in one program: dst[r, :cols] = src[r, :cols] (the mailbox's rows), then
+    the acknowledgement seq[0], released at system scope after every thread's rows."""
+    for r in range(rows):
+        for c0 in range(0, cols, BLOCK):
+            c = c0 + tl.arange(0, BLOCK)
+            tl.store(dst + r * cols + c, tl.load(src + r * src_ld + c, mask=c < cols), mask=c < cols)
+    fence_sys(COMPILED)
+    tl.debug_barrier()
     store_release_sys(ack, tl.load(seq), COMPILED)
