@@ -21,6 +21,10 @@
 # tests shared one kernel (tests/conftest.py TINY_BLOCKS); split them with TESTS_K if they still do
 # not fit; bench ~250 s per model and T with two variants, spec ~300 s, stream ~150 s, helper ~400 s).
 # Exits with the worst part's status.
+# Compiled kernels: Triton's cache lives in .triton_cache (git-ignored) and comes back packed as
+# $OUT/triton_cache.txz when it fits (16 MiB); `bash tools/triton_cache.sh unpack FILE` here and
+# `carry: [".triton_cache"]` in the next device call skip the compiles of unchanged kernels (~40 s
+# each for the megakernel).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 parts=",${1:-all},"
@@ -32,6 +36,7 @@ variants="${VARIANTS-DEPTH=2}"
 plan_variants="${PLAN_VARIANTS-}"
 stream_variants="${STREAM_VARIANTS-DEPTH=2 BR=16,KC=1024}"
 mkdir -p "$out"
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton_cache}"
 rc=0  # the worst part's status (a part cut by its timeout gives 124), not the last test's
 worst() { [ "$1" -gt "$rc" ] && rc=$1; return 0; }
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
@@ -74,5 +79,6 @@ fi
 if [[ "$parts" == *,anchors,* ]] && [ -f .anchors/torch_baselines.py ]; then
     timeout 560 python3 .anchors/torch_baselines.py 2>&1 | tee "$out/anchors.log" | tail -12 || worst $?
 fi
+bash tools/triton_cache.sh pack "$out/triton_cache.txz" || true
 [ "$rc" = 0 ] || echo "gpu_session: a part failed or ran out of time (status $rc): see the logs in $out" >&2
 exit "$rc"
