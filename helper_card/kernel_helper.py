@@ -108,7 +108,8 @@ class KernelHelper:
         y_off, y_ld = site.prog.y
         return site.mk.mem.bufs[Buf.A].as_strided((site.prog.P, site.prog.x[2]), (y_ld, 1), y_off)
 
-    def _call(self, site: Site, x: torch.Tensor, x_ld: int, ans: torch.Tensor | None, ack: torch.Tensor | None):
+    def _call(self, site: Site, x: torch.Tensor, x_ld: int, ans: torch.Tensor | None = None,
+              mask: torch.Tensor | None = None, ack: torch.Tensor | None = None):
         """A call's kernels, in stream order: table and token rows in, the site's tiles, then (with a
         mailbox) the rows out and the acknowledgement.  x: [N, K] fp32, anywhere a kernel can read."""
         from megakernel.ops.helper import copy_rows, publish_rows
@@ -119,7 +120,7 @@ class KernelHelper:
         copy_rows[(N,)](x, x_ld, A[prog.x[0]:], site.x_ld, K, seq, self.compiled, BLOCK=1024)
         site.mk.kernel()
         if ans is not None:
-            publish_rows[(1,)](A[prog.y[0]:], prog.y[1], ans, P, K, ack, seq, self.compiled, BLOCK=1024)
+            publish_rows[(1,)](A[prog.y[0]:], prog.y[1], ans, mask, P, K, ack, seq, self.compiled, BLOCK=1024)
 
     def run(self, signal: int, table: np.ndarray, x: torch.Tensor) -> torch.Tensor:
         """One call, synchronously (CPU tests under TRITON_INTERPRET): the helper's slot table and token
@@ -128,7 +129,7 @@ class KernelHelper:
         site.staging[: table.size] = torch.from_numpy(table.astype(np.int32))
         x = x.to(self.device, torch.float32)
         site.mk.compile()
-        self._call(site, x, x.stride(0), None, None)
+        self._call(site, x, x.stride(0))
         site.mk.epoch += 1
         site.mk.check_error()
         return self.rows_out(site)
@@ -136,13 +137,13 @@ class KernelHelper:
     # ---- on a GPU: one graph per site, replayed by the mailbox thread --------------------------
     def capture(self, box_words: torch.Tensor, box_offsets: dict[int, dict[str, int]]) -> None:
         """box_words: the main runner's mailboxes (pinned int32); box_offsets[signal]: that site's parts
-        (absolute word offsets: x, ans, and 'box' for its header)."""
+        (absolute word offsets: x, mask, ans, and 'box' for its header)."""
         rows_f32 = box_words.view(torch.float32)
         stream = torch.cuda.Stream(self.device)
         with torch.cuda.device(self.device):
             for signal, site in self.sites.items():
                 at, prog = box_offsets[signal], site.prog
-                args = (site, rows_f32[at["x"]:], prog.x[2], rows_f32[at["ans"]:],
+                args = (site, rows_f32[at["x"]:], prog.x[2], rows_f32[at["ans"]:], box_words[at["mask"]:],
                         box_words[at["box"] + BOX_ACK:])
                 site.staging.zero_()
                 site.staging[: prog.S] = -1  # an empty table: the dry run below computes nothing

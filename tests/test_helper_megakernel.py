@@ -173,3 +173,23 @@ def test_kernel_helper_rows_are_the_main_megakernels_rows_bit_for_bit():
         want = A.as_strided((prog.P, call["K"]), (prog.y[1], 1), prog.y[0])
         assert torch.equal(got, want), prog.layer
     helper.close()
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU Triton interpreter only")
+def test_helper_gpu_copies_move_the_marked_rows_and_then_acknowledge():
+    """The kernels around a helper GPU's site megakernel (ops.helper): copy_rows honours both strides;
+    publish_rows copies only the rows the host marked (the others are main's) and then writes the
+    call's sequence number as the acknowledgement."""
+    from megakernel.ops.helper import copy_rows, publish_rows
+    src = torch.randn(3, 40)
+    dst = torch.zeros(3, 24)
+    gate = torch.tensor([5], dtype=torch.int32)
+    copy_rows[(3,)](src, 40, dst, 24, 20, gate, False, BLOCK=8)
+    assert torch.equal(dst[:, :20], src[:, :20]) and not dst[:, 20:].any()
+    box = torch.zeros(3 * 20)
+    mask = torch.tensor([1, 0, 1], dtype=torch.int32)
+    ack = torch.zeros(1, dtype=torch.int32)
+    publish_rows[(1,)](src, 40, box, mask, 3, 20, ack, gate, False, BLOCK=8)
+    rows = box.view(3, 20)
+    assert torch.equal(rows[0], src[0, :20]) and torch.equal(rows[2], src[2, :20]) and not rows[1].any()
+    assert int(ack) == 5

@@ -37,7 +37,8 @@ assert "st.release.sys.global.b32" in ptx and "ld.acquire.sys.global.b32" in ptx
 # a helper GPU's kernels around its site megakernel (helper_card/kernel_helper.py)
 from megakernel.ops.helper import copy_rows, publish_rows
 rows = triton.compile(ASTSource(fn=publish_rows, signature={"src": "*fp32", "src_ld": "i32", "dst": "*fp32",
-                                                            "rows": "i32", "cols": "i32", "ack": "*i32", "seq": "*i32",
+                                                            "mask": "*i32", "rows": "i32", "cols": "i32", "ack": "*i32",
+                                                            "seq": "*i32",
                                                             "COMPILED": "constexpr", "BLOCK": "constexpr"},
                                 constexprs={"COMPILED": True, "BLOCK": 1024}), target=GPUTarget("cuda", 90, 32))
 assert "st.release.sys.global.b32" in rows.asm["ptx"] and "fence.acq_rel.sys" in rows.asm["ptx"]

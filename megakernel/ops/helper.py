@@ -212,13 +212,16 @@ def copy_rows(src, src_ld, dst, dst_ld, cols, gate, COMPILED: tl.constexpr, BLOC
 
 
 @triton.jit
-def publish_rows(src, src_ld, dst, rows, cols, ack, seq, COMPILED: tl.constexpr, BLOCK: tl.constexpr):
-    """A helper GPU's answer, in one program: dst[r, :cols] = src[r, :cols] (the mailbox's rows), then
-    the acknowledgement seq[0], released at system scope after every thread's rows."""
+def publish_rows(src, src_ld, dst, mask, rows, cols, ack, seq, COMPILED: tl.constexpr, BLOCK: tl.constexpr):
+    """A helper GPU's answer, in one program: dst[r, :cols] = src[r, :cols] for the rows the host marked
+    in `mask` (the mailbox's rows; the others are main's), then the acknowledgement seq[0], released
+    at system scope after every thread's rows."""
+    load_acquire_sys(seq, COMPILED, BLOCK)  # the host wrote the mask before this call's sequence word
     for r in range(rows):
-        for c0 in range(0, cols, BLOCK):
-            c = c0 + tl.arange(0, BLOCK)
-            tl.store(dst + r * cols + c, tl.load(src + r * src_ld + c, mask=c < cols), mask=c < cols)
+        if tl.load(mask + r) != 0:
+            for c0 in range(0, cols, BLOCK):
+                c = c0 + tl.arange(0, BLOCK)
+                tl.store(dst + r * cols + c, tl.load(src + r * src_ld + c, mask=c < cols), mask=c < cols)
     fence_sys(COMPILED)
     tl.debug_barrier()
     store_release_sys(ack, tl.load(seq), COMPILED)
