@@ -28,7 +28,7 @@ from megakernel.runtime import INTERPRET, LaunchConfig, Megakernel
 
 from .link import HelperMemory, LayerProgram, layer_programs
 
-STREAM_BLOCKS = ("BR", "KC", "TB", "DEPTH")  # what decides how a row is summed: taken from main
+STREAM_BLOCKS = ("BR", "KC", "TB", "DEPTH")  # with num_warps, what decides how a row is summed: main's
 
 
 def site_plan(main: Plan, prog: LayerProgram, store_elems: int, workers: int) -> Plan:
@@ -69,6 +69,7 @@ class Site:
     prog: LayerProgram
     mk: Megakernel
     staging: torch.Tensor  # host (pinned on a GPU): the helper's slot table, then the sequence number
+    seq: torch.Tensor  # on the helper's device: the sequence number of the table the call read
     x_ld: int  # the token rows' stride, as the gate/up tiles read them
     graph: torch.cuda.CUDAGraph | None = None
 
@@ -97,11 +98,12 @@ class KernelHelper:
             # the layer's expert map (an input of main's plan: its place is never reused) -> store rows
             mem.bufs[Buf.I][prog.map: prog.map + n_experts] = (torch.arange(n_experts, dtype=torch.int32)
                                                                 + row_of[prog.layer]).to(self.device)
-            mk = Megakernel(plan, None, self.device, store.dtype, config=LaunchConfig(blocks=blocks), mem=mem)
+            config = LaunchConfig(blocks=blocks, num_warps=main.config.num_warps, num_stages=main.config.num_stages)
+            mk = Megakernel(plan, None, self.device, store.dtype, config=config, mem=mem)
             staging = torch.zeros(2 * prog.S + prog.S * prog.P + 1, dtype=torch.int32,
                                   pin_memory=self.device.type == "cuda")
             x_ld = next(t["x.ld"] for t in prog.tasks if t.op.name == "EXPERT_LINEAR" and t.has("GATHER"))
-            self.sites[signal] = Site(prog, mk, staging, x_ld)
+            self.sites[signal] = Site(prog, mk, staging, torch.zeros(1, dtype=torch.int32, device=self.device), x_ld)
 
     def rows_out(self, site: Site) -> torch.Tensor:
         """The site's expert output rows [P, K] (fp32), on the helper's device."""
@@ -115,12 +117,16 @@ class KernelHelper:
         from megakernel.ops.helper import copy_rows, publish_rows
         prog, A, I = site.prog, site.mk.mem.bufs[Buf.A], site.mk.mem.bufs[Buf.I]
         N, K, P = prog.x[1], prog.x[2], prog.P
-        seq = site.staging[site.table_words:]  # written by the host last: what the copies acquire
-        copy_rows[(1,)](site.staging, 0, I[prog.st:], 0, site.table_words, seq, self.compiled, BLOCK=1024)
-        copy_rows[(N,)](x, x_ld, A[prog.x[0]:], site.x_ld, K, seq, self.compiled, BLOCK=1024)
+        gate = site.staging[site.table_words:]  # the call's sequence word, written by the host last
+        # the table, and the sequence number its copy acquired: a graph that runs late (after main gave up
+        # and the host staged the next call) acknowledges the call whose table it read, never the next one
+        copy_rows[(1,)](site.staging, 0, I[prog.st:], 0, site.table_words, gate, site.seq, self.compiled, True,
+                        BLOCK=1024)
+        copy_rows[(N,)](x, x_ld, A[prog.x[0]:], site.x_ld, K, gate, site.seq, self.compiled, False, BLOCK=1024)
         site.mk.kernel()
         if ans is not None:
-            publish_rows[(1,)](A[prog.y[0]:], prog.y[1], ans, mask, P, K, ack, seq, self.compiled, BLOCK=1024)
+            publish_rows[(1,)](A[prog.y[0]:], prog.y[1], ans, mask, P, K, ack, gate, site.seq, site.mk.err,
+                               self.compiled, BLOCK=1024)
 
     def run(self, signal: int, table: np.ndarray, x: torch.Tensor) -> torch.Tensor:
         """One call, synchronously (CPU tests under TRITON_INTERPRET): the helper's slot table and token

@@ -32,7 +32,8 @@ from graph.isa import BOX_ACK, BOX_SEQ, BOX_WAIT_NS, Buf, box_layout, decode
 from .kernel_helper import KernelHelper, helper_table
 from .link import HelperLink, HelperTimeout, WholeExpertRunner
 
-IDLE_S = 0.05  # polling this long without a request, the thread sleeps until the next launch
+IDLE_S = 0.05  # polling this long without a request (and no step in flight), the thread sleeps until a launch
+BUSY_S = 10.0  # a launched step keeps the thread polling until its boundary (count_step), at most this long
 
 
 @dataclass
@@ -85,26 +86,36 @@ class MailboxService:
         self.served = {s.signal: int(self.words[s.box + BOX_SEQ]) for s in self.sites}
         self.counted_epoch = 0
         self.errors: list[str] = []
+        self.lock = threading.Lock()  # the thread's answers against failures()/count_step on the main thread
         self.wake = threading.Event()
+        self.busy_until = 0.0
         self.closing = False
         self.thread = threading.Thread(target=self._serve, name="helper-mailbox", daemon=True)
         self.thread.start()
 
     def kick(self) -> None:
+        self.busy_until = time.perf_counter() + BUSY_S  # before the wake-up, which the thread reads after
         self.wake.set()
 
     def failures(self) -> str:
         """What went wrong in the service thread or on a helper GPU, once ('' if nothing): a watchdog
         error names it."""
-        errors, self.errors = self.errors, []
-        if self.kernel is not None:
-            errors += self.kernel.failures()
+        with self.lock:  # no replay on the helper GPU while its sites are checked and repaired
+            errors, self.errors = self.errors, []
+            if self.kernel is not None:
+                errors += self.kernel.failures()
         return ("helper service: " + "; ".join(errors[-3:])) if errors else ""
 
     def close(self) -> None:
         self.closing = True
         self.wake.set()
         self.thread.join(timeout=5)
+        if self.thread.is_alive():
+            raise RuntimeError("helper mailbox thread did not stop within 5 s (a call still running?)")
+        if self.kernel is not None:  # graphs still queued on the helper GPU write the mailbox: let them land
+            torch.cuda.synchronize(self.kernel.device)
+            for site in self.kernel.sites.values():
+                site.graph = None
 
     # ---- the service thread ----------------------------------------------------------------
     def _serve(self) -> None:
@@ -117,16 +128,19 @@ class MailboxService:
                 seq = int(self.words[site.box + BOX_SEQ])
                 if seq > self.served[site.signal]:
                     try:
-                        self._answer(site, seq)
+                        with self.lock:
+                            self._answer(site, seq)
                     except Exception as e:  # noqa: BLE001 - the thread must outlive one bad call
-                        self.errors.append(f"layer {site.layer} call {seq}: {e!r}")
+                        with self.lock:
+                            self.errors.append(f"layer {site.layer} call {seq}: {e!r}")
                     busy = True
             now = time.perf_counter()
             if busy:
                 last = now
-            elif now - last > IDLE_S:
-                self.wake.wait(0.5)
+            elif now - last > IDLE_S and now > self.busy_until:
                 self.wake.clear()
+                if time.perf_counter() > self.busy_until:  # a kick after clear() set busy_until first
+                    self.wake.wait(0.5)
                 last = time.perf_counter()
             else:
                 time.sleep(0)  # let the backend's worker thread run
@@ -179,8 +193,10 @@ class MailboxService:
     # ---- at the step boundary -------------------------------------------------------------
     def count_step(self) -> None:
         """Metrics and routing statistics of the runner's last step, read from its mailboxes."""
-        if self.errors:
+        self.busy_until = 0.0  # the step is over: the thread may sleep until the next launch
+        with self.lock:
             errors, self.errors = self.errors, []
+        if errors:
             raise RuntimeError("helper service failed: " + "; ".join(errors))
         epoch = self.runner.epoch
         if epoch == self.counted_epoch:

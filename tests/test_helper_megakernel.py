@@ -177,19 +177,26 @@ def test_kernel_helper_rows_are_the_main_megakernels_rows_bit_for_bit():
 
 @pytest.mark.skipif(not INTERPRET, reason="CPU Triton interpreter only")
 def test_helper_gpu_copies_move_the_marked_rows_and_then_acknowledge():
-    """The kernels around a helper GPU's site megakernel (ops.helper): copy_rows honours both strides;
-    publish_rows copies only the rows the host marked (the others are main's) and then writes the
-    call's sequence number as the acknowledgement."""
+    """The kernels around a helper GPU's site megakernel (ops.helper): copy_rows honours both strides and
+    keeps the sequence number it acquired; publish_rows copies only the rows the host marked (the
+    others are main's), then acknowledges that call; after a failed site kernel it does nothing."""
     from megakernel.ops.helper import copy_rows, publish_rows
     src = torch.randn(3, 40)
     dst = torch.zeros(3, 24)
     gate = torch.tensor([5], dtype=torch.int32)
-    copy_rows[(3,)](src, 40, dst, 24, 20, gate, False, BLOCK=8)
+    seq = torch.zeros(1, dtype=torch.int32)
+    copy_rows[(3,)](src, 40, dst, 24, 20, gate, seq, False, True, BLOCK=8)
     assert torch.equal(dst[:, :20], src[:, :20]) and not dst[:, 20:].any()
+    assert int(seq) == 5  # the sequence number the copy acquired, kept for the acknowledgement
+    gate.fill_(6)  # the host staged the next call meanwhile: the acknowledgement still names call 5
     box = torch.zeros(3 * 20)
     mask = torch.tensor([1, 0, 1], dtype=torch.int32)
-    ack = torch.zeros(1, dtype=torch.int32)
-    publish_rows[(1,)](src, 40, box, mask, 3, 20, ack, gate, False, BLOCK=8)
+    ack, err = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    publish_rows[(1,)](src, 40, box, mask, 3, 20, ack, gate, seq, err, False, BLOCK=8)
     rows = box.view(3, 20)
     assert torch.equal(rows[0], src[0, :20]) and torch.equal(rows[2], src[2, :20]) and not rows[1].any()
     assert int(ack) == 5
+    # a site kernel stopped by its watchdog: no rows, no acknowledgement (main's bound reports the helper)
+    box.zero_(), ack.zero_(), err.fill_(1)
+    publish_rows[(1,)](src, 40, box, mask, 3, 20, ack, gate, seq, err, False, BLOCK=8)
+    assert not box.any() and int(ack) == 0

@@ -38,14 +38,16 @@ assert "st.release.sys.global.b32" in ptx and "ld.acquire.sys.global.b32" in ptx
 from megakernel.ops.helper import copy_rows, publish_rows
 rows = triton.compile(ASTSource(fn=publish_rows, signature={"src": "*fp32", "src_ld": "i32", "dst": "*fp32",
                                                             "mask": "*i32", "rows": "i32", "cols": "i32", "ack": "*i32",
-                                                            "seq": "*i32",
+                                                            "gate": "*i32", "seq": "*i32", "err": "*i32",
                                                             "COMPILED": "constexpr", "BLOCK": "constexpr"},
                                 constexprs={"COMPILED": True, "BLOCK": 1024}), target=GPUTarget("cuda", 90, 32))
 assert "st.release.sys.global.b32" in rows.asm["ptx"] and "fence.acq_rel.sys" in rows.asm["ptx"]
 copy = triton.compile(ASTSource(fn=copy_rows, signature={"src": "*fp32", "src_ld": "i32", "dst": "*fp32", "dst_ld": "i32",
-                                                         "cols": "i32", "gate": "*i32", "COMPILED": "constexpr",
+                                                         "cols": "i32", "gate": "*i32", "seq_out": "*i32",
+                                                         "COMPILED": "constexpr", "SAVE_SEQ": "constexpr",
                                                          "BLOCK": "constexpr"},
-                                constexprs={"COMPILED": True, "BLOCK": 1024}), target=GPUTarget("cuda", 90, 32))
+                                constexprs={"COMPILED": True, "SAVE_SEQ": True, "BLOCK": 1024}),
+                      target=GPUTarget("cuda", 90, 32))
 assert "ld.acquire.sys.global.b32" in copy.asm["ptx"]
 print("shared", k.metadata.shared)
 """

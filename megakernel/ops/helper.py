@@ -182,17 +182,20 @@ def wait_body(word, t, A, I, HB, err, pid, TIMEOUT_NS: tl.constexpr, MAX_SPINS: 
             tl.store(box + BOX_WAIT_NS, tl.minimum(now_ns(COMPILED) - start, 2147483647).to(tl.int32))
     if ok == 1:
         mask, ans = box + BOX_HEADER, box + BOX_HEADER + (P + 31) // 32 * 32
-        for p in range(P):
-            mine = 0
-            if calls > 0:  # host memory the helper wrote: after this thread's acquire above
-                mine = tl.load(mask + p)
-            for c0 in range(0, K, BD):
-                c = c0 + tl.arange(0, BD)
-                if mine != 0:
-                    v = tl.load(ans + p * K + c, mask=c < K).to(tl.float32, bitcast=True)
-                else:
-                    v = tl.load(y + p * K + c, mask=c < K, cache_modifier=".cg")
-                tl.store(out + p * K + c, v, mask=c < K)
+        for p0 in range(0, P, BD):
+            lane = tl.arange(0, BD)
+            marks = tl.zeros([BD], tl.int32)
+            if calls > 0:  # host memory the helper wrote, after this thread's acquire above: one read a block
+                marks = tl.load(mask + p0 + lane, mask=p0 + lane < P, other=0)
+            for p in range(p0, tl.minimum(p0 + BD, P)):
+                mine = tl.sum(tl.where(lane == p - p0, marks, 0), axis=0)
+                for c0 in range(0, K, BD):
+                    c = c0 + tl.arange(0, BD)
+                    if mine != 0:
+                        v = tl.load(ans + p * K + c, mask=c < K).to(tl.float32, bitcast=True)
+                    else:
+                        v = tl.load(y + p * K + c, mask=c < K, cache_modifier=".cg")
+                    tl.store(out + p * K + c, v, mask=c < K)
     return ok
 
 
@@ -200,28 +203,37 @@ def wait_body(word, t, A, I, HB, err, pid, TIMEOUT_NS: tl.constexpr, MAX_SPINS: 
 # Either side of a copy may be host memory the GPU maps (a mailbox, pinned staging): kernels reach it
 # from any GPU, where a copy engine might not treat another context's pinned memory as pinned.
 @triton.jit
-def copy_rows(src, src_ld, dst, dst_ld, cols, gate, COMPILED: tl.constexpr, BLOCK: tl.constexpr):
+def copy_rows(src, src_ld, dst, dst_ld, cols, gate, seq_out, COMPILED: tl.constexpr, SAVE_SEQ: tl.constexpr,
+              BLOCK: tl.constexpr):
     """dst[r, :cols] = src[r, :cols] for row r = program id, each thread's loads after its own acquire of
-    `gate` (a word the host wrote after the rows): nothing read from host memory comes from a cache
-    filled by an earlier call."""
-    load_acquire_sys(gate, COMPILED, BLOCK)
+    `gate` (the call's sequence word, which the host writes after the rows): nothing read from host
+    memory comes from a cache filled by an earlier call.  SAVE_SEQ: the value acquired is also kept
+    in seq_out, so the acknowledgement names the call whose table this copy read."""
+    seq = load_acquire_sys(gate, COMPILED, 128)
     r = tl.program_id(0).to(tl.int64)
+    if SAVE_SEQ:
+        if r == 0:
+            tl.store(seq_out, seq)
     for c0 in range(0, cols, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
         tl.store(dst + r * dst_ld + c, tl.load(src + r * src_ld + c, mask=c < cols), mask=c < cols)
 
 
 @triton.jit
-def publish_rows(src, src_ld, dst, mask, rows, cols, ack, seq, COMPILED: tl.constexpr, BLOCK: tl.constexpr):
+def publish_rows(src, src_ld, dst, mask, rows, cols, ack, gate, seq, err, COMPILED: tl.constexpr,
+                 BLOCK: tl.constexpr):
     """A helper GPU's answer, in one program: dst[r, :cols] = src[r, :cols] for the rows the host marked
-    in `mask` (the mailbox's rows; the others are main's), then the acknowledgement seq[0], released
-    at system scope after every thread's rows."""
-    load_acquire_sys(seq, COMPILED, BLOCK)  # the host wrote the mask before this call's sequence word
-    for r in range(rows):
-        if tl.load(mask + r) != 0:
-            for c0 in range(0, cols, BLOCK):
-                c = c0 + tl.arange(0, BLOCK)
-                tl.store(dst + r * cols + c, tl.load(src + r * src_ld + c, mask=c < cols), mask=c < cols)
-    fence_sys(COMPILED)
-    tl.debug_barrier()
-    store_release_sys(ack, tl.load(seq), COMPILED)
+    in `mask` (the mailbox's rows; the others are main's), then the acknowledgement seq[0] (on the
+    device: the call whose table was read), released at system scope after every thread's rows.
+    Nothing when the site's kernel stopped on its watchdog (err[0] != 0): its rows are stale, and
+    main's bounded wait reports the helper instead."""
+    if tl.load(err, cache_modifier=".cg") == 0:
+        load_acquire_sys(gate, COMPILED, 128)  # the host wrote the mask before the sequence word `gate`
+        for r in range(rows):
+            if tl.load(mask + r) != 0:
+                for c0 in range(0, cols, BLOCK):
+                    c = c0 + tl.arange(0, BLOCK)
+                    tl.store(dst + r * cols + c, tl.load(src + r * src_ld + c, mask=c < cols), mask=c < cols)
+        fence_sys(COMPILED)
+        tl.debug_barrier()
+        store_release_sys(ack, tl.load(seq), COMPILED)
