@@ -65,6 +65,14 @@ def run(engine, cfg, args, tokens=None) -> dict:
             row[key + "_per_step"] = sum(s[key] for s in steps) / len(steps)
         row["bytes_migrated"] = helper.copier.bytes_moved
         row["migration_stall_ms_max"] = max(s["migration_stall_ms"] for s in steps)
+        # what migration is for: the share of routed rows the helper computes, step by step (it should
+        # fall after each move of the hot set, issue 6), and its mean over the first and last quarters
+        routed = cfg.num_experts_per_tok * len(layers)
+        share = [s["rows"] / routed for s in metrics]
+        row["helper_row_share"] = [round(v, 3) for v in share]
+        quarter = max(1, len(share) // 4)
+        row["helper_row_share_first_last_quarter"] = [round(statistics.mean(share[:quarter]), 3),
+                                                      round(statistics.mean(share[-quarter:]), 3)]
         helper.close()
     return row
 
@@ -133,14 +141,16 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"helper_{args.model}.json").write_text(json.dumps(rows, indent=1))
     print(f"\n{'helper':8} {'frac':>5} {'migr':>4} {'ms/step':>8} {'x main':>7} {'calls':>6} {'skip':>5} "
-          f"{'wait ms':>8} {'moves':>6} {'tokens':>7}")
+          f"{'wait ms':>8} {'moves':>6} {'share 1st/last':>15} {'tokens':>7}")
     for r in rows:
         if "error" in r:
             print(f"{r['helper']:8} {r['fraction']:5.2f} {r['migrate']:>4} error: {r['error'][:60]}")
             continue
         print(f"{r['helper']:8} {r['fraction']:5.2f} {r['migrate']:>4} {r['step_ms_median']:8.3f} "
               f"{r.get('x_all_on_main', 1.0):7.2f} {r.get('calls_per_step', 0):6.1f} {r.get('skipped_per_step', 0):5.1f} "
-              f"{r.get('exposed_wait_ms_per_step', 0):8.3f} {r.get('moves_per_step', 0):6.2f} {r.get('tokens_equal', '-'):>7}")
+              f"{r.get('exposed_wait_ms_per_step', 0):8.3f} {r.get('moves_per_step', 0):6.2f} "
+              f"{'/'.join(map(str, r.get('helper_row_share_first_last_quarter', ['-']))):>15} "
+              f"{r.get('tokens_equal', '-'):>7}")
 
 
 if __name__ == "__main__":
