@@ -167,7 +167,7 @@ class SpeculativeDecoder:
         for n, c in enumerate(chunks):
             chunk = prompts[:, start:start + c]
             follow = prompts[:, start + c] if n + 1 < len(chunks) else torch.full((B,), -1)
-            out = self.runner(c, True).step(chunk, lens, follow=follow, seeds=self._seeds())
+            out = self.runner(c, True).step(chunk, lens, follow=follow, seeds=self.step_seeds())
             self.engine.step_done(decode=False)
             lens = out.next_lens.cpu()
             start += c
@@ -181,7 +181,7 @@ class SpeculativeDecoder:
             k = self.adaptive.choose() if self.adaptive else self.k
             # finished sequences run too (one graph for the batch) at frozen lengths: harmless
             tokens = self._next(next_tokens, k, drafts, produced)
-            out = self.runner(k + 1, False).step(tokens, lens, seeds=self._seeds())
+            out = self.runner(k + 1, False).step(tokens, lens, seeds=self.step_seeds())
             self.engine.step_done(decode=True)
             stats.step_seconds.append(time.perf_counter() - t0)
             stats.steps += 1
@@ -207,7 +207,7 @@ class SpeculativeDecoder:
         stats.decode_tokens = stats.emitted - first
         return produced, stats
 
-    def _seeds(self) -> torch.Tensor | None:
+    def step_seeds(self) -> torch.Tensor | None:
         if self.accept != "sample":
             return None
         return torch.randint(0, 2**31 - 1, (self.batch,), generator=self.seeds)

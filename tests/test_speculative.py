@@ -247,6 +247,13 @@ def test_spec_sweep_tool_dry_run(tmp_path):
     assert [r["k"] for r in rows] == [0, 1, 2]
     assert rows[0]["reference"] and rows[0]["batch"] == 2 and all(r["equal_mtp"] and r["equal_noisy"] for r in rows[1:])
     assert rows[2]["acceptance_length_noisy"] > 1.0  # some drafts were accepted: the accept path ran
+    # --temperature: the sweep alone, with the SAMPLE accept body (the sampling body's cost on a GPU)
+    out = subprocess.run([sys.executable, "tools/spec_sweep.py", "--models", "tiny-moe", "--device", "cpu", "--ctx", "24",
+                          "--kmax", "1", "--temperature", "0.7", "--top-p", "0.9", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads((tmp_path / "sweep_tiny-moe.json").read_text())
+    assert [r["k"] for r in rows] == [0, 1] and rows[0]["sampling"] and "equal_mtp" not in rows[1]
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton interpreter only")

@@ -1,7 +1,7 @@
 """Speculative decoding on the GPU: the step time for each k, and speculative output equal to plain.
 
     python tools/spec_sweep.py [--models dsv2-lite llama-1b] [--mtp 1] [--ctx 4096] [--kmax 7]
-                               [--tokens 48] [--batch 1] [--out DIR]
+                               [--tokens 48] [--batch 1] [--temperature T --top-p P] [--out DIR]
 
 For each model (with --mtp N MTP layers added where the preset has none: DeepSeek-V2-Lite and
 Llama ship without, the seed's engine drafts with DeepSeek-V3's one):
@@ -12,6 +12,8 @@ Llama ship without, the seed's engine drafts with DeepSeek-V3's one):
    every k with MTP drafts and with noisy:0.5 oracle drafts (half the drafts wrong: every accept
    length occurs) equals k=0's, token for token, for every sequence.  Every k runs on one engine,
    so one set of plans serves both parts.
+With --temperature > 0 the steps accept by speculative sampling (the SAMPLE body) and only the
+sweep runs (sampled output is not greedy output): beside a greedy sweep, the sampling body's cost.
 Writes DIR/sweep_<model>.json (a list of {"k", "step_ms", ...}: `tools/stepmath.py --sweep` reads it)
 and prints a table.  Random weights: MTP acceptance here says nothing about a trained model.
 """
@@ -51,7 +53,7 @@ def time_step(dec: SpeculativeDecoder, k: int, ctx: int, gen: torch.Generator) -
     tokens = torch.randint(0, dec.cfg.vocab_size, (dec.batch, k + 1), generator=gen)
     lens = torch.full((dec.batch,), ctx - 1)
     t0 = time.perf_counter()
-    runner.step(tokens, lens)  # on the GPU: stages the inputs every replay copies in
+    runner.step(tokens, lens, seeds=dec.step_seeds())  # on the GPU: stages the inputs every replay copies in
     if getattr(runner, "graph", None) is None:
         return {"k": k, "step_ms": (time.perf_counter() - t0) * 1e3, "tasks": runner.plan.num_tasks}
     ms = time_ms(runner.replay, iters=50, warmup=10)
@@ -69,7 +71,8 @@ def sweep_model(name: str, args, workers: int) -> list[dict]:
     weights = init_weights(cfg, seed=0, device=args.device, dtype=dtype)
     max_len = args.ctx + 2 * (args.kmax + 1) + args.tokens
     dec = SpeculativeDecoder(cfg, weights, k=args.kmax, batch=args.batch, max_len=max_len, device=args.device, dtype=dtype,
-                             backend="megakernel" if gpu else "interpret", options=CompileOptions(workers=workers))
+                             backend="megakernel" if gpu else "interpret", options=CompileOptions(workers=workers),
+                             temperature=args.temperature, top_p=args.top_p)
     del weights  # the engine packed its own copy
     gen = torch.Generator().manual_seed(1)
     rows = []
@@ -80,6 +83,10 @@ def sweep_model(name: str, args, workers: int) -> list[dict]:
         rows.append(time_step(dec, k, args.ctx, gen))
         print(f"{name} k={k}: {rows[-1]['step_ms']:.3f} ms", flush=True)
 
+    if args.temperature > 0:  # sampled output is not greedy output: the sweep alone
+        rows[0].update(reference=True, sampling=True, temperature=args.temperature, top_p=args.top_p,
+                       batch=args.batch, setup_s=time.perf_counter() - t0)
+        return rows
     # equality: one start token per sequence (every k shares the one prefill plan), greedy
     prompt = torch.randint(0, cfg.vocab_size, (args.batch, 1), generator=gen)
     plain, _ = dec.with_k(0).generate(prompt, args.tokens + args.kmax + 1)
@@ -104,6 +111,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=48, help="tokens generated per equality check (default 48)")
     p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a dry run on the interpreter)")
+    p.add_argument("--temperature", type=float, default=0.0, help="> 0: accept by speculative sampling (sweep only)")
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--out", default=".")
     args = p.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -121,7 +130,9 @@ def main() -> None:
     print(f"\n{'model':<11}{'k':>3}{'step ms':>9}{'launch':>8}{'tasks':>7}  equal mtp/noisy  accept len mtp/noisy")
     for name, r in table:
         launch = r.get("launches_per_step", 0.0)
-        if r.get("reference"):
+        if args.temperature > 0:
+            equal, acc = f"{'(sampling)':<11}", "-"
+        elif r.get("reference"):
             equal, acc = f"{'(reference)':<11}", "1.00/1.00"
         else:
             equal = f"{str(r['equal_mtp']):>5}/{str(r['equal_noisy']):<5}"
