@@ -206,10 +206,13 @@ class HelperLink:
         if backend.digest() != placement.digest():
             raise RuntimeError("helper and main disagree on the expert placement (digest mismatch)")
 
-    def attach(self, runner) -> None:
-        """Give a runner's plan a link, and write the current expert maps into its inputs."""
-        program = HelperProgramRunner(runner.plan, self.backend.store, self.layers, self.n_experts)
-        runner.mem.helper = PlanLink(self, program)
+    def attach(self, runner, program: bool = True) -> None:
+        """Write the current expert maps into a runner's inputs and, for the plan interpreter (whose
+        HELPER_CALL/HELPER_WAIT call the link: program=True), give its plan a link with the plan's tile
+        program.  A megakernel's calls go through mailboxes instead (helper_card/mailbox.py)."""
+        if program:
+            runner.mem.helper = PlanLink(self, HelperProgramRunner(runner.plan, self.backend.store, self.layers,
+                                                                   self.n_experts))
         write_expert_maps(runner.mem, self.placement)
 
     def set_placement(self, placement: Placement, runners) -> None:

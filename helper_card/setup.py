@@ -113,9 +113,10 @@ class Helper:
             self.arena_ptr = arena.data_ptr()
         elif arena.data_ptr() != self.arena_ptr:
             raise ValueError("every plan of one engine must share the weight arena (Memory share=...)")
-        self.link.attach(runner)
+        megakernel = hasattr(runner, "launch_hooks")
+        self.link.attach(runner, program=not megakernel)  # no tile program (and its buffers) for mailboxes
         self.runners.append(runner)
-        if hasattr(runner, "launch_hooks"):  # a megakernel: its calls reach the helper through mailboxes
+        if megakernel:  # its calls reach the helper through mailboxes
             service = MailboxService(self.link, runner)
             runner.launch_hooks.append(service.kick)
             runner.diagnostics.append(service.failures)
