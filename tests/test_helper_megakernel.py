@@ -145,29 +145,32 @@ def test_a_failing_helper_call_is_named_in_the_watchdog_error(device):
         h.close()
 
 
-@pytest.mark.skipif(not INTERPRET, reason="CPU Triton interpreter only (the GPU runs it through the mailbox)")
-def test_kernel_helper_rows_are_the_main_megakernels_rows_bit_for_bit():
+@pytest.mark.parametrize("device", DEVICES)
+def test_kernel_helper_rows_are_the_main_megakernels_rows_bit_for_bit(device):
     """A helper GPU runs each call site's expert tiles with the megakernel (helper_card.kernel_helper):
     fed the routed table and token rows of a step in which main computed every expert, its rows are
-    main's, bit for bit (same bodies, same stream block sizes)."""
+    main's, bit for bit (same bodies, same stream block sizes).  On a GPU the site kernels run on the
+    main GPU here, one call at a time (two GPUs: the two-GPU test below, through the mailbox)."""
     from graph.isa import decode
+    from helper_card.backends import on_device
     from helper_card.kernel_helper import KernelHelper
     from megakernel.runtime import LaunchConfig, Megakernel
     cfg = preset("tiny-moe")
     w = init_weights(cfg, seed=3)
-    helper = Helper(cfg, w, HelperOptions(kind="cpu", fraction=0.0), "cpu", torch.float32)
+    workers = 1 if device == "cpu" else 16  # interpreted programs run one after another: one worker
+    helper = Helper(cfg, w, HelperOptions(kind="cpu", fraction=0.0), device, torch.float32)
     plan = compile_step(cfg, StepShape(T=2, B=2, max_len=16, attn_split=4, helper_slots=helper.capacity),
-                        CompileOptions(workers=1, reuse_memory=False))  # every layer's rows stay readable
-    mk = Megakernel(plan, w, "cpu", config=LaunchConfig(max_spins=100_000))
+                        CompileOptions(workers=workers, reuse_memory=False))  # every layer's rows stay readable
+    mk = Megakernel(plan, w, device, config=LaunchConfig(max_spins=100_000))
     helper.attach(mk)
     mk.step(torch.randint(0, cfg.vocab_size, (2, 2), generator=torch.Generator().manual_seed(5)), torch.tensor([2, 6]))
-    kernel = KernelHelper(mk, helper.store, helper.layers, cfg.n_routed_experts, workers=1)  # interpreted: one
+    kernel = KernelHelper(mk, on_device(helper.store, device), helper.layers, cfg.n_routed_experts, workers=workers)
     A, I = mk.mem.bufs[Buf.A], mk.mem.bufs[Buf.I]
     calls = {t.signal: t for t in map(decode, plan.words) if t.op.name == "HELPER_CALL"}
     assert len(kernel.sites) == len(calls) >= 2
     for signal, site in kernel.sites.items():
         call, prog = calls[signal], site.prog
-        table = I[call["st.off"]: call["st.off"] + 2 * prog.S + prog.S * prog.P].numpy()
+        table = I[call["st.off"]: call["st.off"] + 2 * prog.S + prog.S * prog.P].cpu().numpy()
         x = A.as_strided((call["N"], call["K"]), (call["x.ld"], 1), call["x.off"])
         got = kernel.run(signal, table, x)
         want = A.as_strided((prog.P, call["K"]), (prog.y[1], 1), prog.y[0])
@@ -175,28 +178,29 @@ def test_kernel_helper_rows_are_the_main_megakernels_rows_bit_for_bit():
     helper.close()
 
 
-@pytest.mark.skipif(not INTERPRET, reason="CPU Triton interpreter only")
-def test_helper_gpu_copies_move_the_marked_rows_and_then_acknowledge():
+@pytest.mark.parametrize("device", DEVICES)
+def test_helper_gpu_copies_move_the_marked_rows_and_then_acknowledge(device):
     """The kernels around a helper GPU's site megakernel (ops.helper): copy_rows honours both strides and
     keeps the sequence number it acquired; publish_rows copies only the rows the host marked (the
     others are main's), then acknowledges that call; after a failed site kernel it does nothing."""
     from megakernel.ops.helper import copy_rows, publish_rows
-    src = torch.randn(3, 40)
-    dst = torch.zeros(3, 24)
-    gate = torch.tensor([5], dtype=torch.int32)
-    seq = torch.zeros(1, dtype=torch.int32)
-    copy_rows[(3,)](src, 40, dst, 24, 20, gate, seq, False, True, BLOCK=8)
+    compiled = device == "cuda"  # the inline-PTX acquire, fence and release (the interpreter: atomics)
+    src = torch.randn(3, 40, device=device)
+    dst = torch.zeros(3, 24, device=device)
+    gate = torch.tensor([5], dtype=torch.int32, device=device)
+    seq = torch.zeros(1, dtype=torch.int32, device=device)
+    copy_rows[(3,)](src, 40, dst, 24, 20, gate, seq, compiled, True, BLOCK=8)
     assert torch.equal(dst[:, :20], src[:, :20]) and not dst[:, 20:].any()
     assert int(seq) == 5  # the sequence number the copy acquired, kept for the acknowledgement
     gate.fill_(6)  # the host staged the next call meanwhile: the acknowledgement still names call 5
-    box = torch.zeros(3 * 20)
-    mask = torch.tensor([1, 0, 1], dtype=torch.int32)
-    ack, err = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
-    publish_rows[(1,)](src, 40, box, mask, 3, 20, ack, gate, seq, err, False, BLOCK=8)
+    box = torch.zeros(3 * 20, device=device)
+    mask = torch.tensor([1, 0, 1], dtype=torch.int32, device=device)
+    ack, err = (torch.zeros(1, dtype=torch.int32, device=device) for _ in range(2))
+    publish_rows[(1,)](src, 40, box, mask, 3, 20, ack, gate, seq, err, compiled, BLOCK=8)
     rows = box.view(3, 20)
     assert torch.equal(rows[0], src[0, :20]) and torch.equal(rows[2], src[2, :20]) and not rows[1].any()
     assert int(ack) == 5
     # a site kernel stopped by its watchdog: no rows, no acknowledgement (main's bound reports the helper)
     box.zero_(), ack.zero_(), err.fill_(1)
-    publish_rows[(1,)](src, 40, box, mask, 3, 20, ack, gate, seq, err, False, BLOCK=8)
+    publish_rows[(1,)](src, 40, box, mask, 3, 20, ack, gate, seq, err, compiled, BLOCK=8)
     assert not box.any() and int(ack) == 0
