@@ -181,11 +181,10 @@ class KernelHelper:
         site.mk.epoch += 1
 
 
-def helper_table(table: np.ndarray, S: int, keep) -> np.ndarray:
-    """The routed slot table with only the slots `keep(expert)` holds (the others empty)."""
+def helper_table(table: np.ndarray, S: int, chosen) -> np.ndarray:
+    """The routed slot table with only the slots in `chosen` (the helper's) kept, the others empty."""
     out = table.copy()
     for s in range(S):
-        if out[s] >= 0 and not keep(int(out[s])):
+        if out[s] >= 0 and s not in chosen:
             out[s], out[S + s] = -1, 0
     return out
-

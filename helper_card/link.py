@@ -147,27 +147,26 @@ class HelperProgramRunner:
         return [(pairs, y[pairs.to(y.device)].clone()) for _, pairs in slots]
 
 
-class WholeExpertRunner(HelperProgramRunner):
-    """The same experts as whole matrices: per slot, one matmul per projection over its rows.  A
+class WholeExpertRunner:
+    """The experts of a call as whole matrices: per slot, one matmul per projection over its rows.  A
     layer call is a few dozen tensor ops instead of the tiles' hundreds of tasks (420 per dsv2-lite
     call at T=1, each with host syncs: ~100 ms on a GPU).  It rounds differently from the tiles
     (another summation blocking), which only matters where the helper could be bit-exact with main:
-    the megakernel's main side computes its tiles in Triton, so its helper uses this runner."""
+    the megakernel's main side computes its tiles in Triton, so its host-side helper uses this."""
 
-    def __init__(self, plan: Plan, store: torch.Tensor, layers: list[int], n_experts: int):
-        super().__init__(plan, store, layers, n_experts)
-        from model.config import ModelConfig
-        cfg = ModelConfig.from_hf_dict(plan.config)
+    def __init__(self, cfg, store: torch.Tensor, layers: list[int], n_experts: int):
         self.I, self.H = cfg.moe_intermediate_size, cfg.hidden_size
         self.rows = store.reshape(-1, 3 * self.I * self.H)
+        self.row_of = {layer: i * n_experts for i, layer in enumerate(layers)}  # store row of (layer, 0)
 
-    def run(self, site, slots, x):
-        prog, I, H = self.programs[site], self.I, self.H
-        topk = prog.P // prog.x[1]
-        x = x.to(self.rows.device, torch.float32).reshape(prog.x[1], prog.x[2])
+    def run(self, layer: int, topk: int, slots: list[tuple[int, torch.Tensor]],
+            x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Rows of experts `slots` [(expert, pair ids)] of `layer` for token rows x: [(pair ids, y rows)]."""
+        I, H = self.I, self.H
+        x = x.to(self.rows.device, torch.float32)
         out = []
         for expert, pairs in slots:
-            w = self.rows[self.row_of[prog.layer] + expert]
+            w = self.rows[self.row_of[layer] + expert]
             pairs = pairs.to(self.rows.device)
             tokens = x[pairs // topk]
             gate, up = tokens @ w[: I * H].view(I, H).float().T, tokens @ w[I * H: 2 * I * H].view(I, H).float().T

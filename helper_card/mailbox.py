@@ -37,7 +37,7 @@ BUSY_S = 10.0  # a launched step keeps the thread polling until its boundary (co
 
 
 @dataclass
-class Site:
+class CallSite:
     """One HELPER_CALL of the plan and where its mailbox lies in Buf.H (words)."""
 
     signal: int  # the call's op id (helper_card.link.layer_programs keys its program by it)
@@ -53,12 +53,12 @@ class Site:
         return {k: self.box + v for k, v in box_layout(self.S, self.P, self.N, self.K).items()}
 
 
-def call_sites(plan) -> list[Site]:
+def call_sites(plan) -> list[CallSite]:
     sites = {}
     for w in plan.words:
         t = decode(w)
         if t.op.name == "HELPER_CALL" and t.signal not in sites:
-            sites[t.signal] = Site(t.signal, t["layer"], t["box.off"], t["S"], t["N"], t["K"], t["N"] * t["topk"])
+            sites[t.signal] = CallSite(t.signal, t["layer"], t["box.off"], t["S"], t["N"], t["K"], t["N"] * t["topk"])
     return [sites[k] for k in sorted(sites)]
 
 
@@ -82,7 +82,7 @@ class MailboxService:
             self.kernel = KernelHelper(runner, store, link.layers, link.n_experts)
             self.kernel.capture(box, {s.signal: {**s.parts, "box": s.box} for s in self.sites})
         else:
-            self.program = WholeExpertRunner(runner.plan, store, link.layers, link.n_experts)
+            self.program = WholeExpertRunner(runner.mem.cfg, store, link.layers, link.n_experts)
         self.served = {s.signal: int(self.words[s.box + BOX_SEQ]) for s in self.sites}
         self.counted_epoch = 0
         self.errors: list[str] = []
@@ -145,49 +145,46 @@ class MailboxService:
             else:
                 time.sleep(0)  # let the backend's worker thread run
 
-    def _request(self, site: Site, seq: int):
-        """(table, slots, x) of call `seq`, or None if the device overwrote it meanwhile (it gave up on it)."""
+    def _request(self, site: CallSite, seq: int):
+        """(table, the helper's slots, x) of call `seq`, or None if the device overwrote it meanwhile (it gave
+        up on it).  x (the token rows) only where the host computes: a helper GPU reads them from the mailbox."""
         at = site.parts
         table = self.words[at["table"]: at["table"] + 2 * site.S + site.S * site.P].copy()
-        x = self.rows[at["x"]: at["x"] + site.N * site.K].copy()
+        x = None if self.kernel is not None else self.rows[at["x"]: at["x"] + site.N * site.K].copy()
         if int(self.words[site.box + BOX_SEQ]) != seq:
             return None
-        placement, S, P = self.link.placement, site.S, site.P
-        slots = [(int(table[s]), torch.from_numpy(table[2 * S + s * P: 2 * S + s * P + table[S + s]].astype(np.int64)))
-                 for s in range(S) if table[s] >= 0 and placement.on_helper(site.layer, int(table[s]))]
-        return table, slots, torch.from_numpy(x).view(site.N, site.K)
+        placement = self.link.placement
+        chosen = [s for s in range(site.S) if table[s] >= 0 and placement.on_helper(site.layer, int(table[s]))]
+        return table, chosen, None if x is None else torch.from_numpy(x).view(site.N, site.K)
 
-    def _answer(self, site: Site, seq: int) -> None:
+    def _answer(self, site: CallSite, seq: int) -> None:
         self.served[site.signal] = seq
         request = self._request(site, seq)
         if request is None:
             return
-        table, slots, x = request
+        table, chosen, x = request
+        S, P, at = site.S, site.P, site.parts
+        pairs = {s: table[2 * S + s * P: 2 * S + s * P + table[S + s]].astype(np.int64) for s in chosen}
+        mask = np.zeros(P, dtype=np.int32)  # the pair rows that are the helper's
+        for p in pairs.values():
+            mask[p] = 1
         if self.kernel is not None:  # the helper GPU copies the rows in and out and acknowledges itself
-            mask = np.zeros(site.P, dtype=np.int32)
-            for _, pairs in slots:
-                mask[pairs.numpy()] = 1
-            at = site.parts
-            self.words[at["mask"]: at["mask"] + site.P] = mask
-            self.kernel.replay(site.signal, helper_table(table, site.S, lambda e: self.link.placement.on_helper(
-                site.layer, e)), seq)
+            self.words[at["mask"]: at["mask"] + P] = mask
+            self.kernel.replay(site.signal, helper_table(table, S, chosen), seq)
             return
         backend = self.link.backend
+        slots = [(int(table[s]), torch.from_numpy(p)) for s, p in pairs.items()]
         try:
-            backend.submit(functools.partial(self.program.run, site.signal), site.layer, seq, slots, x)
+            backend.submit(functools.partial(self.program.run, site.layer, P // site.N), site.layer, seq, slots, x)
             rows = backend.result(site.layer, seq, self.link.timeout_s)
         except HelperTimeout:
             backend.abandon(site.layer, seq)
             return  # no answer: HELPER_WAIT's bound turns it into the step's error
         # any other failure is recorded by _serve and raised at the step boundary (the device times out)
-        at = site.parts
-        mask = np.zeros(site.P, dtype=np.int32)
-        for pairs, y in rows:
-            p = pairs.cpu().numpy()
-            mask[p] = 1
-            ans = self.rows[at["ans"]: at["ans"] + site.P * site.K].reshape(site.P, site.K)
-            ans[p] = y.detach().to("cpu", torch.float32).numpy()
-        self.words[at["mask"]: at["mask"] + site.P] = mask
+        ans = self.rows[at["ans"]: at["ans"] + P * site.K].reshape(P, site.K)
+        for p, y in rows:
+            ans[p.cpu().numpy()] = y.detach().to("cpu", torch.float32).numpy()
+        self.words[at["mask"]: at["mask"] + P] = mask
         self.words[site.box + BOX_ACK] = seq  # after the rows (x86 stores stay in order)
 
     # ---- at the step boundary -------------------------------------------------------------

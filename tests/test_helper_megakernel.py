@@ -136,7 +136,7 @@ def test_a_failing_helper_call_is_named_in_the_watchdog_error(device):
                                         config=config)
     service = helpers[1].services[0]
 
-    def broken(site, slots, x):
+    def broken(*call):
         raise ValueError("no such expert")
     service.program.run = broken
     with pytest.raises(WatchdogError, match="helper service: layer .* call 1: RuntimeError.*no such expert"):
