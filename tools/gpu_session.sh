@@ -43,8 +43,8 @@ export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$out/gpu.txt"
 if [[ "$parts" == *,tests,* ]]; then
     timeout 570 python3 -m pytest -m gpu tests/test_gpu.py tests/test_weight_stream.py tests/test_helper.py -q \
-        -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
-        | tee "$out/gpu_tests.log" | tail -15 || worst $?
+        -p no:cacheprovider --durations=25 ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+        | tee "$out/gpu_tests.log" | tail -40 || worst $?
 fi
 if [[ "$parts" == *,bench,* ]]; then
     # shellcheck disable=SC2086
