@@ -42,7 +42,7 @@ worst() { [ "$1" -gt "$rc" ] && rc=$1; return 0; }
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$out/gpu.txt"
 if [[ "$parts" == *,tests,* ]]; then
-    timeout 570 python3 -m pytest -m gpu tests/test_gpu.py tests/test_weight_stream.py tests/test_helper.py -q \
+    timeout 570 python3 -m pytest -m gpu tests/test_gpu.py tests/test_weight_stream.py tests/test_helper.py -v \
         -p no:cacheprovider --durations=25 ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
         | tee "$out/gpu_tests.log" | tail -40 || worst $?
 fi
