@@ -7,9 +7,10 @@ Decode steps (T=1, B=1) at a fixed cache length of --ctx - 1 over a random cache
 on the all-on-main engine's greedy tokens, so every row sees the same inputs and its logits and
 tokens are compared with that engine's.  Routing is skewed (a Zipf correction bias whose hot set
 moves every --shift steps, helper_card.migration.BiasSkew) so migration has experts to move; the
-all-on-main engine runs with the same bias.  A step's time is wall time around the runner's step
-(host staging, one graph replay, the sync and the result read): the helper service answers inside
-it.  A table on screen, JSON in --out.
+all-on-main engine runs with the same bias.  A step's time is what a token costs: wall time around
+the runner's step (host staging, one graph replay, the sync and the result read; the helper service
+answers inside it) and the step boundary after it (metrics, migration's planning and flips, also
+listed per step as migration_stall_ms).  A table on screen, JSON in --out.
 """
 
 from __future__ import annotations
@@ -50,10 +51,10 @@ def run(engine, cfg, args, tokens=None) -> dict:
         tok = feed[n] if tokens else feed[-1]
         t0 = time.perf_counter()
         out = runner.step(tok, lens)
-        times.append((time.perf_counter() - t0) * 1e3)
         logits.append(out.logits[0, -1].float().cpu())
-        if helper is not None:
+        if helper is not None:  # the step boundary (metrics, migration) is part of what a token costs
             metrics.append(helper.end_step())
+        times.append((time.perf_counter() - t0) * 1e3)
         if not tokens:
             feed.append(out.logits[:, -1].argmax(-1, keepdim=True).cpu())
         skew.step(runner)
@@ -65,6 +66,7 @@ def run(engine, cfg, args, tokens=None) -> dict:
             row[key + "_per_step"] = sum(s[key] for s in steps) / len(steps)
         row["bytes_migrated"] = helper.copier.bytes_moved
         row["migration_stall_ms_max"] = max(s["migration_stall_ms"] for s in steps)
+        row["migration_stall_ms"] = [round(s["migration_stall_ms"], 3) for s in metrics]
         # what migration is for: the share of routed rows the helper computes, step by step (it should
         # fall after each move of the hot set, issue 6), and its mean over the first and last quarters
         routed = cfg.num_experts_per_tok * len(layers)
