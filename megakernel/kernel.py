@@ -70,7 +70,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
         if op == OP_LINEAR:
             if PF == 1 or (PF == 2 and t == start):
                 linear.prefetch_task(word, W, ALIGN)
-            w = linear.prefetch(word, W, BR, KC, ALIGN, DEPTH)
+            w = linear.prefetch(word, W, BR, KC, ALIGN)
             ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
             t_ready = now_ns(USE_TIMER)
             if ok == 1:

@@ -28,9 +28,6 @@ from .ops.helper import HELPER_TIMEOUT
 from .memory import STREAM_SLACK, Memory, PlanRunner
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# the shared-memory weight ring (DEPTH >= 3) of one worker; H100/H200 give a CTA up to 227 KB, and the
-# other bodies' layout conversions need some of it
-RING_BYTES = 160 * 1024
 
 # the buffer each operand role must live in (the kernel indexes these pointers directly)
 OPERAND_BUFFERS = {
@@ -197,7 +194,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # weights asked of the L2 in bulk, a task at a time (1) or a task ahead (2): a launch variant
                 PF=0,
                 # weight chunks in flight per warp: 2 is a launch variant (DEPTH=2 lost on the old,
-                # instruction-bound stream: docs/PERF.md run 13); 3-8 a shared-memory ring (cp.async)
+                # instruction-bound stream: docs/PERF.md run 13)
                 DEPTH=1,
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2",
                 # attention compiled for the plan's one kind (MLA or GQA), else the flag read per task
@@ -231,11 +228,8 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
                               "(0 reads the flag per task)")
     if blocks["TB"] not in (1, 2, 4, 8, 16):
         raise MegakernelError(f"block override TB={blocks['TB']}: tokens per weight chunk are a power of two <= 16")
-    ring = blocks["DEPTH"] * blocks["BR"] * blocks["KC"] * weight_bytes
-    if not 1 <= blocks["DEPTH"] <= 8 or (blocks["DEPTH"] >= 3 and ring > RING_BYTES):
-        raise MegakernelError(f"block override DEPTH={blocks['DEPTH']}: 1 or 2 weight chunks in flight per warp in "
-                              f"registers, or a shared-memory ring of 3 to 8 chunks within {RING_BYTES} bytes "
-                              f"(BR={blocks['BR']} x KC={blocks['KC']} x {weight_bytes}-byte weights: {ring})")
+    if blocks["DEPTH"] not in (1, 2):
+        raise MegakernelError(f"block override DEPTH={blocks['DEPTH']}: 1 or 2 weight chunks in flight per warp")
     if blocks["PF"] not in (0, 1, 2):
         raise MegakernelError(f"block override PF={blocks['PF']}: 0 (no L2 prefetch), 1 (a task's weights at its "
                               "start) or 2 (the next task's too)")

@@ -65,17 +65,15 @@ def test_megakernel_compiles_for_sm90():
 
 @pytest.mark.slow
 def test_sass_probe_reads_the_stream_loop():
-    """tools/sass_probe.py (offline SASS of the weight stream) finds the hot loop and its loads; with
-    DEPTH=3 the weights come through a shared-memory ring that cp.async (LDGSTS) fills."""
+    """tools/sass_probe.py (offline SASS of the weight stream) finds the hot loop and its loads."""
     import os
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     tool = Path(__file__).resolve().parents[1] / "tools" / "sass_probe.py"
-    out = subprocess.run([sys.executable, str(tool), "stream", "KC=256", "DEPTH=3"], capture_output=True,
-                         text=True, env=env, timeout=300)
+    out = subprocess.run([sys.executable, str(tool), "stream", "KC=256"], capture_output=True, text=True, env=env,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    loops = re.findall(r"hot loop (\d+) instructions: (.*)", out.stdout)
-    assert len(loops) == 2 and all(int(n) > 50 and "FFMA" in ops for n, ops in loops), out.stdout
-    assert "LDG " in loops[0][1] and "LDGSTS" not in loops[0][1] and "LDGSTS" in loops[1][1], out.stdout
+    loop = re.search(r"hot loop (\d+) instructions: (.*)", out.stdout)
+    assert loop and int(loop.group(1)) > 50 and "LDG" in loop.group(2) and "FFMA" in loop.group(2), out.stdout
 
 
 NCU_LINES_SCRIPT = r"""

@@ -45,7 +45,7 @@ def stream_probe(W, A, I, x_off, x_ld, xrows_div, n_rows, out_off, out_ld, res_o
                  two, r0, r1, K, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
                  DEPTH: tl.constexpr):
     """A LINEAR task's stream with runtime sizes, offsets rounded to ALIGN as the kernel's are."""
-    w = linear.first_chunk(W + (w_off // ALIGN) * ALIGN, r0, r1, K, BR, KC, ALIGN, DEPTH)
+    w = linear.first_chunk(W + (w_off // ALIGN) * ALIGN, r0, r1, K, BR, KC, ALIGN)
     linear.stream_chunks(A + (x_off // ALIGN) * ALIGN, x_ld, I, xrows_div, n_rows, A + out_off, out_ld, A + res_off,
                          res_ld, use_res != 0, W + (w_off // ALIGN) * ALIGN, W + (w2_off // ALIGN) * ALIGN, two != 0,
                          r0, r1, K, w, BR, KC, ALIGN, TB, DEPTH)

@@ -135,53 +135,6 @@ def token_sums(w, x_ptr, xrow, x_ld, kb, K, sub, t, acc, acc2, w_ptr, BR: tl.con
 
 
 @triton.jit
-def store_rows(acc, acc2, two, row0, r1, n0, n_rows, xrows_ptr, xrows_div, out_ptr, out_ld, res_ptr, res_ld, use_res,
-               BR: tl.constexpr, TB: tl.constexpr):
-    """A finished group's sums: rows row0.. (< r1) of tokens n0.. (< n_rows), through SiLU·mul and + residual."""
-    rows = (row0 + tl.arange(0, BR))[:, None]
-    n = n0 + tl.arange(0, TB)[None, :]
-    orow = list_rows(n, n < n_rows, xrows_ptr, xrows_div)[0]
-    mask = (rows < r1) & (n < n_rows)
-    y = acc
-    if two:
-        y = silu(acc) * acc2
-    res = tl.load(res_ptr + orow * res_ld + rows, mask=mask & use_res, other=0.0)
-    tl.store(out_ptr + orow.to(tl.int64) * out_ld + rows, y + res, mask=mask)
-
-
-@triton.jit
-def ring_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, res_ptr, res_ld, use_res, w_ptr, w2_ptr,
-                two, r0, r1, K, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
-                DEPTH: tl.constexpr):
-    """stream_chunks' steps, in the same order with the same sums (bit-identical results), but the weight
-    chunks go through a ring of DEPTH shared-memory slots that Triton's pipeliner fills with cp.async
-    DEPTH - 1 steps ahead: up to (DEPTH - 1) x 32 KB in flight per SM with no registers held for them
-    (registers allow one or two chunks: DEPTH 1/2).  The pipeliner takes a loop without inner loops, so
-    a group's tokens are unrolled (TB copies, all but the first behind a test on the group's size)."""
-    nsub = 1 + two.to(tl.int32)
-    nk = tl.cdiv(K, KC)
-    ngroups = tl.cdiv(n_rows, TB)
-    total = tl.cdiv(r1 - r0, BR) * ngroups * nk * nsub
-    zero = r0 * 0
-    sub, kc, g, blk = zero, zero, zero, zero
-    acc = tl.zeros((BR, TB), tl.float32)
-    acc2 = tl.zeros((BR, TB), tl.float32)
-    for i in tl.range(total, num_stages=DEPTH):
-        w = weight_rows(tl.where(sub == 1, w2_ptr, w_ptr), r0 + blk * BR, r1, K, kc * KC, BR, KC, ALIGN)
-        n0 = g * TB
-        for t in tl.static_range(TB):
-            if (t == 0) or (n0 + t < n_rows):
-                xrow = list_rows(n0 + t, True, xrows_ptr, xrows_div)[1]
-                acc, acc2 = token_sums(w, x_ptr, xrow, x_ld, kc * KC, K, sub, t, acc, acc2, w_ptr, BR, KC, ALIGN, TB)
-        if (kc == nk - 1) & (sub == nsub - 1):  # the group's rows are complete
-            store_rows(acc, acc2, two, r0 + blk * BR, r1, n0, n_rows, xrows_ptr, xrows_div, out_ptr, out_ld, res_ptr,
-                       res_ld, use_res, BR, TB)
-            acc = tl.zeros((BR, TB), tl.float32)
-            acc2 = tl.zeros((BR, TB), tl.float32)
-        sub, kc, g, blk = advance(sub, kc, g, blk, nsub, nk, ngroups)
-
-
-@triton.jit
 def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, res_ptr, res_ld, use_res,
                   w_ptr, w2_ptr, two, r0, r1, K, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr,
                   TB: tl.constexpr, DEPTH: tl.constexpr):
@@ -195,21 +148,7 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     streams) and its load latency hides behind the arithmetic (waiting for each chunk cost 2x on
     the GPU: docs/PERF.md); the step counters advance by compares, not divisions.
     DEPTH 2 (a launch variant) keeps a second chunk in flight: step i+2's is requested in step i.
-    w: step 0's weight chunk, already requested (before the dependency wait).
-    DEPTH >= 3 (a launch variant) streams through a shared-memory ring instead: ring_chunks."""
-    if DEPTH >= 3:
-        ring_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, res_ptr, res_ld, use_res, w_ptr, w2_ptr,
-                    two, r0, r1, K, BR, KC, ALIGN, TB, DEPTH)
-    else:
-        register_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, res_ptr, res_ld, use_res, w_ptr,
-                        w2_ptr, two, r0, r1, K, w, BR, KC, ALIGN, TB, DEPTH)
-
-
-@triton.jit
-def register_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, res_ptr, res_ld, use_res,
-                    w_ptr, w2_ptr, two, r0, r1, K, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr,
-                    TB: tl.constexpr, DEPTH: tl.constexpr):
-    """stream_chunks with the next chunk (DEPTH 2: two) in flight in registers."""
+    w: step 0's weight chunk, already requested (before the dependency wait)."""
     nsub = 1 + two.to(tl.int32)
     nk = tl.cdiv(K, KC)
     ngroups = tl.cdiv(n_rows, TB)
@@ -224,6 +163,7 @@ def register_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, 
     # one column of sums per token of the group (sums of gate rows; acc2: of up rows)
     acc = tl.zeros((BR, TB), tl.float32)
     acc2 = tl.zeros((BR, TB), tl.float32)
+    col = tl.arange(0, TB)[None, :]
     # the activation row of each step's first token is looked up a step ahead, so the step's first
     # activation load never waits on a row-list load (a T=1 expert task's only token); later tokens
     # of a group (T > 1, B > 1) look theirs up in turn
@@ -243,8 +183,15 @@ def register_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, 
                 xrow = list_rows(n0 + t, True, xrows_ptr, xrows_div)[1]
                 acc, acc2 = token_sums(w, x_ptr, xrow, x_ld, kc * KC, K, sub, t, acc, acc2, w_ptr, BR, KC, ALIGN, TB)
         if (kc == nk - 1) & (sub == nsub - 1):  # the group's rows are complete
-            store_rows(acc, acc2, two, r0 + blk * BR, r1, n0, n_rows, xrows_ptr, xrows_div, out_ptr, out_ld, res_ptr,
-                       res_ld, use_res, BR, TB)
+            rows = (r0 + blk * BR + tl.arange(0, BR))[:, None]
+            n = n0 + col
+            orow = list_rows(n, n < n_rows, xrows_ptr, xrows_div)[0]
+            mask = (rows < r1) & (n < n_rows)
+            y = acc
+            if two:
+                y = silu(acc) * acc2
+            res = tl.load(res_ptr + orow * res_ld + rows, mask=mask & use_res, other=0.0)
+            tl.store(out_ptr + orow.to(tl.int64) * out_ld + rows, y + res, mask=mask)
             acc = tl.zeros((BR, TB), tl.float32)
             acc2 = tl.zeros((BR, TB), tl.float32)
         xrow0 = xrow0_a
@@ -259,14 +206,9 @@ def register_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, 
 
 
 @triton.jit
-def first_chunk(w_ptr, r0, r1, K, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, DEPTH: tl.constexpr):
-    """The first weight chunk stream_chunks expects, requested early (weights never depend on activations);
-    nothing for the shared-memory ring (DEPTH >= 3), which requests its own."""
-    if DEPTH >= 3:
-        w = 0
-    else:
-        w = weight_rows(w_ptr, r0, r1, K, 0, BR, KC, ALIGN)
-    return w
+def first_chunk(w_ptr, r0, r1, K, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
+    """The first weight chunk stream_chunks expects, requested early (weights never depend on activations)."""
+    return weight_rows(w_ptr, r0, r1, K, 0, BR, KC, ALIGN)
 
 
 @triton.jit
@@ -294,10 +236,10 @@ def prefetch_task(word, W, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, DEPTH: tl.constexpr):
+def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
     """A LINEAR task's first weight chunk, requested before its dependency wait."""
     return first_chunk(aligned_base(W, word, LINEAR_W_OFF, ALIGN), fld(word, LINEAR_R0), fld(word, LINEAR_R1),
-                       fld(word, LINEAR_K), BR, KC, ALIGN, DEPTH)
+                       fld(word, LINEAR_K), BR, KC, ALIGN)
 
 
 @triton.jit

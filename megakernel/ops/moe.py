@@ -271,7 +271,7 @@ def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.con
         w2_ptr = aligned_base(W, word, EXPERT_LINEAR_W2_OFF, ALIGN) + base
         if PF > 0:  # the expert is known only now: its whole slice in flight at once
             prefetch_rows(w_ptr, w2_ptr, two, r0, r1, K, ALIGN)
-        w = first_chunk(w_ptr, r0, r1, K, BR, KC, ALIGN, DEPTH)
+        w = first_chunk(w_ptr, r0, r1, K, BR, KC, ALIGN)
         pairs = st + 2 * S + slot * (N * kk)
         div = tl.where(has(flags, FLAG_EXPERT_LINEAR_GATHER), kk, 1)  # gate/up read token rows, down pair rows
         o_ptr, o_ld = A + off(word, EXPERT_LINEAR_OUT_OFF), fld(word, EXPERT_LINEAR_OUT_LD)
