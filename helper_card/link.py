@@ -275,8 +275,17 @@ class PlanLink:
 
 
 def write_expert_maps(mem: Memory, placement: Placement) -> None:
-    """The int32 maps the step reads (expert -> main slot, or HELPER), one input per MoE layer."""
-    for layer, table in placement.tables.items():
-        name = f"in.L{layer}.expert_map"
-        if name in mem.io:  # a plan without the MTP layers has no maps for them
-            mem.io_view(name).copy_(torch.from_numpy(table.astype(np.int32)).view(1, -1))
+    """The int32 maps the step reads (expert -> main slot, or HELPER), one input per MoE layer (a plan
+    without the MTP layers has no maps for them).  Every layer's map in one host-to-device copy and one
+    scatter: a flip happens between two decode steps, where a copy per layer cost ~20 us each."""
+    slots = [(mem.io[f"in.L{layer}.expert_map"], table) for layer, table in placement.tables.items()
+             if f"in.L{layer}.expert_map" in mem.io]
+    if not slots:
+        return
+    for slot, table in slots:
+        if slot.buf != Buf.I or slot.rows * slot.cols != len(table):
+            raise ValueError(f"expert map {slot} is not {len(table)} int32 words of the I buffer")
+    where = np.concatenate([slot.offset + np.arange(len(table)) for slot, table in slots])
+    words = np.stack([where, np.concatenate([table for _, table in slots])]).astype(np.int32)
+    dev = torch.from_numpy(words).to(mem.device)
+    mem.bufs[Buf.I].index_copy_(0, dev[0].long(), dev[1])

@@ -22,19 +22,22 @@ class RoutingStats:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.layers, self.n_experts, self.prefill_weight = list(layers), n_experts, prefill_weight
-        self.steps: deque[dict[int, np.ndarray]] = deque(maxlen=window)
+        self.row = {layer: i for i, layer in enumerate(self.layers)}
+        # one [layers, experts] array per step: the step boundary's work is a few array operations,
+        # not one per layer (it runs between two decode steps, on every token's path)
+        self.steps: deque[np.ndarray] = deque(maxlen=window)
         self.current = self._zeros()
 
-    def _zeros(self) -> dict[int, np.ndarray]:
-        return {layer: np.zeros(self.n_experts) for layer in self.layers}
+    def _zeros(self) -> np.ndarray:
+        return np.zeros((len(self.layers), self.n_experts))
 
     def add(self, layer: int, experts, counts) -> None:
         """Rows routed to each of `experts` in `layer` during the current step."""
-        np.add.at(self.current[layer], np.asarray(experts, dtype=np.int64), np.asarray(counts, dtype=np.float64))
+        np.add.at(self.current[self.row[layer]], np.asarray(experts, dtype=np.int64), np.asarray(counts, dtype=np.float64))
 
     def end_step(self, decode: bool = True) -> None:
         weight = 1.0 if decode else self.prefill_weight
-        self.steps.append({layer: weight * c for layer, c in self.current.items()})
+        self.steps.append(weight * self.current)
         self.current = self._zeros()
 
     def observe(self, ids: dict[int, np.ndarray], decode: bool = True) -> None:
@@ -45,11 +48,8 @@ class RoutingStats:
         self.end_step(decode)
 
     def counts(self) -> dict[int, np.ndarray]:
-        out = self._zeros()
-        for step in self.steps:
-            for layer, c in step.items():
-                out[layer] += c
-        return out
+        total = np.add.reduce(np.stack(self.steps), axis=0) if self.steps else self._zeros()
+        return {layer: total[i] for i, layer in enumerate(self.layers)}
 
 
 @dataclass(frozen=True)
@@ -76,27 +76,47 @@ class MigrationPolicy:
     def plan(self, placement: Placement, counts: dict[int, np.ndarray], busy: set[int] = frozenset(),
              moving: set[tuple[int, int]] = frozenset()) -> list[Move]:
         """Moves for this step boundary; slots in `busy` and experts in `moving` (a copy in flight)
-        are left alone."""
-        hot = sorted(((float(counts[layer][e]), layer, e) for layer in placement.tables
-                      for e in placement.helper_experts(layer) if counts[layer][e] > 0 and (layer, e) not in moving),
-                     key=lambda item: (-item[0], item[1], item[2]))
-        free = [s for s in placement.free_slots() if s not in busy]
-        cold = sorted(((float(counts[layer][e]), slot, layer, e)
-                       for slot, (layer, e) in placement.main_experts().items() if slot not in busy),
-                      key=lambda item: (item[0], item[1]))
+        are left alone.  Array operations over every (layer, expert) at once: this runs between two
+        decode steps (as Python loops it took ~1.3 ms for DeepSeek-V2-Lite's 26 x 64 experts)."""
+        layers = list(placement.tables)
+        if not layers:
+            return []
+        T = np.stack([placement.tables[layer] for layer in layers])
+        C = np.stack([np.asarray(counts[layer], dtype=np.float64) for layer in layers])
+        layer_of = np.asarray(layers)
+        index = {layer: i for i, layer in enumerate(layers)}
+        # hot: helper experts with rows, hottest first (ties: lower layer, then lower expert)
+        candidate = (T == HELPER) & (C > 0)
+        for layer, e in moving:
+            if layer in index:
+                candidate[index[layer], e] = False
+        hl, he = np.nonzero(candidate)
+        hot = np.lexsort((he, layer_of[hl], -C[hl, he]))
+        # cold: main experts outside busy slots, coldest first (ties: lower slot)
+        ml, me = np.nonzero(T != HELPER)
+        slots = T[ml, me]
+        taken = np.zeros(placement.capacity, dtype=bool)  # busy slots, then every occupied one
+        taken[list(busy)] = True
+        keep = ~taken[slots]
+        ml, me, slots = ml[keep], me[keep], slots[keep]
+        cold = np.lexsort((slots, C[ml, me]))
+        taken[slots] = True
+        free = np.flatnonzero(~taken).tolist()
         moves: list[Move] = []
-        for heat, layer, e in hot:
+        next_cold = 0
+        for h in hot:
             if len(moves) >= self.max_moves:
                 break
+            layer, e, heat = int(layer_of[hl[h]]), int(he[h]), float(C[hl[h], he[h]])
             if free:
                 moves.append(Move(layer, e, free.pop(0), None))
                 continue
-            if not cold:
+            if next_cold == len(cold):
                 break
-            cold_heat, slot, cl, ce = cold[0]
-            if heat >= self.margin * cold_heat + self.min_gain:
-                moves.append(Move(layer, e, slot, (cl, ce)))
-                cold.pop(0)
+            c = cold[next_cold]
+            if heat >= self.margin * float(C[ml[c], me[c]]) + self.min_gain:
+                moves.append(Move(layer, e, int(slots[c]), (int(layer_of[ml[c]]), int(me[c]))))
+                next_cold += 1
             else:
                 break  # the hottest candidate cannot displace the coldest incumbent: nothing colder helps
         return moves

@@ -80,7 +80,12 @@ class Placement:
         return Placement(self.capacity, {layer: t.copy() for layer, t in self.tables.items()})
 
     def check(self) -> None:
-        """Every main slot holds at most one expert and lies inside the arena."""
+        """Every main slot holds at most one expert and lies inside the arena.  Checked with array
+        operations (it runs at every flip, between two decode steps); the loop below only names the
+        first offender."""
+        slots = np.concatenate([t[t != HELPER] for t in self.tables.values()] or [np.zeros(0, np.int32)])
+        if ((slots >= 0) & (slots < self.capacity)).all() and len(np.unique(slots)) == len(slots):
+            return
         seen: dict[int, tuple[int, int]] = {}
         for layer, t in self.tables.items():
             for e, s in enumerate(t.tolist()):
