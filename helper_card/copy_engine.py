@@ -47,6 +47,10 @@ class CopyEngine:
             # the stream's source must be pinned host memory (or device memory) for a true async copy
             self.store = store if store.device.type == "cuda" else store.pin_memory()
             self.stream = torch.cuda.Stream(device=arena.device)
+            # a store on another GPU (a cuda:N helper's): peer copies run on a stream of that GPU, beside
+            # (not behind) the helper's own work there, and leave PCIe to the step's input copies
+            peer = self.store.device.type == "cuda" and self.store.device != arena.device
+            self.src_stream = torch.cuda.Stream(device=self.store.device) if peer else None
         else:
             self.store = store
             self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="expert-copy")
@@ -63,8 +67,10 @@ class CopyEngine:
         src, dst = self.store[self.row(move.layer, move.expert)], self.arena[move.slot]
         if self.cuda:
             after = torch.cuda.current_stream(self.arena.device).record_event()
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.stream(self.stream), torch.cuda.stream(self.src_stream):
                 self.stream.wait_event(after)
+                # across GPUs PyTorch copies on the source's current stream, fenced both ways with
+                # the destination's (here self.stream), so done_event still marks the copy's end
                 dst.copy_(src, non_blocking=True)
                 copy = _Copy(move, done_event=self.stream.record_event())
         else:

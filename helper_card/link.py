@@ -277,7 +277,8 @@ class PlanLink:
 def write_expert_maps(mem: Memory, placement: Placement) -> None:
     """The int32 maps the step reads (expert -> main slot, or HELPER), one input per MoE layer (a plan
     without the MTP layers has no maps for them).  Every layer's map in one host-to-device copy and one
-    scatter: a flip happens between two decode steps, where a copy per layer cost ~20 us each."""
+    scatter, from pinned memory: a flip happens between two decode steps, where a synchronous copy per
+    layer waited behind the copy engine's expert transfers (docs/PERF.md, session 8)."""
     slots = [(mem.io[f"in.L{layer}.expert_map"], table) for layer, table in placement.tables.items()
              if f"in.L{layer}.expert_map" in mem.io]
     if not slots:
@@ -287,5 +288,8 @@ def write_expert_maps(mem: Memory, placement: Placement) -> None:
             raise ValueError(f"expert map {slot} is not {len(table)} int32 words of the I buffer")
     where = np.concatenate([slot.offset + np.arange(len(table)) for slot, table in slots])
     words = np.stack([where, np.concatenate([table for _, table in slots])]).astype(np.int32)
-    dev = torch.from_numpy(words).to(mem.device)
+    dev = torch.from_numpy(words)
+    if mem.device.type == "cuda":  # pinned, so the host does not wait for the copy (stream order suffices)
+        dev = dev.pin_memory()
+    dev = dev.to(mem.device, non_blocking=True)
     mem.bufs[Buf.I].index_copy_(0, dev[0].long(), dev[1])

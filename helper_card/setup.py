@@ -108,7 +108,11 @@ class Helper:
         W = runner.mem.bufs[Buf.W]
         arena = W[slot.offset: slot.offset + slot.rows * slot.cols].view(slot.rows, slot.cols)
         if self.copier is None:
-            self.copier = CopyEngine(arena, self.store, self.row)
+            # experts come from the helper GPU's copy where there is one (NVLink), else from host memory
+            source = self.backend.store
+            if not (source.device.type == "cuda" and source.device != arena.device):
+                source = self.store
+            self.copier = CopyEngine(arena, source, self.row)
             self.copier.fill(self.placement.main_experts())
             self.arena_ptr = arena.data_ptr()
         elif arena.data_ptr() != self.arena_ptr:
@@ -145,10 +149,11 @@ class Helper:
         for m in moves:
             if m.evict is not None:  # its rows go to the helper from the next step on (it has every expert)
                 placement.tables[m.evict[0]][m.evict[1]] = HELPER
-            copier.start(m)
-        if landed or moves:
+        if landed or moves:  # the flip first: its small map copy must not queue behind the experts' copies
             self.placement = placement
             self.link.set_placement(placement, self.runners)
+        for m in moves:  # after the flip: no step from the next on reads a slot being filled
+            copier.start(m)
         self.moves += len(landed)
         return len(landed)
 
