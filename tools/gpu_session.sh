@@ -22,9 +22,9 @@
 # not fit; bench ~250 s per model and T with two variants, spec ~300 s, stream ~150 s, helper ~400 s).
 # Exits with the worst part's status.
 # Compiled kernels: Triton's cache lives in .triton_cache (git-ignored) and comes back packed as
-# $OUT/triton_cache.txz when it fits (16 MiB); `bash tools/triton_cache.sh unpack FILE` here and
-# `carry: [".triton_cache"]` in the next device call skip the compiles of unchanged kernels (~40 s
-# each for the megakernel).
+# $OUT/triton_cache.txz when it fits (16 MiB); `bash tools/triton_cache.sh keep FILE` here and
+# `carry: [".triton_cache.txz"]` in the next device call skip the compiles of unchanged kernels (~40 s
+# each for the megakernel): this script restores it first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 parts=",${1:-all},"
@@ -41,6 +41,7 @@ rc=0  # the worst part's status (a part cut by its timeout gives 124), not the l
 worst() { [ "$1" -gt "$rc" ] && rc=$1; return 0; }
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$out/gpu.txt"
+bash tools/triton_cache.sh restore || true
 if [[ "$parts" == *,tests,* ]]; then
     timeout 570 python3 -m pytest -m gpu tests/test_gpu.py tests/test_weight_stream.py tests/test_helper.py -v \
         -p no:cacheprovider --durations=25 ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
