@@ -184,13 +184,13 @@ class Engine:
         if int(self.lens.max()) + tokens.shape[1] > self.max_len:
             raise ValueError(f"the cache holds {self.max_len} positions; this step would need "
                              f"{int(self.lens.max()) + tokens.shape[1]}")
-        sync = self.device.type == "cuda"
-        if sync:
-            torch.cuda.synchronize(self.device)
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if stream is not None:  # the step's stream only: background expert copies are not part of a step
+            stream.synchronize()
         t0 = time.perf_counter()
         out = self.backend.run(tokens, self.lens)
-        if sync:
-            torch.cuda.synchronize(self.device)
+        if stream is not None:
+            stream.synchronize()
         self.step_seconds.append(time.perf_counter() - t0)
         if self.checker is not None:
             self.check.add(out.logits, self.checker.run(tokens, self.lens).logits)

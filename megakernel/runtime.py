@@ -406,7 +406,9 @@ class Megakernel(PlanRunner):
         if not sync:
             return None
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            # the step's stream, not the device: a helper's expert copies run beside the steps on their
+            # own stream and must not hold up the step after the one they started behind
+            torch.cuda.current_stream(self.device).synchronize()
         self.check_error()
         return self.result()
 

@@ -8,7 +8,8 @@ on the all-on-main engine's greedy tokens, so every row sees the same inputs and
 tokens are compared with that engine's.  Routing is skewed (a Zipf correction bias whose hot set
 moves every --shift steps, helper_card.migration.BiasSkew) so migration has experts to move; the
 all-on-main engine runs with the same bias.  A step's time is what a token costs: wall time around
-the runner's step (host staging, one graph replay, the sync and the result read; the helper service
+the runner's step (host staging, one graph replay, the sync and the result read, the last row's
+logits copied to the host; the helper service
 answers inside it) and the step boundary after it (metrics, migration's planning and flips, also
 listed per step as migration_stall_ms).  A table on screen, JSON in --out.
 """

@@ -21,7 +21,7 @@ case "${1:-}" in
             rm -f "$2"
         fi ;;
     keep)
-        cp "$2" "$carried"
+        install -m 644 "$2" "$carried"  # the fetched file is read-only
         echo "triton_cache: $(du -h "$carried" | cut -f1) in $carried: carry [\"$carried\"] in the next device call" ;;
     restore)
         [ -f "$carried" ] || exit 0
