@@ -8,6 +8,8 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from graph.compile import CompileOptions, compile_step
 from graph.lower import StepShape
@@ -280,6 +282,45 @@ def test_an_expert_being_copied_is_not_planned_again():
     first = policy.plan(placement, counts)
     assert [(m.expert, m.evict) for m in first] == [(2, (1, 0))]
     assert policy.plan(placement, counts, busy={first[0].slot}, moving={(1, 2)}) == []
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_the_migration_plan_keeps_its_rules_on_any_placement(data):
+    """Whatever the placement, counts, busy slots and copies in flight: at most max_moves moves, each of
+    a helper expert with rows and no copy in flight, into a slot no copy is filling; free slots first
+    (lowest first), then in place of an incumbent only past the hysteresis; the hottest candidates
+    first; and the result is a valid placement."""
+    layers = data.draw(st.lists(st.integers(0, 30), min_size=1, max_size=4, unique=True), "layers")
+    E = data.draw(st.integers(1, 6), "experts")
+    pairs = [(layer, e) for layer in layers for e in range(E)]
+    capacity = data.draw(st.integers(0, len(pairs) + 2), "capacity")
+    on_main = data.draw(st.permutations(pairs), "order")[: data.draw(st.integers(0, min(capacity, len(pairs))))]
+    slots = data.draw(st.permutations(range(capacity)), "slots")
+    placement = Placement(capacity, {layer: np.full(E, HELPER, dtype=np.int32) for layer in layers})
+    for (layer, e), slot in zip(on_main, slots):
+        placement.tables[layer][e] = slot
+    counts = {layer: np.array(data.draw(st.lists(st.integers(0, 6), min_size=E, max_size=E)), dtype=float) / 2
+              for layer in layers}
+    busy = set(data.draw(st.lists(st.integers(0, capacity - 1), max_size=3))) if capacity else set()
+    moving = set(data.draw(st.lists(st.sampled_from(pairs), max_size=2), "moving"))
+    policy = MigrationPolicy(margin=1.5, min_gain=1.0, max_moves=data.draw(st.integers(0, 3), "max_moves"))
+    moves = policy.plan(placement, counts, busy=busy, moving=moving)
+    free = [s for s in placement.free_slots() if s not in busy]
+    eligible = {(layer, e) for layer, e in pairs if placement.on_helper(layer, e) and counts[layer][e] > 0
+                and (layer, e) not in moving}
+    assert len(moves) <= policy.max_moves
+    assert len({(m.layer, m.expert) for m in moves}) == len({m.slot for m in moves}) == len(moves)
+    for i, m in enumerate(moves):
+        assert (m.layer, m.expert) in eligible and m.slot not in busy
+        heat = counts[m.layer][m.expert]
+        assert all(heat >= counts[layer][e] for layer, e in eligible - {(n.layer, n.expert) for n in moves})
+        if i < len(free):
+            assert m.evict is None and m.slot == free[i]
+        else:
+            cl, ce = m.evict
+            assert placement.tables[cl][ce] == m.slot and heat >= policy.margin * counts[cl][ce] + policy.min_gain
+    apply_moves(placement, moves)  # raises unless every slot holds at most one expert
 
 
 def test_offload_moves_only_the_routed_experts():
