@@ -83,7 +83,11 @@ class MailboxService:
             self.kernel.capture(box, {s.signal: {**s.parts, "box": s.box} for s in self.sites})
         else:
             self.program = WholeExpertRunner(runner.mem.cfg, store, link.layers, link.n_experts)
-        self.served = {s.signal: int(self.words[s.box + BOX_SEQ]) for s in self.sites}
+        # every site's sequence word read in one gather per turn of the poll loop: the thread holds the
+        # GIL for a few microseconds per turn, not one Python read per site (26 on DeepSeek-V2-Lite),
+        # so the main thread's own Python between steps is not kept waiting
+        self.seq_at = np.array([s.box + BOX_SEQ for s in self.sites], dtype=np.int64)
+        self.served = self.words[self.seq_at].astype(np.int64)
         self.counted_epoch = 0
         self.errors: list[str] = []
         self.lock = threading.Lock()  # the thread's answers against failures()/count_step on the main thread
@@ -123,17 +127,17 @@ class MailboxService:
             torch.cuda.set_device(self.kernel.device)  # graphs replay on the helper GPU's stream
         last = time.perf_counter()
         while not self.closing:
-            busy = False
-            for site in self.sites:
-                seq = int(self.words[site.box + BOX_SEQ])
-                if seq > self.served[site.signal]:
-                    try:
-                        with self.lock:
-                            self._answer(site, seq)
-                    except Exception as e:  # noqa: BLE001 - the thread must outlive one bad call
-                        with self.lock:
-                            self.errors.append(f"layer {site.layer} call {seq}: {e!r}")
-                    busy = True
+            seqs = self.words[self.seq_at]
+            new = np.flatnonzero(seqs > self.served)
+            busy = len(new) > 0
+            for i in new.tolist():
+                site, seq = self.sites[i], int(seqs[i])
+                try:
+                    with self.lock:
+                        self._answer(i, site, seq)
+                except Exception as e:  # noqa: BLE001 - the thread must outlive one bad call
+                    with self.lock:
+                        self.errors.append(f"layer {site.layer} call {seq}: {e!r}")
             now = time.perf_counter()
             if busy:
                 last = now
@@ -157,8 +161,8 @@ class MailboxService:
         chosen = [s for s in range(site.S) if table[s] >= 0 and placement.on_helper(site.layer, int(table[s]))]
         return table, chosen, None if x is None else torch.from_numpy(x).view(site.N, site.K)
 
-    def _answer(self, site: CallSite, seq: int) -> None:
-        self.served[site.signal] = seq
+    def _answer(self, i: int, site: CallSite, seq: int) -> None:
+        self.served[i] = seq
         request = self._request(site, seq)
         if request is None:
             return
