@@ -17,6 +17,7 @@ and checks the placement digest before the first call.
 
 from __future__ import annotations
 
+import abc
 import queue
 import threading
 import time
@@ -27,7 +28,7 @@ from .link import HelperTimeout
 from .placement import Placement
 
 
-class HelperBackend:
+class HelperBackend(abc.ABC):
     """`store`: the helper's copy of every routed expert ([layers·E, 3·I·H], on the helper's device).
     Calls carry the program (helper_card.link.HelperProgramRunner) of the plan that published them."""
 
@@ -48,12 +49,13 @@ class HelperBackend:
     def set_placement(self, placement: Placement) -> None:
         self.placement = placement.copy()
 
+    @abc.abstractmethod
     def submit(self, job, layer: int, seq: int, slots, x) -> None:
         """Queue call `seq` of `layer`: job(slots, x) computes its rows (the plan's program for the call)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def result(self, layer: int, seq: int, timeout_s: float):
-        raise NotImplementedError
+        """Call `seq`'s rows once computed, waiting at most timeout_s (HelperTimeout past it)."""
 
     def abandon(self, layer: int, seq: int) -> None:
         """The main side gave up on this call (timeout): skip it if it has not started."""
