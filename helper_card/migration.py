@@ -96,7 +96,7 @@ class MigrationPolicy:
         ml, me = np.nonzero(T != HELPER)
         slots = T[ml, me]
         taken = np.zeros(placement.capacity, dtype=bool)  # busy slots, then every occupied one
-        taken[list(busy)] = True
+        taken[[s for s in busy if 0 <= s < placement.capacity]] = True  # as the loop version: others ignored
         keep = ~taken[slots]
         ml, me, slots = ml[keep], me[keep], slots[keep]
         cold = np.lexsort((slots, C[ml, me]))
