@@ -33,7 +33,8 @@ class RoutingStats:
 
     def add(self, layer: int, experts, counts) -> None:
         """Rows routed to each of `experts` in `layer` during the current step."""
-        np.add.at(self.current[self.row[layer]], np.asarray(experts, dtype=np.int64), np.asarray(counts, dtype=np.float64))
+        np.add.at(self.current[self.row[layer]], np.asarray(experts, dtype=np.int64),
+                  np.asarray(counts, dtype=np.float64))
 
     def end_step(self, decode: bool = True) -> None:
         weight = 1.0 if decode else self.prefill_weight
