@@ -158,15 +158,17 @@ def main() -> None:
             print(f"{r['helper']:8} {r['fraction']:5.2f} {r['migrate']:>4} error: {r['error'][:60]}")
             continue
         print(f"{r['helper']:8} {r['fraction']:5.2f} {r['migrate']:>4} {r['step_ms_median']:8.3f} "
-              f"{r.get('boundary_ms_median', 0):7.3f} {r.get('x_all_on_main', 1.0):7.2f} {r.get('calls_per_step', 0):6.1f} {r.get('skipped_per_step', 0):5.1f} "
+              f"{r.get('boundary_ms_median', 0):7.3f} {r.get('x_all_on_main', 1.0):7.2f} "
+              f"{r.get('calls_per_step', 0):6.1f} {r.get('skipped_per_step', 0):5.1f} "
               f"{r.get('exposed_wait_ms_per_step', 0):8.3f} {r.get('moves_per_step', 0):6.2f} "
               f"{'/'.join(map(str, r.get('helper_row_share_first_last_quarter', ['-']))):>15} "
               f"{r.get('tokens_equal', '-'):>7}")
     for r in rows:
         if "max_step_ratio_vs_no_migration" in r:
             print(f"{r['helper']} {r['fraction']:.2f}: with migration each step is at most "
-                  f"{r['max_step_ratio_vs_no_migration']:.3f}x (median {r['median_step_ratio_vs_no_migration']:.3f}x) the "
-                  f"same step without; without migration the slowest step is {r['no_migration_max_over_median']:.3f}x "
+                  f"{r['max_step_ratio_vs_no_migration']:.3f}x (median {r['median_step_ratio_vs_no_migration']:.3f}x) "
+                  f"the same step without; without migration the slowest step is "
+                  f"{r['no_migration_max_over_median']:.3f}x "
                   "that run's median")
 
 
