@@ -48,8 +48,9 @@ class CallSite:
     K: int
     P: int
 
-    @property
+    @functools.cached_property
     def parts(self) -> dict[str, int]:
+        """Word offsets of the mailbox's parts in Buf.H (read on every call and at every step boundary)."""
         return {k: self.box + v for k, v in box_layout(self.S, self.P, self.N, self.K).items()}
 
 
@@ -204,14 +205,15 @@ class MailboxService:
             return
         self.counted_epoch = epoch
         metrics, stats, placement = self.link.metrics, self.link.stats, self.link.placement
-        for site in self.sites:
+        seqs = self.words[self.seq_at]
+        for site, seq in zip(self.sites, seqs.tolist()):
             at = site.parts
             table = self.words[at["table"]: at["table"] + 2 * site.S].copy()
             experts, counts = table[: site.S], table[site.S:]
             used = experts >= 0
             if stats is not None:
                 stats.add(site.layer, experts[used], counts[used])
-            if int(self.words[site.box + BOX_SEQ]) != epoch:
+            if seq != epoch:
                 metrics.skipped += 1
                 continue
             metrics.calls += 1

@@ -29,11 +29,7 @@ from helper_card.migration import BiasSkew, with_routing_bias
 from helper_card.setup import HelperOptions, moe_layers
 from megakernel.engine import make_engine
 from model import init_weights, preset
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+from tools.bench import rel_err
 
 
 def run(engine, cfg, args, tokens=None) -> dict:
