@@ -33,6 +33,8 @@ from .kernel_helper import KernelHelper, helper_table
 from .link import HelperLink, HelperTimeout, WholeExpertRunner
 
 IDLE_S = 0.05  # polling this long without a request (and no step in flight), the thread sleeps until a launch
+# (at once after a step's boundary began: nothing can arrive before the next launch kicks it, and a thread
+# polling through the boundary takes the GIL from the host's own work there, docs/PERF.md session 9)
 BUSY_S = 10.0  # a launched step keeps the thread polling until its boundary (count_step), at most this long
 
 
@@ -142,7 +144,7 @@ class MailboxService:
             now = time.perf_counter()
             if busy:
                 last = now
-            elif now - last > IDLE_S and now > self.busy_until:
+            elif now > self.busy_until and (self.busy_until == 0.0 or now - last > IDLE_S):
                 self.wake.clear()
                 if time.perf_counter() > self.busy_until:  # a kick after clear() set busy_until first
                     self.wake.wait(0.5)

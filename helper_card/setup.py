@@ -128,34 +128,46 @@ class Helper:
 
     def end_step(self, decode: bool = True) -> dict:
         """At a step boundary: this step's metrics, then migration (flips take effect next step)."""
+        t0 = time.perf_counter()
         for service in self.services:
             service.count_step()
         step = self.link.metrics.end_step()
-        t0 = time.perf_counter()
-        moved = self._migrate(decode) if self.opts.migrate else 0
-        step.update(moves=moved, bytes_migrated=self.copier.bytes_moved if self.copier else 0,
-                    migration_stall_ms=(time.perf_counter() - t0) * 1e3,
-                    helper_share=self.placement.helper_share)
+        t1 = time.perf_counter()
+        parts = self._migrate(decode) if self.opts.migrate else {}
+        step.update(moves=parts.pop("landed", 0), bytes_migrated=self.copier.bytes_moved if self.copier else 0,
+                    migration_stall_ms=(time.perf_counter() - t1) * 1e3, count_ms=(t1 - t0) * 1e3,
+                    migration_parts_ms=parts, helper_share=self.placement.helper_share)
         return step
 
-    def _migrate(self, decode: bool) -> int:
+    def _migrate(self, decode: bool) -> dict:
+        """Land finished copies, plan, flip, start copies; returns the moves landed and each phase's ms
+        (where a boundary's time goes, for tools/helper_bench.py)."""
         stats, copier = self.link.stats, self.copier
+        clock = [time.perf_counter()]
+
+        def lap() -> float:
+            clock.append(time.perf_counter())
+            return (clock[-1] - clock[-2]) * 1e3
+
         stats.end_step(decode)
         placement = self.placement.copy()
         landed = copier.finished()
         for m in landed:  # copies done: the expert now reads from its main slot
             placement.tables[m.layer][m.expert] = m.slot
+        t_landed = lap()
         moves = self.opts.policy.plan(placement, stats.counts(), busy=copier.busy_slots(), moving=copier.moving())
         for m in moves:
             if m.evict is not None:  # its rows go to the helper from the next step on (it has every expert)
                 placement.tables[m.evict[0]][m.evict[1]] = HELPER
+        t_plan = lap()
         if landed or moves:  # the flip first: its small map copy must not queue behind the experts' copies
             self.placement = placement
             self.link.set_placement(placement, self.runners)
+        t_flip = lap()
         for m in moves:  # after the flip: no step from the next on reads a slot being filled
             copier.start(m)
         self.moves += len(landed)
-        return len(landed)
+        return {"landed": len(landed), "land": t_landed, "plan": t_plan, "flip": t_flip, "copies": lap()}
 
     def close(self) -> None:
         for service in self.services:

@@ -20,16 +20,19 @@ import argparse
 import gc
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from helper_card.migration import BiasSkew, with_routing_bias
-from helper_card.setup import HelperOptions, moe_layers
-from megakernel.engine import make_engine
-from model import init_weights, preset
-from tools.bench import rel_err
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from helper_card.migration import BiasSkew, with_routing_bias  # noqa: E402
+from helper_card.setup import HelperOptions, moe_layers  # noqa: E402
+from megakernel.engine import make_engine  # noqa: E402
+from model import init_weights, preset  # noqa: E402
+from tools.bench import rel_err  # noqa: E402
 
 
 def run(engine, cfg, args, tokens=None) -> dict:
@@ -69,6 +72,11 @@ def run(engine, cfg, args, tokens=None) -> dict:
         row["bytes_migrated"] = helper.copier.bytes_moved
         row["migration_stall_ms_max"] = max(s["migration_stall_ms"] for s in steps)
         row["migration_stall_ms"] = [round(s["migration_stall_ms"], 3) for s in metrics]
+        # the boundary's parts: reading the mailboxes' counts, then migration's phases
+        row["count_ms_median"] = statistics.median(s["count_ms"] for s in steps)
+        phases = {k for s in steps for k in s["migration_parts_ms"]}
+        row["migration_parts_ms_median"] = {k: statistics.median(s["migration_parts_ms"].get(k, 0.0) for s in steps)
+                                            for k in sorted(phases)}
         # what migration is for: the share of routed rows the helper computes, step by step (it should
         # fall after each move of the hot set, issue 6), and its mean over the first and last quarters
         routed = cfg.num_experts_per_tok * len(layers)
@@ -166,6 +174,11 @@ def main() -> None:
                   f"the same step without; without migration the slowest step is "
                   f"{r['no_migration_max_over_median']:.3f}x "
                   "that run's median")
+    for r in rows:
+        if "count_ms_median" in r:
+            parts = ", ".join(f"{k} {v:.3f}" for k, v in r["migration_parts_ms_median"].items())
+            print(f"{r['helper']} {r['fraction']:.2f} migrate {r['migrate']}: boundary medians (ms): mailbox counts "
+                  f"{r['count_ms_median']:.3f}; {parts or 'no migration'}")
 
 
 if __name__ == "__main__":
