@@ -1,0 +1,344 @@
+"""A warp-specialized Gluon weight stream: does a producer warp running ahead of the dependency waits
+lift the GEMV chain past what the plain-Triton body streams?  (issue 4: choose the technique by
+measurement.)
+
+    python tools/gluon_stream.py [--layers 16] [--slots 24] [--consumer-warps 4] [--iters 50] [--out DIR]
+
+The chain: Llama-3.2-1B's 64 GEMVs (per layer qkv 3072x2048, o 2048x2048, gate|up 16384x2048,
+down 2048x8192; 1.95 GB of bf16), each GEMV's input the first K entries of the previous one's output,
+so GEMV j cannot start before GEMV j-1 has finished everywhere (DESIGN.md measured this chain: cuBLAS
+in a CUDA graph 0.68 ms, plain-Triton persistent kernels 0.95 ms at best).
+
+The kernel is the megakernel's skeleton without its other ops: one CTA per SM runs a queue of tasks
+(16 output rows of one GEMV each), waits on a per-GEMV counter (acquire, bounded), computes, and
+signals (release).  What differs from megakernel/ops/linear.py is who reads the weights:
+- the weights are packed tile-major (each task's [16, 256] bf16 tiles contiguous, in queue order),
+  so one TMA descriptor addresses every tile of every matrix, K tails zero-filled by the packing;
+- a 1-warp producer partition walks the same queue and streams tiles into a ring of shared-memory
+  slots by TMA, guarded by mbarriers (ready: bytes landed; empty: consumers done).  It never waits
+  on a dependency counter, so the next tasks' weights are in flight while the consumers wait;
+- the consumer warps wait, read each tile from shared memory, multiply by the activation slice and
+  keep [16, 256] partial sums in registers; one reduction per task, fp32 throughout.
+
+Reports, in one process: this kernel with the waits (the chain) and without (every GEMV reads the
+chain's input: the stream's ceiling), the same GEMVs as torch.mv in a CUDA graph (cuBLAS), and the
+floor (bytes / x.sum()'s streaming read).  Results are checked against torch in fp32 first.
+Gluon does not run under TRITON_INTERPRET: tests/test_gluon_stream.py compiles it for sm_90 on a
+CPU and checks it on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TILE_ROWS, TILE_COLS = 16, 256  # a weight tile: 16 output rows x 256 columns of bf16 (8 KB), one TMA box
+ROWS, COLS = gl.constexpr(TILE_ROWS), gl.constexpr(TILE_COLS)  # the same, for the kernel
+# a task: first tile, tiles, x offset, K, y offset, valid rows, its GEMV, that GEMV's predecessor's task count
+FIELDS = gl.constexpr(8)
+MAX_SPINS = gl.constexpr(1 << 24)  # a dependency wait polls at most this often, then flags an error (never hangs)
+STRIDE = 32  # int32s between counters: one per 128-byte line
+COUNTER_STRIDE = gl.constexpr(STRIDE)
+LLAMA_1B = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # (N, K) of one layer's GEMVs
+
+
+@gluon.jit
+def _producer(desc, tasks, queue, ring, ready, empty, SLOTS: gl.constexpr, SUB: gl.constexpr):
+    """Streams the worker's tiles into the ring in queue order, SLOTS ahead of the consumers: a slot holds
+    SUB consecutive tiles of one task (its count of tiles is a multiple of SUB), one barrier for all."""
+    pid = gl.program_id(0)
+    it = 0
+    for t in range(gl.load(queue + pid), gl.load(queue + pid + 1)):
+        tile0 = gl.load(tasks + t * FIELDS)
+        for c in range(0, gl.load(tasks + t * FIELDS + 1), SUB):
+            s = it % SLOTS
+            mbarrier.wait(empty.index(s), ((it // SLOTS) & 1) ^ 1)  # a fresh barrier passes parity 1
+            mbarrier.expect(ready.index(s), SUB * ROWS * COLS * 2)
+            for j in gl.static_range(SUB):
+                tma.async_copy_global_to_shared(desc, [(tile0 + c + j) * ROWS, 0], ready.index(s),
+                                                ring.index(s * SUB + j))
+            it += 1
+
+
+@gluon.jit
+def _wait(counter, target, err):
+    """Polls counter (acquire) until it reaches target; False (and the error flag set) after MAX_SPINS."""
+    spins = 0
+    seen = gl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+    while (seen < target) & (spins < MAX_SPINS):
+        seen = gl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+        spins += 1
+    if seen < target:
+        gl.atomic_xchg(err, 1, sem="relaxed", scope="gpu")
+    return seen >= target
+
+
+@gluon.jit
+def _consumer(tasks, queue, counters, epoch_ptr, err, act, ring, ready, empty, WAIT: gl.constexpr,
+              SLOTS: gl.constexpr, SUB: gl.constexpr, WARPS: gl.constexpr):
+    """Runs the worker's tasks: wait on the previous GEMV's counter, stream its tiles, store, signal."""
+    tile_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+    cols = gl.arange(0, COLS, gl.SliceLayout(0, tile_l))
+    rows = gl.arange(0, ROWS, gl.SliceLayout(1, tile_l))
+    pid = gl.program_id(0)
+    epoch = gl.load(epoch_ptr + pid) + 1  # counters only grow: this launch's targets are epoch x count
+    gl.store(epoch_ptr + pid, epoch)
+    it = 0
+    ok = gl.atomic_add(err, 0, sem="relaxed", scope="gpu") == 0
+    for t in range(gl.load(queue + pid), gl.load(queue + pid + 1)):
+        task = tasks + t * FIELDS
+        ntiles = gl.load(task + 1)
+        x_off = (gl.load(task + 2) // 8) * 8  # multiples of 8 (the host checks): 16-byte activation loads
+        K = (gl.load(task + 3) // 8) * 8
+        y_off = gl.load(task + 4)
+        nrows = gl.load(task + 5)
+        gemv = gl.load(task + 6)  # the GEMV this task belongs to; its predecessor's task count next
+        if WAIT:
+            if gemv > 0:
+                if ok:
+                    ok = _wait(counters + (gemv - 1) * COUNTER_STRIDE, epoch * gl.load(task + 7), err)
+        acc = gl.zeros([ROWS, COLS], gl.float32, tile_l)
+        for c in range(0, ntiles, SUB):
+            s = it % SLOTS
+            mbarrier.wait(ready.index(s), (it // SLOTS) & 1)
+            for j in gl.static_range(SUB):
+                k = (c + j) * COLS + cols
+                xs = gl.load(act + x_off + k, mask=k < K, other=0.0)
+                acc += ring.index(s * SUB + j).load(tile_l).to(gl.float32) * xs[None, :]
+            mbarrier.arrive(empty.index(s), count=1)  # after a barrier: every consumer warp has read the slot
+            it += 1
+        out = gl.sum(acc, axis=1)
+        gl.store(act + y_off + rows, out, mask=(rows < nrows) & ok)
+        gl.thread_barrier()  # every consumer's stores before the release
+        gl.atomic_add(counters + gemv * COUNTER_STRIDE, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def gemv_chain_kernel(desc, tasks, queue, counters, epoch_ptr, err, act, WAIT: gl.constexpr,
+                      SLOTS: gl.constexpr, SUB: gl.constexpr, WARPS: gl.constexpr):
+    ring = gl.allocate_shared_memory(gl.bfloat16, [SLOTS * SUB, ROWS, COLS], desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(SLOTS):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    gl.warp_specialize([(_consumer, (tasks, queue, counters, epoch_ptr, err, act, ring, ready, empty, WAIT, SLOTS,
+                                     SUB, WARPS)),
+                        (_producer, (desc, tasks, queue, ring, ready, empty, SLOTS, SUB))], [1], [40])
+
+
+# ---- host ----------------------------------------------------------------------------------------
+@dataclass
+class Chain:
+    """The GEMVs, their weights packed tile-major, the task table and the per-worker queues."""
+    shapes: list[tuple[int, int]]  # (N, K) per GEMV
+    weights: list[torch.Tensor]  # [N, K] bf16, for the reference and cuBLAS
+    arena: torch.Tensor  # [tiles x TILE_ROWS, TILE_COLS] bf16
+    tasks: torch.Tensor  # [n_tasks, FIELDS] int32, in queue order
+    queue: torch.Tensor  # [workers + 1] int32: worker w runs tasks queue[w]..queue[w+1]
+    x_off: list[int]  # where each GEMV reads its input in the activation buffer
+    y_off: list[int]  # where it writes its output
+    act_size: int
+
+
+def k_tiles(k: int, sub: int = 1) -> int:
+    """Tiles per row block: K in TILE_COLS-wide tiles, rounded up to whole ring slots of sub tiles."""
+    return -(-k // (TILE_COLS * sub)) * sub
+
+
+def tile_major(w: torch.Tensor, sub: int = 1) -> torch.Tensor:
+    """[N, K] -> [tiles x TILE_ROWS, TILE_COLS]: row block r's K tiles one after another, zero-padded."""
+    n, k = w.shape
+    nr, nk = -(-n // TILE_ROWS), k_tiles(k, sub)
+    padded = torch.zeros(nr * TILE_ROWS, nk * TILE_COLS, dtype=w.dtype, device=w.device)
+    padded[:n, :k] = w
+    return padded.view(nr, TILE_ROWS, nk, TILE_COLS).permute(0, 2, 1, 3).reshape(nr * nk * TILE_ROWS, TILE_COLS)
+
+
+def build_chain(shapes, workers: int, chained: bool, device, seed: int = 0, sub: int = 1) -> Chain:
+    """Random weights (~N(0, 1/K), so activations stay ~1 along the chain) and balanced queues: GEMV j's
+    tasks go round-robin from where GEMV j-1's ended, each worker's queue in GEMV order (a task waits only
+    on earlier GEMVs, which every queue runs first: no deadlock)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    weights = [(torch.randn(n, k, generator=g, device=device) / k ** 0.5).to(torch.bfloat16) for n, k in shapes]
+    if any(k % 8 for _, k in shapes):
+        raise ValueError(f"gluon_stream: every K must be a multiple of 8 (16-byte activation loads): {shapes}")
+    if chained and any(k > shapes[j - 1][0] for j, (_, k) in enumerate(shapes) if j > 0):
+        raise ValueError(f"gluon_stream: a chained GEMV reads K <= the previous one's N entries: {shapes}")
+    arena = torch.cat([tile_major(w, sub) for w in weights])
+    x_off, y_off, base = [], [], max(k for _, k in shapes)  # act[0:max K] is the chain's input
+    for j, (n, k) in enumerate(shapes):
+        x_off.append(y_off[j - 1] if chained and j > 0 else 0)
+        y_off.append(base)
+        base += -(-n // 8) * 8  # the next GEMV's input starts 16-byte aligned
+    per_worker: list[list[list[int]]] = [[] for _ in range(workers)]
+    tile, w = 0, 0
+    for j, (n, k) in enumerate(shapes):
+        nr, nk = -(-n // TILE_ROWS), k_tiles(k, sub)
+        prev = -(-shapes[j - 1][0] // TILE_ROWS) if j > 0 else 0
+        for r in range(nr):
+            rows = min(TILE_ROWS, n - r * TILE_ROWS)
+            per_worker[w].append([tile, nk, x_off[j], k, y_off[j] + r * TILE_ROWS, rows, j, prev])
+            tile += nk
+            w = (w + 1) % workers
+    table = [t for q in per_worker for t in q]
+    queue = torch.tensor([0] + [len(q) for q in per_worker], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return Chain(list(shapes), weights, arena, torch.tensor(table, dtype=torch.int32, device=device),
+                 queue.to(device), x_off, y_off, base)
+
+
+class GluonChain:
+    """The kernel's launch state: descriptor, counters, epochs, error flag, activation buffer."""
+
+    def __init__(self, chain: Chain, workers: int, wait: bool, slots: int, sub: int, warps: int):
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        dev = chain.arena.device
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+        self.desc = TensorDescriptor.from_tensor(chain.arena, [TILE_ROWS, TILE_COLS], layout)
+        self.chain, self.workers, self.wait, self.slots, self.sub, self.warps = chain, workers, wait, slots, sub, warps
+        self.counters = torch.zeros(len(chain.shapes) * STRIDE, dtype=torch.int32, device=dev)
+        self.epochs = torch.zeros(workers, dtype=torch.int32, device=dev)
+        self.err = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.act = torch.zeros(chain.act_size, dtype=torch.float32, device=dev)
+
+    def launch(self) -> None:
+        c = self.chain
+        gemv_chain_kernel[(self.workers,)](self.desc, c.tasks, c.queue, self.counters, self.epochs, self.err, self.act,
+                                            WAIT=self.wait, SLOTS=self.slots, SUB=self.sub, WARPS=self.warps,
+                                            num_warps=self.warps)
+
+    def check_error(self) -> None:
+        if int(self.err.item()):
+            raise RuntimeError("gemv_chain_kernel: a dependency wait ran past MAX_SPINS polls "
+                               f"(counters {self.counters[::STRIDE].tolist()}, epochs {self.epochs.tolist()})")
+
+    def outputs(self) -> list[torch.Tensor]:
+        return [self.act[o:o + n] for o, (n, _) in zip(self.chain.y_off, self.chain.shapes)]
+
+
+def compile_sm90(slots: int, sub: int, warps: int, wait: bool = True):
+    """The kernel compiled for an H100/H200 on any machine (Gluon has no interpreter: a CPU's check)."""
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    tile = torch.zeros(TILE_ROWS, TILE_COLS, dtype=torch.bfloat16)
+    desc = TensorDescriptor.from_tensor(tile, [TILE_ROWS, TILE_COLS], layout)
+    sig = {"desc": native_specialize_impl(BaseBackend, desc, False, True, True)[0],
+           **{n: "*i32" for n in ("tasks", "queue", "counters", "epoch_ptr", "err")}, "act": "*fp32",
+           **{n: "constexpr" for n in ("WAIT", "SLOTS", "SUB", "WARPS")}}
+    const = {"WAIT": wait, "SLOTS": slots, "SUB": sub, "WARPS": warps}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(1, 7)}  # as the JIT finds torch tensors
+    return triton.compile(GluonASTSource(fn=gemv_chain_kernel, signature=sig, constexprs=const, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def reference(chain: Chain, x0: torch.Tensor, chained: bool) -> list[torch.Tensor]:
+    """Each GEMV in fp32 from the same bf16 weights."""
+    outs, x = [], x0
+    for w, (n, k) in zip(chain.weights, chain.shapes):
+        outs.append(w.float() @ (x[:k] if chained else x0[:k]))
+        x = outs[-1]
+    return outs
+
+
+def graph_of(fn, warmup: int = 3) -> torch.cuda.CUDAGraph:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--variants", nargs="*", default=["6x4", "12x2", "24x1"], metavar="SLOTSxSUB",
+                   help="ring shapes: SLOTS slots of SUB 8 KB tiles each (at most ~220 KB in all)")
+    p.add_argument("--consumer-warps", type=int, nargs="*", default=[4])
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--out", default=".")
+    p.add_argument("--compile-only", action="store_true", help="compile for sm_90 (no GPU needed), print its sizes")
+    args = p.parse_args()
+    variants = [tuple(int(v) for v in spec.split("x")) for spec in args.variants]
+    if args.compile_only:
+        for slots, sub in variants:
+            k = compile_sm90(slots, sub, args.consumer_warps[0])
+            ptx = k.asm["ptx"]
+            assert "cp.async.bulk.tensor" in ptx and "mbarrier.try_wait" in ptx and "setmaxnreg" in ptx
+            print(f"sm_90: slots {slots} x {sub} tiles, shared {k.metadata.shared} bytes, ptx {len(ptx)} chars")
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("gluon_stream times a Gluon kernel: it needs a GPU (Gluon has no interpreter)")
+    from tools.bench import read_bandwidth, time_ms
+    props = torch.cuda.get_device_properties(0)
+    workers = props.multi_processor_count
+    shapes = LLAMA_1B * args.layers
+    nbytes = sum(n * k * 2 for n, k in shapes)
+    bw = read_bandwidth()
+    x0 = torch.randn(max(k for _, k in shapes), device="cuda")
+    rows = []
+    for chained in (True, False):
+        for sub in sorted({sub for _, sub in variants}):
+            chain = build_chain(shapes, workers, chained, "cuda", sub=sub)
+            ref = reference(chain, x0, chained)
+            for slots in [s for s, b in variants if b == sub]:
+                for warps in args.consumer_warps:
+                    run = GluonChain(chain, workers, chained, slots, sub, warps)
+                    run.act[:x0.numel()] = x0
+                    run.launch()
+                    torch.cuda.synchronize()
+                    run.check_error()
+                    err = max(float((o - r).norm() / r.norm()) for o, r in zip(run.outputs(), ref))
+                    graph = graph_of(run.launch)
+                    ms = time_ms(graph.replay, iters=args.iters, warmup=5)
+                    run.check_error()
+                    rows.append({"kernel": "gluon", "waits": chained, "ring": f"{slots}x{sub}", "consumer_warps": warps,
+                                 "ms": ms, "TBps": nbytes / ms / 1e9, "rel_err": err})
+                    print(rows[-1], flush=True)
+                    del run, graph
+            weights = chain.weights
+            del chain
+    # cuBLAS: the same chain as torch.mv launches in one CUDA graph (bf16 activations)
+    xb = x0.to(torch.bfloat16)
+
+    def cublas_chain():
+        x = xb
+        for w in weights:
+            x = torch.mv(w, x[:w.shape[1]])
+    ms = time_ms(graph_of(cublas_chain).replay, iters=args.iters, warmup=5)
+    rows.append({"kernel": "cublas graph", "waits": True, "ring": "-", "consumer_warps": 0, "ms": ms,
+                 "TBps": nbytes / ms / 1e9, "rel_err": float("nan")})
+    floor = nbytes / bw * 1e3
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gluon_stream.json").write_text(json.dumps({"gpu": props.name, "gemvs": len(shapes), "bytes": nbytes,
+                                                       "read_TBps": bw / 1e12, "floor_ms": floor, "rows": rows},
+                                                      indent=1))
+    print(f"{props.name}: {len(shapes)} GEMVs, {nbytes / 1e9:.3f} GB; streaming read {bw / 1e12:.2f} TB/s, "
+          f"floor {floor:.3f} ms")
+    print(f"{'kernel':<14}{'waits':>6}{'ring':>6}{'warps':>6}{'ms':>9}{'TB/s':>7}{'x floor':>8}{'rel err':>10}")
+    for r in rows:
+        print(f"{r['kernel']:<14}{str(r['waits']):>6}{r['ring']:>6}{r['consumer_warps']:>6}{r['ms']:>9.3f}"
+              f"{r['TBps']:>7.2f}{r['ms'] / floor:>8.2f}{r['rel_err']:>10.1e}")
+
+
+if __name__ == "__main__":
+    main()
