@@ -28,7 +28,7 @@ def replay(chain: gs.Chain, act: torch.Tensor) -> None:
     every task of the previous GEMV, and queue order is GEMV order)."""
     order = sorted(range(chain.tasks.shape[0]), key=lambda t: int(chain.tasks[t, 6]))
     for t in order:
-        tile0, ntiles, x_off, k, y_off, nrows, _, _ = chain.tasks[t].tolist()
+        tile0, ntiles, x_off, k, y_off, nrows = chain.tasks[t, :6].tolist()
         R, C = gs.TILE_ROWS, gs.TILE_COLS
         tiles = chain.arena[tile0 * R:(tile0 + ntiles) * R].view(ntiles, R, C).float()
         x = torch.zeros(ntiles * C)
@@ -62,11 +62,36 @@ def test_tile_major_keeps_every_weight():
     assert torch.equal(back[:37, :517], w) and not back[37:].any() and not back[:, 517:].any()
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton interpreter only")
+@pytest.mark.parametrize("chained", [True, False])
+def test_triton_kernel_under_the_interpreter_equals_the_chain(chained):
+    """The comparison's plain-Triton side (ops/linear.py's body in the same skeleton), one worker (the
+    interpreter runs programs one after another, so a second one's waits would never be met)."""
+    chain = gs.build_chain(SHAPES, 1, chained, "cpu")
+    run = gs.ChainRun(chain, 1, chained, gs.Variant.parse("triton:8x64"))
+    x0 = torch.randn(max(k for _, k in SHAPES))
+    for _ in range(2):  # a second launch: the counters only grow
+        run.act.zero_()
+        run.act[:x0.numel()] = x0
+        run.launch()
+        run.check_error()
+        for out, ref in zip(run.outputs(), gs.reference(chain, x0, chained)):
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_variants_parse_and_refuse():
+    assert gs.Variant.parse("gluon:6x4") == gs.Variant("gluon", 6, 4, 4)
+    assert gs.Variant.parse("triton:16x1024").warps == 8
+    for bad in ("gluon:6", "cublas:1x1", "triton:ax4"):
+        with pytest.raises(ValueError, match="variant"):
+            gs.Variant.parse(bad)
+
+
 def test_compiles_for_sm90():
     """In a process without TRITON_INTERPRET (the suite's interpreter would wrap the kernel)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     tool = Path(__file__).resolve().parents[1] / "tools" / "gluon_stream.py"
-    out = subprocess.run([sys.executable, str(tool), "--compile-only", "--variants", "6x4"],
+    out = subprocess.run([sys.executable, str(tool), "--compile-only", "--variants", "gluon:6x4"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     shared = int(re.search(r"shared (\d+) bytes", out.stdout).group(1))
@@ -76,12 +101,13 @@ def test_compiles_for_sm90():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs a GPU")
 @pytest.mark.parametrize("chained", [True, False])
-@pytest.mark.parametrize("slots,sub", [(3, 1), (4, 2)])
-def test_gpu_chain_equals_torch(chained, slots, sub):
+@pytest.mark.parametrize("spec", ["gluon:3x1", "gluon:4x2", "triton:16x1024"])
+def test_gpu_chain_equals_torch(chained, spec):
     shapes = SHAPES * 3
     workers = 5  # more tasks than workers, fewer than tasks of one GEMV
-    chain = gs.build_chain(shapes, workers, chained, "cuda", sub=sub)
-    run = gs.GluonChain(chain, workers, chained, slots, sub, warps=4)
+    v = gs.Variant.parse(spec)
+    chain = gs.build_chain(shapes, workers, chained, "cuda", sub=v.sub)
+    run = gs.ChainRun(chain, workers, chained, v)
     x0 = torch.randn(max(k for _, k in shapes), device="cuda")
     ref = gs.reference(chain, x0, chained)
     for _ in range(3):  # replays: the counters only grow

@@ -36,16 +36,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megakernel.memory import STREAM_SLACK  # noqa: E402
+from megakernel.ops import linear  # noqa: E402
+
 TILE_ROWS, TILE_COLS = 16, 256  # a weight tile: 16 output rows x 256 columns of bf16 (8 KB), one TMA box
 ROWS, COLS = gl.constexpr(TILE_ROWS), gl.constexpr(TILE_COLS)  # the same, for the kernel
-# a task: first tile, tiles, x offset, K, y offset, valid rows, its GEMV, that GEMV's predecessor's task count
-FIELDS = gl.constexpr(8)
+# a task: first tile, tiles, x offset, K, y offset, valid rows, its GEMV, that GEMV's predecessor's task count,
+# and for the plain-Triton kernel its matrix's offset in the row-major arena and its first row
+FIELDS = gl.constexpr(10)
 MAX_SPINS = gl.constexpr(1 << 24)  # a dependency wait polls at most this often, then flags an error (never hangs)
 STRIDE = 32  # int32s between counters: one per 128-byte line
 COUNTER_STRIDE = gl.constexpr(STRIDE)
@@ -137,6 +143,46 @@ def gemv_chain_kernel(desc, tasks, queue, counters, epoch_ptr, err, act, WAIT: g
                         (_producer, (desc, tasks, queue, ring, ready, empty, SLOTS, SUB))], [1], [40])
 
 
+# ---- the same tasks through the plain-Triton body (megakernel/ops/linear.py), for the comparison ----------
+@triton.jit
+def _triton_wait(counter, target, err):
+    spins = 0
+    seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+    while (seen < target) & (spins < MAX_SPINS):
+        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+        spins += 1
+    if seen < target:
+        tl.atomic_xchg(err, 1, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def triton_chain_kernel(W, A, tasks, queue, counters, epoch_ptr, err, WAIT: tl.constexpr, BR: tl.constexpr,
+                        KC: tl.constexpr):
+    """Each task as the megakernel runs a LINEAR one: its first weight chunk requested, the wait, then
+    linear.stream_chunks over row-major weights (W, with memory.STREAM_SLACK after the last matrix)."""
+    pid = tl.program_id(0)
+    epoch = tl.load(epoch_ptr + pid) + 1
+    tl.store(epoch_ptr + pid, epoch)
+    for t in range(tl.load(queue + pid), tl.load(queue + pid + 1)):
+        task = tasks + t * FIELDS
+        x_off = (tl.load(task + 2) // 8) * 8
+        K = (tl.load(task + 3) // 8) * 8
+        y_off = tl.load(task + 4)
+        nrows = tl.load(task + 5)
+        gemv = tl.load(task + 6)
+        w_ptr = W + (tl.load(task + 8) // 8) * 8
+        r0 = tl.load(task + 9)
+        w = linear.first_chunk(w_ptr, r0, r0 + nrows, K, BR, KC, 8)
+        if WAIT:
+            if gemv > 0:
+                _triton_wait(counters + (gemv - 1) * COUNTER_STRIDE, epoch * tl.load(task + 7), err)
+        no = gemv < 0  # no residual, no gate|up (a runtime False, as the megakernel's flags are)
+        linear.stream_chunks(A + x_off, K, tasks, 0, 1, A + (y_off - r0), 0, A, 0, no, w_ptr, w_ptr, no, r0,
+                             r0 + nrows, K, w, BR, KC, 8, 1, 1)
+        tl.debug_barrier()  # every thread's stores before the release
+        tl.atomic_add(counters + gemv * COUNTER_STRIDE, 1, sem="release", scope="gpu")
+
+
 # ---- host ----------------------------------------------------------------------------------------
 @dataclass
 class Chain:
@@ -144,6 +190,7 @@ class Chain:
     shapes: list[tuple[int, int]]  # (N, K) per GEMV
     weights: list[torch.Tensor]  # [N, K] bf16, for the reference and cuBLAS
     arena: torch.Tensor  # [tiles x TILE_ROWS, TILE_COLS] bf16
+    rowmajor: torch.Tensor  # every matrix row-major, one after another, then STREAM_SLACK zeros (Triton's)
     tasks: torch.Tensor  # [n_tasks, FIELDS] int32, in queue order
     queue: torch.Tensor  # [workers + 1] int32: worker w runs tasks queue[w]..queue[w+1]
     x_off: list[int]  # where each GEMV reads its input in the activation buffer
@@ -176,6 +223,10 @@ def build_chain(shapes, workers: int, chained: bool, device, seed: int = 0, sub:
     if chained and any(k > shapes[j - 1][0] for j, (_, k) in enumerate(shapes) if j > 0):
         raise ValueError(f"gluon_stream: a chained GEMV reads K <= the previous one's N entries: {shapes}")
     arena = torch.cat([tile_major(w, sub) for w in weights])
+    rowmajor = torch.cat([w.reshape(-1) for w in weights] + [weights[0].new_zeros(STREAM_SLACK)])
+    w_base = [0]
+    for n, k in shapes:
+        w_base.append(w_base[-1] + n * k)
     x_off, y_off, base = [], [], max(k for _, k in shapes)  # act[0:max K] is the chain's input
     for j, (n, k) in enumerate(shapes):
         x_off.append(y_off[j - 1] if chained and j > 0 else 0)
@@ -188,38 +239,72 @@ def build_chain(shapes, workers: int, chained: bool, device, seed: int = 0, sub:
         prev = -(-shapes[j - 1][0] // TILE_ROWS) if j > 0 else 0
         for r in range(nr):
             rows = min(TILE_ROWS, n - r * TILE_ROWS)
-            per_worker[w].append([tile, nk, x_off[j], k, y_off[j] + r * TILE_ROWS, rows, j, prev])
+            per_worker[w].append([tile, nk, x_off[j], k, y_off[j] + r * TILE_ROWS, rows, j, prev, w_base[j],
+                                  r * TILE_ROWS])
             tile += nk
             w = (w + 1) % workers
     table = [t for q in per_worker for t in q]
     queue = torch.tensor([0] + [len(q) for q in per_worker], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    return Chain(list(shapes), weights, arena, torch.tensor(table, dtype=torch.int32, device=device),
+    return Chain(list(shapes), weights, arena, rowmajor, torch.tensor(table, dtype=torch.int32, device=device),
                  queue.to(device), x_off, y_off, base)
 
 
-class GluonChain:
-    """The kernel's launch state: descriptor, counters, epochs, error flag, activation buffer."""
+@dataclass(frozen=True)
+class Variant:
+    """gluon:SLOTSxSUB (ring slots of SUB 8 KB tiles, consumer warps) or triton:BRxKC (the LINEAR body's
+    weight chunk: BR rows x KC columns, 8 warps as the megakernel)."""
+    kind: str
+    a: int
+    b: int
+    warps: int = 4
 
-    def __init__(self, chain: Chain, workers: int, wait: bool, slots: int, sub: int, warps: int):
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    @staticmethod
+    def parse(spec: str, warps: int = 4) -> "Variant":
+        kind, _, shape = spec.partition(":")
+        try:
+            a, b = (int(v) for v in shape.split("x"))
+        except ValueError:
+            raise ValueError(f"variant {spec!r}: gluon:SLOTSxSUB or triton:BRxKC") from None
+        if kind not in ("gluon", "triton"):
+            raise ValueError(f"variant {spec!r}: the kind is gluon or triton")
+        return Variant(kind, a, b, warps if kind == "gluon" else 8)
+
+    @property
+    def sub(self) -> int:
+        return self.b if self.kind == "gluon" else 1
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.a}x{self.b}"
+
+
+class ChainRun:
+    """One variant's launch state over a chain: counters, epochs, error flag, activation buffer."""
+
+    def __init__(self, chain: Chain, workers: int, wait: bool, variant: Variant):
         dev = chain.arena.device
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-        self.desc = TensorDescriptor.from_tensor(chain.arena, [TILE_ROWS, TILE_COLS], layout)
-        self.chain, self.workers, self.wait, self.slots, self.sub, self.warps = chain, workers, wait, slots, sub, warps
+        self.chain, self.workers, self.wait, self.v = chain, workers, wait, variant
+        if variant.kind == "gluon":
+            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+            layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+            self.desc = TensorDescriptor.from_tensor(chain.arena, [TILE_ROWS, TILE_COLS], layout)
         self.counters = torch.zeros(len(chain.shapes) * STRIDE, dtype=torch.int32, device=dev)
         self.epochs = torch.zeros(workers, dtype=torch.int32, device=dev)
         self.err = torch.zeros(1, dtype=torch.int32, device=dev)
         self.act = torch.zeros(chain.act_size, dtype=torch.float32, device=dev)
 
     def launch(self) -> None:
-        c = self.chain
-        gemv_chain_kernel[(self.workers,)](self.desc, c.tasks, c.queue, self.counters, self.epochs, self.err, self.act,
-                                            WAIT=self.wait, SLOTS=self.slots, SUB=self.sub, WARPS=self.warps,
-                                            num_warps=self.warps)
+        c, v = self.chain, self.v
+        if v.kind == "gluon":
+            gemv_chain_kernel[(self.workers,)](self.desc, c.tasks, c.queue, self.counters, self.epochs, self.err,
+                                                self.act, WAIT=self.wait, SLOTS=v.a, SUB=v.b, WARPS=v.warps,
+                                                num_warps=v.warps)
+        else:
+            triton_chain_kernel[(self.workers,)](c.rowmajor, self.act, c.tasks, c.queue, self.counters, self.epochs,
+                                                  self.err, WAIT=self.wait, BR=v.a, KC=v.b, num_warps=v.warps)
 
     def check_error(self) -> None:
         if int(self.err.item()):
-            raise RuntimeError("gemv_chain_kernel: a dependency wait ran past MAX_SPINS polls "
+            raise RuntimeError(f"{self.v}: a dependency wait ran past MAX_SPINS polls "
                                f"(counters {self.counters[::STRIDE].tolist()}, epochs {self.epochs.tolist()})")
 
     def outputs(self) -> list[torch.Tensor]:
@@ -270,20 +355,23 @@ def graph_of(fn, warmup: int = 3) -> torch.cuda.CUDAGraph:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--variants", nargs="*", default=["6x4", "12x2", "24x1"], metavar="SLOTSxSUB",
-                   help="ring shapes: SLOTS slots of SUB 8 KB tiles each (at most ~220 KB in all)")
-    p.add_argument("--consumer-warps", type=int, nargs="*", default=[4])
+    p.add_argument("--variants", nargs="*", default=["gluon:6x4", "gluon:12x2", "gluon:24x1", "triton:16x1024",
+                                                    "triton:8x2048"], metavar="KIND:AxB",
+                   help="gluon:SLOTSxSUB (a ring of SLOTS slots of SUB 8 KB tiles; at most ~220 KB in all) or "
+                        "triton:BRxKC (the plain-Triton LINEAR body's chunk)")
+    p.add_argument("--consumer-warps", type=int, default=4)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", default=".")
     p.add_argument("--compile-only", action="store_true", help="compile for sm_90 (no GPU needed), print its sizes")
     args = p.parse_args()
-    variants = [tuple(int(v) for v in spec.split("x")) for spec in args.variants]
+    variants = [Variant.parse(spec, args.consumer_warps) for spec in args.variants]
     if args.compile_only:
-        for slots, sub in variants:
-            k = compile_sm90(slots, sub, args.consumer_warps[0])
-            ptx = k.asm["ptx"]
-            assert "cp.async.bulk.tensor" in ptx and "mbarrier.try_wait" in ptx and "setmaxnreg" in ptx
-            print(f"sm_90: slots {slots} x {sub} tiles, shared {k.metadata.shared} bytes, ptx {len(ptx)} chars")
+        for v in variants:
+            if v.kind == "gluon":
+                k = compile_sm90(v.a, v.b, v.warps)
+                ptx = k.asm["ptx"]
+                assert "cp.async.bulk.tensor" in ptx and "mbarrier.try_wait" in ptx and "setmaxnreg" in ptx
+                print(f"sm_90: {v}, shared {k.metadata.shared} bytes, ptx {len(ptx)} chars")
         return
     if not torch.cuda.is_available():
         raise SystemExit("gluon_stream times a Gluon kernel: it needs a GPU (Gluon has no interpreter)")
@@ -296,24 +384,23 @@ def main() -> None:
     x0 = torch.randn(max(k for _, k in shapes), device="cuda")
     rows = []
     for chained in (True, False):
-        for sub in sorted({sub for _, sub in variants}):
+        for sub in sorted({v.sub for v in variants}):
             chain = build_chain(shapes, workers, chained, "cuda", sub=sub)
             ref = reference(chain, x0, chained)
-            for slots in [s for s, b in variants if b == sub]:
-                for warps in args.consumer_warps:
-                    run = GluonChain(chain, workers, chained, slots, sub, warps)
-                    run.act[:x0.numel()] = x0
-                    run.launch()
-                    torch.cuda.synchronize()
-                    run.check_error()
-                    err = max(float((o - r).norm() / r.norm()) for o, r in zip(run.outputs(), ref))
-                    graph = graph_of(run.launch)
-                    ms = time_ms(graph.replay, iters=args.iters, warmup=5)
-                    run.check_error()
-                    rows.append({"kernel": "gluon", "waits": chained, "ring": f"{slots}x{sub}", "consumer_warps": warps,
-                                 "ms": ms, "TBps": nbytes / ms / 1e9, "rel_err": err})
-                    print(rows[-1], flush=True)
-                    del run, graph
+            for v in [v for v in variants if v.sub == sub]:
+                run = ChainRun(chain, workers, chained, v)
+                run.act[:x0.numel()] = x0
+                run.launch()
+                torch.cuda.synchronize()
+                run.check_error()
+                err = max(float((o - r).norm() / r.norm()) for o, r in zip(run.outputs(), ref))
+                graph = graph_of(run.launch)
+                ms = time_ms(graph.replay, iters=args.iters, warmup=5)
+                run.check_error()
+                rows.append({"kernel": str(v), "waits": chained, "warps": v.warps, "ms": ms,
+                             "TBps": nbytes / ms / 1e9, "rel_err": err})
+                print(rows[-1], flush=True)
+                del run, graph
             weights = chain.weights
             del chain
     # cuBLAS: the same chain as torch.mv launches in one CUDA graph (bf16 activations)
@@ -324,7 +411,7 @@ def main() -> None:
         for w in weights:
             x = torch.mv(w, x[:w.shape[1]])
     ms = time_ms(graph_of(cublas_chain).replay, iters=args.iters, warmup=5)
-    rows.append({"kernel": "cublas graph", "waits": True, "ring": "-", "consumer_warps": 0, "ms": ms,
+    rows.append({"kernel": "cublas graph", "waits": True, "warps": 0, "ms": ms,
                  "TBps": nbytes / ms / 1e9, "rel_err": float("nan")})
     floor = nbytes / bw * 1e3
     out = Path(args.out)
@@ -334,9 +421,9 @@ def main() -> None:
                                                       indent=1))
     print(f"{props.name}: {len(shapes)} GEMVs, {nbytes / 1e9:.3f} GB; streaming read {bw / 1e12:.2f} TB/s, "
           f"floor {floor:.3f} ms")
-    print(f"{'kernel':<14}{'waits':>6}{'ring':>6}{'warps':>6}{'ms':>9}{'TB/s':>7}{'x floor':>8}{'rel err':>10}")
+    print(f"{'kernel':<18}{'waits':>6}{'warps':>6}{'ms':>9}{'TB/s':>7}{'x floor':>8}{'rel err':>10}")
     for r in rows:
-        print(f"{r['kernel']:<14}{str(r['waits']):>6}{r['ring']:>6}{r['consumer_warps']:>6}{r['ms']:>9.3f}"
+        print(f"{r['kernel']:<18}{str(r['waits']):>6}{r['warps']:>6}{r['ms']:>9.3f}"
               f"{r['TBps']:>7.2f}{r['ms'] / floor:>8.2f}{r['rel_err']:>10.1e}")
 
 

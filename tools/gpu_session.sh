@@ -13,6 +13,8 @@
 #            report, its per-instruction CSV and the cubin come back; tools/ncu_lines.py reads them offline);
 #   helper   experts on a helper with the megakernel as main: its GPU tests (tests/test_helper_megakernel.py)
 #            and tools/helper_bench.py on $HELPER (default cuda:1: the nvidia-h200-x2 kind) for dsv2-lite;
+#   gluon    the warp-specialized Gluon GEMV chain (tools/gluon_stream.py): its GPU tests, then Llama-1B's 64
+#            GEMVs with and without dependency waits beside cuBLAS in a CUDA graph, for $GLUON_VARIANTS rings;
 #   anchors  the outside yardstick, if a copy of ../shared/anchors sits in .anchors/ (git-ignored;
 #            carry it with the device tool);
 #   all      tests,bench,spec,anchors.
@@ -43,7 +45,8 @@ export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$out/gpu.txt"
 bash tools/triton_cache.sh restore || true
 if [[ "$parts" == *,tests,* ]]; then
-    timeout 570 python3 -m pytest -m gpu tests/test_gpu.py tests/test_weight_stream.py tests/test_helper.py -v \
+    timeout 570 python3 -m pytest -m gpu tests/test_gpu.py tests/test_weight_stream.py tests/test_helper.py \
+        tests/test_gluon_stream.py -v \
         -p no:cacheprovider --durations=25 ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
         | tee "$out/gpu_tests.log" | tail -40 || worst $?
 fi
@@ -78,6 +81,13 @@ if [[ "$parts" == *,helper,* ]]; then
     # share of rows can only be seen falling over tens of steps
     timeout 380 python3 tools/helper_bench.py --model dsv2-lite --helper "${HELPER:-cuda:1}" --fractions 0.25 0.5 \
         --steps 96 --warmup 4 --shift 48 --out "$out" 2>&1 | tee "$out/helper_bench.log" | tail -10 || worst $?
+fi
+if [[ "$parts" == *,gluon,* ]]; then
+    timeout 120 python3 -m pytest -m gpu tests/test_gluon_stream.py -q -p no:cacheprovider 2>&1 \
+        | tee "$out/gluon_tests.log" | tail -5 || worst $?
+    # shellcheck disable=SC2086
+    timeout 300 python3 tools/gluon_stream.py --variants ${GLUON_VARIANTS:-6x4 12x2 24x1} --out "$out" 2>&1 \
+        | tee "$out/gluon_stream.log" | tail -12 || worst $?
 fi
 if [[ "$parts" == *,anchors,* ]] && [ -f .anchors/torch_baselines.py ]; then
     timeout 560 python3 .anchors/torch_baselines.py 2>&1 | tee "$out/anchors.log" | tail -12 || worst $?
