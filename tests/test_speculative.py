@@ -245,7 +245,8 @@ def test_spec_sweep_tool_dry_run(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads((tmp_path / "sweep_tiny-moe.json").read_text())
     assert [r["k"] for r in rows] == [0, 1, 2]
-    assert rows[0]["reference"] and rows[0]["batch"] == 2 and all(r["equal_mtp"] and r["equal_noisy"] for r in rows[1:])
+    assert rows[0]["reference"] and rows[0]["batch"] == 2
+    assert all(r["equal_mtp"] and r["equal_oracle"] and r["equal_noisy"] and r["oracle_k_plus_1"] for r in rows[1:])
     assert rows[2]["acceptance_length_noisy"] > 1.0  # some drafts were accepted: the accept path ran
     # --temperature: the sweep alone, with the SAMPLE accept body (the sampling body's cost on a GPU)
     out = subprocess.run([sys.executable, "tools/spec_sweep.py", "--models", "tiny-moe", "--device", "cpu", "--ctx", "24",

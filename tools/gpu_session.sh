@@ -14,7 +14,7 @@
 #   helper   experts on a helper with the megakernel as main: its GPU tests (tests/test_helper_megakernel.py)
 #            and tools/helper_bench.py on $HELPER (default cuda:1: the nvidia-h200-x2 kind) for dsv2-lite;
 #   gluon    the warp-specialized Gluon GEMV chain (tools/gluon_stream.py): its GPU tests, then Llama-1B's 64
-#            GEMVs with and without dependency waits beside cuBLAS in a CUDA graph, for $GLUON_VARIANTS rings;
+#            GEMVs with and without dependency waits beside cuBLAS in a CUDA graph, for $GLUON_VARIANTS;
 #   anchors  the outside yardstick, if a copy of ../shared/anchors sits in .anchors/ (git-ignored;
 #            carry it with the device tool);
 #   all      tests,bench,spec,anchors.
@@ -37,6 +37,7 @@ ts="${TS:-1}"
 variants="${VARIANTS-DEPTH=2}"
 plan_variants="${PLAN_VARIANTS-}"
 stream_variants="${STREAM_VARIANTS-DEPTH=2 BR=16,KC=1024}"
+gluon_variants="${GLUON_VARIANTS:-gluon:6x4 gluon:12x2 gluon:24x1 triton:16x1024 triton:8x2048}"
 mkdir -p "$out"
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton_cache}"
 rc=0  # the worst part's status (a part cut by its timeout gives 124), not the last test's
@@ -86,7 +87,7 @@ if [[ "$parts" == *,gluon,* ]]; then
     timeout 120 python3 -m pytest -m gpu tests/test_gluon_stream.py -q -p no:cacheprovider 2>&1 \
         | tee "$out/gluon_tests.log" | tail -5 || worst $?
     # shellcheck disable=SC2086
-    timeout 300 python3 tools/gluon_stream.py --variants ${GLUON_VARIANTS:-6x4 12x2 24x1} --out "$out" 2>&1 \
+    timeout 300 python3 tools/gluon_stream.py --variants $gluon_variants --out "$out" 2>&1 \
         | tee "$out/gluon_stream.log" | tail -12 || worst $?
 fi
 if [[ "$parts" == *,anchors,* ]] && [ -f .anchors/torch_baselines.py ]; then

@@ -9,9 +9,10 @@ Llama ship without, the seed's engine drafts with DeepSeek-V3's one):
    the device, k MTP draft passes) against a cache of ctx positions, median of many replays, and
    the launches one replay makes (torch.profiler);
 2. equality: from the same start tokens (one per sequence, --batch of them), greedy output for
-   every k with MTP drafts and with noisy:0.5 oracle drafts (half the drafts wrong: every accept
-   length occurs) equals k=0's, token for token, for every sequence.  Every k runs on one engine,
-   so one set of plans serves both parts.
+   every k and every draft source of --sources (default: MTP drafts, oracle drafts (every draft
+   right: k+1 tokens per step, checked), and noisy:0.5 oracle drafts (half the drafts wrong: every
+   accept length occurs)) equals k=0's, token for token, for every sequence.  Every k runs on one
+   engine, so one set of plans serves both parts (compiling them is most of a sweep's time).
 With --temperature > 0 the steps accept by speculative sampling (the SAMPLE body) and only the
 sweep runs (sampled output is not greedy output): beside a greedy sweep, the sampling body's cost.
 Writes DIR/sweep_<model>.json (a list of {"k", "step_ms", ...}: `tools/stepmath.py --sweep` reads it)
@@ -92,12 +93,14 @@ def sweep_model(name: str, args, workers: int) -> list[dict]:
     plain, _ = dec.with_k(0).generate(prompt, args.tokens + args.kmax + 1)
     for row in rows[1:]:
         k = row["k"]
-        for source in ("mtp", "noisy:0.5"):
+        for source in args.sources:
             drafts = Drafts(source, plain, cfg.vocab_size, seed=k)
             out, stats = dec.with_k(k).generate(prompt, args.tokens, drafts)
             key = source.split(":")[0]
             row[f"equal_{key}"] = out == [seq[:args.tokens] for seq in plain]
             row[f"acceptance_length_{key}"] = stats.acceptance_length
+            if source == "oracle":  # every draft accepted: exactly k+1 tokens per step
+                row["oracle_k_plus_1"] = stats.acceptance_length == k + 1 == stats.tokens_per_step
     rows[0].update(reference=True, tokens_checked=args.tokens, batch=args.batch, setup_s=time.perf_counter() - t0)  # what k >= 1 equal
     return rows
 
@@ -113,6 +116,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a dry run on the interpreter)")
     p.add_argument("--temperature", type=float, default=0.0, help="> 0: accept by speculative sampling (sweep only)")
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--sources", nargs="*", default=["mtp", "oracle", "noisy:0.5"],
+                   help="draft sources of the equality check (mtp, oracle, noisy:P)")
     p.add_argument("--out", default=".")
     args = p.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -127,17 +132,21 @@ def main() -> None:
         table += [(name, r) for r in rows]
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    print(f"\n{'model':<11}{'k':>3}{'step ms':>9}{'launch':>8}{'tasks':>7}  equal mtp/noisy  accept len mtp/noisy")
+    keys = [source.split(":")[0] for source in args.sources]
+    print(f"\n{'model':<11}{'k':>3}{'step ms':>9}{'launch':>8}{'tasks':>7}  equal {'/'.join(keys)}  "
+          f"accept len {'/'.join(keys)}")
     for name, r in table:
         launch = r.get("launches_per_step", 0.0)
         if args.temperature > 0:
-            equal, acc = f"{'(sampling)':<11}", "-"
+            equal, acc = "(sampling)", "-"
         elif r.get("reference"):
-            equal, acc = f"{'(reference)':<11}", "1.00/1.00"
+            equal, acc = "(reference)", "/".join("1.00" for _ in keys)
         else:
-            equal = f"{str(r['equal_mtp']):>5}/{str(r['equal_noisy']):<5}"
-            acc = f"{r['acceptance_length_mtp']:.2f}/{r['acceptance_length_noisy']:.2f}"
-        print(f"{name:<11}{r['k']:>3}{r['step_ms']:>9.3f}{launch:>8.1f}{r['tasks']:>7}  {equal}      {acc}")
+            equal = "/".join(str(r[f"equal_{key}"]) for key in keys)
+            acc = "/".join(f"{r[f'acceptance_length_{key}']:.2f}" for key in keys)
+            if "oracle_k_plus_1" in r:
+                acc += f" (oracle k+1: {r['oracle_k_plus_1']})"
+        print(f"{name:<11}{r['k']:>3}{r['step_ms']:>9.3f}{launch:>8.1f}{r['tasks']:>7}  {equal:<17}  {acc}")
 
 
 if __name__ == "__main__":
