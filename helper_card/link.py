@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -274,22 +275,48 @@ class PlanLink:
             link.metrics.exposed_wait_s += time.perf_counter() - t0
 
 
+class ExpertMaps:
+    """Writes a plan's expert maps (expert -> main slot, or HELPER: one int32 input per MoE layer; a plan
+    without the MTP layers has none for them).  The maps' word positions are fixed per plan, so their
+    index goes to the device once; a flip copies only the values, from one pinned staging buffer, and
+    scatters them: a flip happens between two decode steps, on every token's path (docs/PERF.md,
+    sessions 8 and 9: a synchronous copy per layer waited behind the copy engine's expert transfers,
+    and rebuilding the index per flip was host time between steps)."""
+
+    def __init__(self, mem: Memory, placement: Placement):
+        self.layers = [layer for layer in placement.tables if f"in.L{layer}.expert_map" in mem.io]
+        where = []
+        for layer in self.layers:
+            slot, n = mem.io[f"in.L{layer}.expert_map"], len(placement.tables[layer])
+            if slot.buf != Buf.I or slot.rows * slot.cols != n:
+                raise ValueError(f"expert map {slot} of layer {layer} is not {n} int32 words of the I buffer")
+            where.append(slot.offset + np.arange(n))
+        self.buf = mem.bufs[Buf.I]
+        cuda = mem.device.type == "cuda"
+        self.index = torch.from_numpy(np.concatenate(where or [np.zeros(0, np.int64)])).to(mem.device)
+        # pinned, so the host does not wait for the copy (stream order suffices)
+        self.staging = torch.empty(len(self.index), dtype=torch.int32, pin_memory=cuda)
+        self.copied = torch.cuda.Event() if cuda else None  # the staging buffer's last copy
+
+    def write(self, placement: Placement) -> None:
+        if not self.layers:
+            return
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous flip's copy has read the staging buffer (long since)
+        np.concatenate([placement.tables[layer] for layer in self.layers], out=self.staging.numpy(),
+                       casting="same_kind")
+        values = self.staging.to(self.buf.device, non_blocking=True)
+        self.buf.index_copy_(0, self.index, values)
+        if self.copied is not None:
+            self.copied.record()
+
+
+_expert_maps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Memory -> its ExpertMaps
+
+
 def write_expert_maps(mem: Memory, placement: Placement) -> None:
-    """The int32 maps the step reads (expert -> main slot, or HELPER), one input per MoE layer (a plan
-    without the MTP layers has no maps for them).  Every layer's map in one host-to-device copy and one
-    scatter, from pinned memory: a flip happens between two decode steps, where a synchronous copy per
-    layer waited behind the copy engine's expert transfers (docs/PERF.md, session 8)."""
-    slots = [(mem.io[f"in.L{layer}.expert_map"], table) for layer, table in placement.tables.items()
-             if f"in.L{layer}.expert_map" in mem.io]
-    if not slots:
-        return
-    for slot, table in slots:
-        if slot.buf != Buf.I or slot.rows * slot.cols != len(table):
-            raise ValueError(f"expert map {slot} is not {len(table)} int32 words of the I buffer")
-    where = np.concatenate([slot.offset + np.arange(len(table)) for slot, table in slots])
-    words = np.stack([where, np.concatenate([table for _, table in slots])]).astype(np.int32)
-    dev = torch.from_numpy(words)
-    if mem.device.type == "cuda":  # pinned, so the host does not wait for the copy (stream order suffices)
-        dev = dev.pin_memory()
-    dev = dev.to(mem.device, non_blocking=True)
-    mem.bufs[Buf.I].index_copy_(0, dev[0].long(), dev[1])
+    """Every MoE layer's expert map of `placement` into a plan's memory (its ExpertMaps, made once)."""
+    maps = _expert_maps.get(mem)
+    if maps is None or maps.layers != [layer for layer in placement.tables if f"in.L{layer}.expert_map" in mem.io]:
+        maps = _expert_maps[mem] = ExpertMaps(mem, placement)
+    maps.write(placement)

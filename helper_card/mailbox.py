@@ -31,6 +31,7 @@ from graph.isa import BOX_ACK, BOX_SEQ, BOX_WAIT_NS, Buf, box_layout, decode
 
 from .kernel_helper import KernelHelper, helper_table
 from .link import HelperLink, HelperTimeout, WholeExpertRunner
+from .placement import HELPER
 
 IDLE_S = 0.05  # polling this long without a request (and no step in flight), the thread sleeps until a launch
 # (at once after a step's boundary began: nothing can arrive before the next launch kicks it, and a thread
@@ -219,6 +220,6 @@ class MailboxService:
                 metrics.skipped += 1
                 continue
             metrics.calls += 1
-            metrics.rows += int(sum(c for e, c in zip(experts[used], counts[used])
-                                    if placement.on_helper(site.layer, int(e))))
+            on_helper = placement.tables[site.layer][experts[used]] == HELPER
+            metrics.rows += int(counts[used][on_helper].sum())
             metrics.exposed_wait_s += int(self.words[site.box + BOX_WAIT_NS]) * 1e-9

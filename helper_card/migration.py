@@ -27,6 +27,7 @@ class RoutingStats:
         # not one per layer (it runs between two decode steps, on every token's path)
         self.steps: deque[np.ndarray] = deque(maxlen=window)
         self.current = self._zeros()
+        self.total = self._zeros()  # the window's sum, kept as steps enter and leave it
 
     def _zeros(self) -> np.ndarray:
         return np.zeros((len(self.layers), self.n_experts))
@@ -37,8 +38,11 @@ class RoutingStats:
                   np.asarray(counts, dtype=np.float64))
 
     def end_step(self, decode: bool = True) -> None:
-        weight = 1.0 if decode else self.prefill_weight
-        self.steps.append(weight * self.current)
+        step = (1.0 if decode else self.prefill_weight) * self.current
+        if len(self.steps) == self.steps.maxlen:
+            self.total -= self.steps[0]
+        self.steps.append(step)
+        self.total += step
         self.current = self._zeros()
 
     def observe(self, ids: dict[int, np.ndarray], decode: bool = True) -> None:
@@ -49,7 +53,7 @@ class RoutingStats:
         self.end_step(decode)
 
     def counts(self) -> dict[int, np.ndarray]:
-        total = np.add.reduce(np.stack(self.steps), axis=0) if self.steps else self._zeros()
+        total = self.total.copy()
         return {layer: total[i] for i, layer in enumerate(self.layers)}
 
 

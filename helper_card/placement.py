@@ -83,8 +83,10 @@ class Placement:
         """Every main slot holds at most one expert and lies inside the arena.  Checked with array
         operations (it runs at every flip, between two decode steps); the loop below only names the
         first offender."""
-        slots = np.concatenate([t[t != HELPER] for t in self.tables.values()] or [np.zeros(0, np.int32)])
-        if ((slots >= 0) & (slots < self.capacity)).all() and len(np.unique(slots)) == len(slots):
+        slots = np.concatenate(list(self.tables.values()) or [np.zeros(0, np.int32)])
+        slots = slots[slots != HELPER]
+        if not slots.size or (slots.min() >= 0 and slots.max() < self.capacity
+                              and np.bincount(slots, minlength=self.capacity).max() <= 1):
             return
         seen: dict[int, tuple[int, int]] = {}
         for layer, t in self.tables.items():
