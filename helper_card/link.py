@@ -217,11 +217,21 @@ class HelperLink:
 
     def set_placement(self, placement: Placement, runners) -> None:
         """A step-boundary flip: the helper's map and every plan's expert maps change together."""
+        self.commit(placement)
+        self.write_maps(placement, runners)
+
+    def write_maps(self, placement: Placement, runners) -> None:
+        """Every plan's expert maps, on the current stream: from the next step launched on, the device
+        routes by `placement`."""
+        for r in runners:
+            write_expert_maps(r.mem, placement)
+
+    def commit(self, placement: Placement) -> None:
+        """The host side of a flip: the helper's map and the placement the link's calls are checked and
+        chosen against."""
         placement.check()
         self.backend.set_placement(placement)
         self.placement = placement
-        for r in runners:
-            write_expert_maps(r.mem, placement)
 
 
 @dataclass

@@ -39,6 +39,11 @@ class HelperOptions:
     fallback: bool = False  # on timeout, recompute on the main side instead of raising
     window: int = 32  # steps of routing statistics
     policy: MigrationPolicy = field(default_factory=MigrationPolicy)
+    # migration's planning, map writes and copies run right after the next step's launch (a megakernel's
+    # step then runs on the device meanwhile; the plan interpreter's has run) and commit at the boundary
+    # after it: a move decided from step n's routing takes effect at step n+2, not n+1, and the boundary
+    # between two tokens keeps only the counts.  False: all of it at the boundary, effective at step n+1
+    overlap: bool = True
 
     @property
     def enabled(self) -> bool:
@@ -94,6 +99,10 @@ class Helper:
         self.moves = 0
         self.stall_s = 0.0
         self.services: list[MailboxService] = []
+        self.overlap: bool | None = None  # opts.migrate and opts.overlap, fixed when the first runner attaches
+        self.pending: Placement | None = None  # decided during a step, maps written after it; committed next
+        self.due = False  # the next launch plans a migration
+        self.overlapped: dict = {}  # what the last after-launch migration did
 
     def row(self, layer: int, expert: int) -> int:
         return self.layers.index(layer) * self.cfg.n_routed_experts + expert
@@ -118,6 +127,10 @@ class Helper:
         elif arena.data_ptr() != self.arena_ptr:
             raise ValueError("every plan of one engine must share the weight arena (Memory share=...)")
         megakernel = hasattr(runner, "launch_hooks")
+        if self.overlap is None:
+            self.overlap = self.opts.migrate and self.opts.overlap
+        if self.overlap:
+            runner.after_launch_hooks.append(self._after_launch)
         self.link.attach(runner, program=not megakernel)  # no tile program (and its buffers) for mailboxes
         self.runners.append(runner)
         if megakernel:  # its calls reach the helper through mailboxes
@@ -127,47 +140,91 @@ class Helper:
             self.services.append(service)
 
     def end_step(self, decode: bool = True) -> dict:
-        """At a step boundary: this step's metrics, then migration (flips take effect next step)."""
+        """At a step boundary: this step's metrics, then migration: here (flips take effect next step),
+        or, overlapped, the commit of what the last step's launch decided and a mark for the next one."""
         t0 = time.perf_counter()
         for service in self.services:
             service.count_step()
         step = self.link.metrics.end_step()
         t1 = time.perf_counter()
-        parts = self._migrate(decode) if self.opts.migrate else {}
+        parts = {}
+        if self.opts.migrate and self.overlap:
+            self.link.stats.end_step(decode)
+            parts = self._commit()
+            self.due = True
+        elif self.opts.migrate:
+            parts = self._migrate(decode)
         step.update(moves=parts.pop("landed", 0), bytes_migrated=self.copier.bytes_moved if self.copier else 0,
                     migration_stall_ms=(time.perf_counter() - t1) * 1e3, count_ms=(t1 - t0) * 1e3,
                     migration_parts_ms=parts, helper_share=self.placement.helper_share)
         return step
 
-    def _migrate(self, decode: bool) -> dict:
-        """Land finished copies, plan, flip, start copies; returns the moves landed and each phase's ms
-        (where a boundary's time goes, for tools/helper_bench.py)."""
+    def _decide(self) -> tuple[Placement, list, int, dict]:
+        """The next placement (landed copies in, planned moves' evictions out), the moves to start, how
+        many copies landed, and each phase's ms (for tools/helper_bench.py)."""
         stats, copier = self.link.stats, self.copier
-        clock = [time.perf_counter()]
-
-        def lap() -> float:
-            clock.append(time.perf_counter())
-            return (clock[-1] - clock[-2]) * 1e3
-
-        stats.end_step(decode)
+        t0 = time.perf_counter()
         placement = self.placement.copy()
         landed = copier.finished()
         for m in landed:  # copies done: the expert now reads from its main slot
             placement.tables[m.layer][m.expert] = m.slot
-        t_landed = lap()
+        t1 = time.perf_counter()
         moves = self.opts.policy.plan(placement, stats.counts(), busy=copier.busy_slots(), moving=copier.moving())
         for m in moves:
-            if m.evict is not None:  # its rows go to the helper from the next step on (it has every expert)
+            if m.evict is not None:  # its rows go to the helper from then on (it has every expert)
                 placement.tables[m.evict[0]][m.evict[1]] = HELPER
-        t_plan = lap()
+        return placement, moves, len(landed), {"land": (t1 - t0) * 1e3, "plan": (time.perf_counter() - t1) * 1e3}
+
+    def _start_copies(self, moves) -> float:
+        t0 = time.perf_counter()
+        for m in moves:  # after the maps: no step that reads a slot's old expert overlaps its copy
+            self.copier.start(m)
+        return (time.perf_counter() - t0) * 1e3
+
+    def _migrate(self, decode: bool) -> dict:
+        """At the boundary: land finished copies, plan, flip, start copies (the moves landed and each
+        phase's ms)."""
+        self.link.stats.end_step(decode)
+        placement, moves, landed, parts = self._decide()
+        t0 = time.perf_counter()
         if landed or moves:  # the flip first: its small map copy must not queue behind the experts' copies
             self.placement = placement
             self.link.set_placement(placement, self.runners)
-        t_flip = lap()
-        for m in moves:  # after the flip: no step from the next on reads a slot being filled
-            copier.start(m)
-        self.moves += len(landed)
-        return {"landed": len(landed), "land": t_landed, "plan": t_plan, "flip": t_flip, "copies": lap()}
+        parts["flip"] = (time.perf_counter() - t0) * 1e3
+        parts["copies"] = self._start_copies(moves)
+        self.moves += landed
+        return {"landed": landed, **parts}
+
+    def _after_launch(self) -> None:
+        """Right after a step's launch (overlap): decide the next placement from the routing counted so far,
+        write its maps behind this step on the step's stream (the step after it reads them) and start the
+        copies behind this step; the host side (the mailboxes' and the helper's placement) switches at the
+        next boundary, when this step has finished with the old one."""
+        if not self.due:
+            return
+        self.due = False
+        t0 = time.perf_counter()
+        placement, moves, landed, parts = self._decide()
+        time.sleep(0)  # a mailbox thread serving this step's first helper call gets the GIL between phases
+        t1 = time.perf_counter()
+        if landed or moves:
+            self.link.write_maps(placement, self.runners)
+            self.pending = placement
+        parts["maps"] = (time.perf_counter() - t1) * 1e3
+        time.sleep(0)
+        parts["copies"] = self._start_copies(moves)
+        self.overlapped = {"landed": landed, "overlapped": (time.perf_counter() - t0) * 1e3, **parts}
+
+    def _commit(self) -> dict:
+        """At the boundary after an overlapped decision: its placement becomes the host's (the device
+        already reads it from the next step on); returns what that decision did."""
+        t0 = time.perf_counter()
+        if self.pending is not None:
+            self.link.commit(self.pending)
+            self.placement, self.pending = self.pending, None
+        done, self.overlapped = self.overlapped, {}
+        self.moves += done.get("landed", 0)
+        return {**done, "commit": (time.perf_counter() - t0) * 1e3}
 
     def close(self) -> None:
         for service in self.services:

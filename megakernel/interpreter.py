@@ -50,6 +50,9 @@ class Interpreter(PlanRunner):
         self.counters = [0] * plan.num_counters
         self.epoch = 0
         self.trace: list[int] = []  # task ids in execution order of the last step
+        # called after each step has run (the megakernel calls its own right after a launch, while the
+        # step runs): a helper's migration decides there, on both runners at the same point of a step
+        self.after_launch_hooks: list = []
 
     def step(self, tokens: torch.Tensor, cache_lens: torch.Tensor, order: str = "queue",
              rng: random.Random | None = None, stop_after: int | None = None,
@@ -66,6 +69,8 @@ class Interpreter(PlanRunner):
         except BaseException:  # KeyboardInterrupt too
             self._settle()  # a task raised (e.g. a helper timeout): the next step must still be able to run
             raise
+        for hook in self.after_launch_hooks:
+            hook()
         return self.result()
 
     def _settle(self) -> None:

@@ -317,6 +317,8 @@ class Megakernel(PlanRunner):
         self.graph: torch.cuda.CUDAGraph | None = None
         self.compiled = None
         self.launch_hooks: list = []  # called before every launch or replay (a helper service's wake-up)
+        # called after every launch or replay, while the step runs (a helper's overlapped migration)
+        self.after_launch_hooks: list = []
         self.diagnostics: list = []  # () -> str, added to a watchdog error (a helper service's failures)
         pinned = self.device.type == "cuda"
         B, T = plan.shape["B"], plan.shape["T"]
@@ -367,6 +369,8 @@ class Megakernel(PlanRunner):
             hook()
         self.kernel()
         self.epoch += 1
+        for hook in self.after_launch_hooks:
+            hook()
 
     def _stage(self, tokens: torch.Tensor, cache_lens: torch.Tensor) -> None:
         check_step_inputs(self.plan, tokens, cache_lens)
@@ -393,6 +397,8 @@ class Megakernel(PlanRunner):
             hook()
         self.graph.replay()
         self.epoch += 1
+        for hook in self.after_launch_hooks:
+            hook()
 
     def step(self, tokens: torch.Tensor, cache_lens: torch.Tensor, sync: bool = True,
              follow: torch.Tensor | None = None, seeds: torch.Tensor | None = None) -> StepResult | None:

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graph.compile import CompileOptions, compile_step
+from graph.isa import Buf
 from graph.lower import StepShape
 from helper_card.link import HelperTimeout
 from helper_card.migration import MigrationPolicy, RoutingStats, SkewedRouter, apply_moves
@@ -185,18 +186,76 @@ def test_migration_brings_a_shifting_hot_set_to_main_and_then_holds_still():
     assert np.mean(share2[-10:]) < np.mean(share2[:3])
 
 
-def test_migration_in_the_engine_moves_experts_and_keeps_the_output_bit_exact():
+@pytest.mark.parametrize("overlap", [True, False])
+def test_migration_in_the_engine_moves_experts_and_keeps_the_output_bit_exact(overlap):
     cfg = preset("tiny-moe")
     w = init_weights(cfg, seed=5)
     prompts = torch.randint(0, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(5))
     want, _ = _decode(cfg, w, prompts, 14)
-    opts = HelperOptions(kind="cpu", fraction=0.5, migrate=True, window=4,
+    opts = HelperOptions(kind="cpu", fraction=0.5, migrate=True, window=4, overlap=overlap,
                          policy=MigrationPolicy(margin=1.0, min_gain=1.0, max_moves=2))
     got, engine = _decode(cfg, w, prompts, 14, opts)
     helper = engine.backend.helper
     assert torch.equal(got, want)
     assert helper.moves > 0 and helper.copier.bytes_moved > 0
     for slot, (layer, e) in helper.placement.main_experts().items():  # each slot holds its expert's weights
+        assert torch.equal(helper.copier.arena[slot], helper.store[helper.row(layer, e)])
+    helper.close()
+
+
+def test_overlapped_migration_decides_after_a_launch_and_commits_at_the_next_boundary():
+    """opts.overlap (the default): a migration is decided right after a step's launch, its maps are
+    written behind that step (the device routes by them from the step after it) and the host's
+    placement switches at the next boundary.  So at every boundary the device maps equal the host's
+    placement, a decision is pending only between a launch and the boundary after it, and the output
+    stays the all-on-main engine's, bit for bit."""
+    from helper_card.link import _expert_maps
+    cfg = preset("tiny-moe")
+    w = init_weights(cfg, seed=5)
+    prompts = torch.randint(0, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(5))
+    want, _ = _decode(cfg, w, prompts, 14)
+    opts = HelperOptions(kind="cpu", fraction=0.5, migrate=True, window=4,
+                         policy=MigrationPolicy(margin=1.0, min_gain=1.0, max_moves=2))
+    engine = make_engine(cfg, w, "interpret", 2, prompts.shape[1] + 14, "cpu", torch.float32, workers=4, helper=opts)
+    helper = engine.backend.helper
+    assert not helper.runners and helper.overlap is None  # runners attach (and decide it) at their first step
+
+    def device_maps(runner) -> dict[int, np.ndarray]:
+        maps = _expert_maps[runner.mem]
+        words = runner.mem.bufs[Buf.I][maps.index].numpy()
+        sizes = np.cumsum([0] + [len(helper.placement.tables[layer]) for layer in maps.layers])
+        return {layer: words[a:b] for layer, a, b in zip(maps.layers, sizes[:-1], sizes[1:])}
+
+    seen = {"decided": 0, "switched_late": 0}
+
+    def after_helper():  # runs after the helper's own after-launch hook
+        if helper.pending is not None:
+            seen["decided"] += 1
+            runner = helper.runners[-1]
+            assert all((device_maps(runner)[layer] == t).all() for layer, t in helper.pending.tables.items()
+                       if layer in device_maps(runner))
+            if any((helper.link.placement.tables[layer] != t).any() for layer, t in helper.pending.tables.items()):
+                seen["switched_late"] += 1  # the host still routes this step's calls by the old placement
+
+    decide = helper._after_launch  # every runner attached from now on calls it, then the check
+
+    def decide_then_check():
+        decide()
+        after_helper()
+    helper._after_launch = decide_then_check
+    logits = [engine.prefill(prompts)]
+    tok = logits[0].argmax(-1, keepdim=True)
+    for _ in range(13):
+        logits.append(engine._step(tok)[:, -1])
+        tok = logits[-1].argmax(-1, keepdim=True)
+        assert helper.pending is None  # committed at the boundary
+        for r in helper.runners:
+            for layer, words in device_maps(r).items():
+                assert (words == helper.placement.tables[layer]).all()
+    assert helper.overlap and seen["decided"] > 0 and seen["switched_late"] > 0, seen
+    assert torch.equal(torch.stack(logits), want)
+    assert helper.moves > 0
+    for slot, (layer, e) in helper.placement.main_experts().items():
         assert torch.equal(helper.copier.arena[slot], helper.store[helper.row(layer, e)])
     helper.close()
 

@@ -95,7 +95,9 @@ def main() -> None:
     p.add_argument("--helper", default="cuda:1", help="cpu | cuda:N")
     p.add_argument("--fractions", nargs="*", type=float, default=[0.0, 0.25, 0.5],
                    help="0: a helper plan with every expert on main (the calls' own cost)")
-    p.add_argument("--migrate", nargs="*", choices=["off", "on"], default=["off", "on"])
+    p.add_argument("--migrate", nargs="*", choices=["off", "on", "sync"], default=["off", "on"],
+                   help="on: migration decided after each launch, overlapping the step (the default); sync: "
+                        "all of it at the step boundary")
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--warmup", type=int, default=4)
@@ -118,7 +120,8 @@ def main() -> None:
     print(f"all on main: {base['step_ms_median']:.3f} ms/step", flush=True)
     for fraction in args.fractions:
         for migrate in args.migrate if fraction > 0 else ["off"]:
-            opts = HelperOptions(kind=args.helper, fraction=fraction, migrate=migrate == "on", timeout_s=args.timeout)
+            opts = HelperOptions(kind=args.helper, fraction=fraction, migrate=migrate != "off", overlap=migrate == "on",
+                                 timeout_s=args.timeout)
             t0 = time.perf_counter()
             try:
                 got = run(engine(opts), cfg, args, base["tokens"][: args.steps])
@@ -142,7 +145,7 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
     # migration's cost: each step beside the same step (same inputs) without migration
-    for on in [r for r in rows if r["migrate"] == "on" and "error" not in r]:
+    for on in [r for r in rows if r["migrate"] != "off" and "error" not in r]:
         off = next((r for r in rows if r["migrate"] == "off" and r["fraction"] == on["fraction"] and "error" not in r),
                    None)
         if off is not None:
@@ -169,7 +172,7 @@ def main() -> None:
               f"{r.get('tokens_equal', '-'):>7}")
     for r in rows:
         if "max_step_ratio_vs_no_migration" in r:
-            print(f"{r['helper']} {r['fraction']:.2f}: with migration each step is at most "
+            print(f"{r['helper']} {r['fraction']:.2f} migrate {r['migrate']}: each step is at most "
                   f"{r['max_step_ratio_vs_no_migration']:.3f}x (median {r['median_step_ratio_vs_no_migration']:.3f}x) "
                   f"the same step without; without migration the slowest step is "
                   f"{r['no_migration_max_over_median']:.3f}x "
