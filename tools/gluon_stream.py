@@ -76,16 +76,18 @@ def _producer(desc, tasks, queue, ring, ready, empty, SLOTS: gl.constexpr, SUB: 
             it += 1
 
 
-@gluon.jit
+@triton.jit
 def _wait(counter, target, err):
-    """Polls counter (acquire) until it reaches target; False (and the error flag set) after MAX_SPINS."""
+    """Polls counter (acquire) until it reaches target; False (and the error flag set) after MAX_SPINS.
+    Scalar operations only, so both kernels call it (a Triton function called from a Gluon kernel
+    compiles in the Gluon dialect)."""
     spins = 0
-    seen = gl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+    seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
     while (seen < target) & (spins < MAX_SPINS):
-        seen = gl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
         spins += 1
     if seen < target:
-        gl.atomic_xchg(err, 1, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(err, 1, sem="relaxed", scope="gpu")
     return seen >= target
 
 
@@ -145,17 +147,6 @@ def gemv_chain_kernel(desc, tasks, queue, counters, epoch_ptr, err, act, WAIT: g
 
 # ---- the same tasks through the plain-Triton body (megakernel/ops/linear.py), for the comparison ----------
 @triton.jit
-def _triton_wait(counter, target, err):
-    spins = 0
-    seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-    while (seen < target) & (spins < MAX_SPINS):
-        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-        spins += 1
-    if seen < target:
-        tl.atomic_xchg(err, 1, sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def triton_chain_kernel(W, A, tasks, queue, counters, epoch_ptr, err, WAIT: tl.constexpr, BR: tl.constexpr,
                         KC: tl.constexpr):
     """Each task as the megakernel runs a LINEAR one: its first weight chunk requested, the wait, then
@@ -175,7 +166,7 @@ def triton_chain_kernel(W, A, tasks, queue, counters, epoch_ptr, err, WAIT: tl.c
         w = linear.first_chunk(w_ptr, r0, r0 + nrows, K, BR, KC, 8)
         if WAIT:
             if gemv > 0:
-                _triton_wait(counters + (gemv - 1) * COUNTER_STRIDE, epoch * tl.load(task + 7), err)
+                _wait(counters + (gemv - 1) * COUNTER_STRIDE, epoch * tl.load(task + 7), err)
         no = gemv < 0  # no residual, no gate|up (a runtime False, as the megakernel's flags are)
         linear.stream_chunks(A + x_off, K, tasks, 0, 1, A + (y_off - r0), 0, A, 0, no, w_ptr, w_ptr, no, r0,
                              r0 + nrows, K, w, BR, KC, 8, 1, 1)
@@ -371,6 +362,7 @@ def main() -> None:
                 k = compile_sm90(v.a, v.b, v.warps)
                 ptx = k.asm["ptx"]
                 assert "cp.async.bulk.tensor" in ptx and "mbarrier.try_wait" in ptx and "setmaxnreg" in ptx
+                assert "ld.global.gpu.acquire" in ptx and "atom.global.gpu.release" in ptx  # the dependency counters
                 print(f"sm_90: {v}, shared {k.metadata.shared} bytes, ptx {len(ptx)} chars")
         return
     if not torch.cuda.is_available():
