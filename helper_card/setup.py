@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from graph.isa import Buf
+from megakernel.interpreter import Interpreter
 from model.config import ModelConfig
 from model.schema import layer_prefix
 
@@ -126,10 +127,11 @@ class Helper:
             self.arena_ptr = arena.data_ptr()
         elif arena.data_ptr() != self.arena_ptr:
             raise ValueError("every plan of one engine must share the weight arena (Memory share=...)")
-        megakernel = hasattr(runner, "launch_hooks")
+        megakernel = not isinstance(runner, Interpreter)
         if self.overlap is None:
             self.overlap = self.opts.migrate and self.opts.overlap
         if self.overlap:
+            runner.launch_hooks.append(self._before_launch)
             runner.after_launch_hooks.append(self._after_launch)
         self.link.attach(runner, program=not megakernel)  # no tile program (and its buffers) for mailboxes
         self.runners.append(runner)
@@ -195,6 +197,12 @@ class Helper:
         self.moves += landed
         return {"landed": landed, **parts}
 
+    def _before_launch(self) -> None:
+        """A decision still pending at a launch: the step that made it ended without its boundary (it
+        failed), but its maps were written behind it, so the device routes by it from this step on; the
+        host must too, before this step's helper calls."""
+        self._switch()
+
     def _after_launch(self) -> None:
         """Right after a step's launch (overlap): decide the next placement from the routing counted so far,
         write its maps behind this step on the step's stream (the step after it reads them) and start the
@@ -219,12 +227,15 @@ class Helper:
         """At the boundary after an overlapped decision: its placement becomes the host's (the device
         already reads it from the next step on); returns what that decision did."""
         t0 = time.perf_counter()
-        if self.pending is not None:
-            self.link.commit(self.pending)
-            self.placement, self.pending = self.pending, None
+        self._switch()
         done, self.overlapped = self.overlapped, {}
         self.moves += done.get("landed", 0)
         return {**done, "commit": (time.perf_counter() - t0) * 1e3}
+
+    def _switch(self) -> None:
+        if self.pending is not None:
+            self.link.commit(self.pending)
+            self.placement, self.pending = self.pending, None
 
     def close(self) -> None:
         for service in self.services:

@@ -50,8 +50,10 @@ class Interpreter(PlanRunner):
         self.counters = [0] * plan.num_counters
         self.epoch = 0
         self.trace: list[int] = []  # task ids in execution order of the last step
-        # called after each step has run (the megakernel calls its own right after a launch, while the
-        # step runs): a helper's migration decides there, on both runners at the same point of a step
+        # called before and after each step runs (the megakernel calls its own around a launch: the "after"
+        # ones while the step runs): a helper's migration commits and decides there, on both runners at
+        # the same points of a step
+        self.launch_hooks: list = []
         self.after_launch_hooks: list = []
 
     def step(self, tokens: torch.Tensor, cache_lens: torch.Tensor, order: str = "queue",
@@ -63,6 +65,8 @@ class Interpreter(PlanRunner):
         self.mem.io_view("in.tokens").copy_(tokens.reshape(-1, 1).to(torch.int32))
         self.mem.io_view("in.cache_lens").copy_(cache_lens.reshape(-1, 1).to(torch.int32))
         write_follow(self.mem, self.plan, follow, seeds)
+        for hook in self.launch_hooks:
+            hook()
         self.epoch += 1
         try:
             self._run(order, rng or random.Random(0), stop_after)

@@ -260,6 +260,46 @@ def test_overlapped_migration_decides_after_a_launch_and_commits_at_the_next_bou
     helper.close()
 
 
+def test_a_decision_pending_when_its_step_fails_switches_before_the_next_launch():
+    """A step that fails after its launch never reaches its boundary, but the maps of the decision made
+    after that launch were written: the next launch switches the host to that placement first, so the
+    helper's calls and the device's maps agree and the output stays the all-on-main engine's."""
+    cfg = preset("tiny-moe")
+    w = init_weights(cfg, seed=5)
+    prompts = torch.randint(0, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(5))
+    want, _ = _decode(cfg, w, prompts, 14)
+    opts = HelperOptions(kind="cpu", fraction=0.5, migrate=True, window=4,
+                         policy=MigrationPolicy(margin=1.0, min_gain=1.0, max_moves=2))
+    engine = make_engine(cfg, w, "interpret", 2, prompts.shape[1] + 14, "cpu", torch.float32, workers=4, helper=opts)
+    helper = engine.backend.helper
+    decide, failed = helper._after_launch, []
+
+    class StepFailed(Exception):
+        pass
+
+    def decide_then_fail_once():
+        decide()
+        if helper.pending is not None and not failed:
+            failed.append(helper.pending)
+            raise StepFailed("a step that fails after its launch")
+    helper._after_launch = decide_then_fail_once
+    logits = [engine.prefill(prompts)]
+    tok = logits[0].argmax(-1, keepdim=True)
+    for _ in range(14):
+        if len(logits) == 14:
+            break
+        try:
+            out = engine._step(tok)[:, -1]
+        except StepFailed:
+            assert helper.pending is failed[0] and helper.placement is not failed[0]
+            continue  # the engine did not advance: the next step redoes this one
+        logits.append(out)
+        tok = out.argmax(-1, keepdim=True)
+    assert failed and helper.pending is None and helper.moves > 0
+    assert torch.equal(torch.stack(logits), want)
+    helper.close()
+
+
 # ---- the CLI -----------------------------------------------------------------------------------
 def test_cli_reports_the_helper_and_refuses_what_is_not_built(tmp_path, capsys):
     out = tmp_path / "r.json"
