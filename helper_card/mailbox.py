@@ -92,6 +92,17 @@ class MailboxService:
         # so the main thread's own Python between steps is not kept waiting
         self.seq_at = np.array([s.box + BOX_SEQ for s in self.sites], dtype=np.int64)
         self.served = self.words[self.seq_at].astype(np.int64)
+        # each site's slot table (expert ids, then rows per slot) and wait word, for the step boundary's
+        # counts as a few array operations (padded slots read word 0 and are masked off)
+        width = max((s.S for s in self.sites), default=0)
+        self.slot_valid = np.array([[j < s.S for j in range(width)] for s in self.sites], dtype=bool).reshape(-1, width)
+        self.expert_at = np.array([[s.parts["table"] + min(j, s.S - 1) for j in range(width)] for s in self.sites],
+                                  dtype=np.int64).reshape(-1, width)
+        self.count_at = self.expert_at + np.array([[s.S] for s in self.sites], dtype=np.int64).reshape(-1, 1)
+        self.wait_at = np.array([s.box + BOX_WAIT_NS for s in self.sites], dtype=np.int64)
+        self.site_layers = [s.layer for s in self.sites]
+        self.stat_rows = link.stats.rows_of(self.site_layers) if link.stats is not None else None
+        self._tables: tuple = (None, None)  # (placement, its tables stacked per site)
         self.counted_epoch = 0
         self.errors: list[str] = []
         self.lock = threading.Lock()  # the thread's answers against failures()/count_step on the main thread
@@ -207,19 +218,22 @@ class MailboxService:
         if epoch == self.counted_epoch:
             return
         self.counted_epoch = epoch
-        metrics, stats, placement = self.link.metrics, self.link.stats, self.link.placement
-        seqs = self.words[self.seq_at]
-        for site, seq in zip(self.sites, seqs.tolist()):
-            at = site.parts
-            table = self.words[at["table"]: at["table"] + 2 * site.S].copy()
-            experts, counts = table[: site.S], table[site.S:]
-            used = experts >= 0
-            if stats is not None:
-                stats.add(site.layer, experts[used], counts[used])
-            if seq != epoch:
-                metrics.skipped += 1
-                continue
-            metrics.calls += 1
-            on_helper = placement.tables[site.layer][experts[used]] == HELPER
-            metrics.rows += int(counts[used][on_helper].sum())
-            metrics.exposed_wait_s += int(self.words[site.box + BOX_WAIT_NS]) * 1e-9
+        metrics, stats = self.link.metrics, self.link.stats
+        if not self.sites:
+            return
+        called = self.words[self.seq_at] == epoch  # a site that skipped its call kept an older number
+        experts, counts = self.words[self.expert_at], self.words[self.count_at]
+        used = (experts >= 0) & self.slot_valid
+        site, slot = np.nonzero(used)
+        if stats is not None:  # routing of every site, called or not (a skipped call routed to main only)
+            stats.add_at(self.stat_rows[site], experts[site, slot], counts[site, slot])
+        placement, tables = self._tables
+        if placement is not self.link.placement:  # stacked once per flip, not per step
+            placement = self.link.placement
+            tables = np.stack([placement.tables[layer] for layer in self.site_layers])
+            self._tables = (placement, tables)
+        on_helper = tables[site, experts[site, slot]] == HELPER
+        metrics.skipped += int((~called).sum())
+        metrics.calls += int(called.sum())
+        metrics.rows += int(counts[site, slot][on_helper & called[site]].sum())
+        metrics.exposed_wait_s += float(self.words[self.wait_at][called].astype(np.int64).sum()) * 1e-9

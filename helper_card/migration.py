@@ -37,6 +37,15 @@ class RoutingStats:
         np.add.at(self.current[self.row[layer]], np.asarray(experts, dtype=np.int64),
                   np.asarray(counts, dtype=np.float64))
 
+    def rows_of(self, layers) -> np.ndarray:
+        """The statistics' row of each layer (for add_at)."""
+        return np.array([self.row[layer] for layer in layers], dtype=np.int64)
+
+    def add_at(self, rows: np.ndarray, experts, counts) -> None:
+        """Rows routed to experts[i] of the layer in row rows[i], for every i (repeats add up): a whole
+        step's slot tables in one array operation."""
+        np.add.at(self.current, (rows, np.asarray(experts, dtype=np.int64)), np.asarray(counts, dtype=np.float64))
+
     def end_step(self, decode: bool = True) -> None:
         step = (1.0 if decode else self.prefill_weight) * self.current
         if len(self.steps) == self.steps.maxlen:
