@@ -2,7 +2,8 @@
 lift the GEMV chain past what the plain-Triton body streams?  (issue 4: choose the technique by
 measurement.)
 
-    python tools/gluon_stream.py [--layers 16] [--slots 24] [--consumer-warps 4] [--iters 50] [--out DIR]
+    python tools/gluon_stream.py [--layers 16] [--variants gluon:6x4 triton:8x2048 ...] [--consumer-warps 4]
+                                 [--iters 50] [--out DIR] [--compile-only]
 
 The chain: Llama-3.2-1B's 64 GEMVs (per layer qkv 3072x2048, o 2048x2048, gate|up 16384x2048,
 down 2048x8192; 1.95 GB of bf16), each GEMV's input the first K entries of the previous one's output,
@@ -20,9 +21,13 @@ signals (release).  What differs from megakernel/ops/linear.py is who reads the 
 - the consumer warps wait, read each tile from shared memory, multiply by the activation slice and
   keep [16, 256] partial sums in registers; one reduction per task, fp32 throughout.
 
-Reports, in one process: this kernel with the waits (the chain) and without (every GEMV reads the
-chain's input: the stream's ceiling), the same GEMVs as torch.mv in a CUDA graph (cuBLAS), and the
-floor (bytes / x.sum()'s streaming read).  Results are checked against torch in fp32 first.
+Beside it, triton:BRxKC variants run the same tasks through the plain-Triton LINEAR body
+(ops/linear.stream_chunks over row-major weights, 8 warps as the megakernel), so the comparison is
+the body's, not the skeleton's.  Reports, in one process: each variant with the waits (the chain) and
+without (every GEMV reads the chain's input: the stream's ceiling), the same GEMVs as torch.mv in a
+CUDA graph (cuBLAS), and the floor (bytes / x.sum()'s streaming read).  Results are checked against
+torch in fp32 first; docs/PERF.md session 9 has the figures.  The dependency waits are bounded (an
+error flag); the ring's mbarrier waits are not (a tool, not the engine).
 Gluon does not run under TRITON_INTERPRET: tests/test_gluon_stream.py compiles it for sm_90 on a
 CPU and checks it on the GPU.
 """
