@@ -23,24 +23,42 @@ from tools import gluon_stream as gs
 SHAPES = [(300, 296), (40, 296), (24, 40), (296, 24)]
 
 
-def replay(chain: gs.Chain, act: torch.Tensor) -> None:
+def tma_tiles(chain: gs.Chain, task: list[int], row_major: bool) -> torch.Tensor:
+    """The [tiles, ROWS, COLS] weights the producer streams for one task, addressed as the kernel does:
+    tile-major rows of the arena, or a box at (row0, c x COLS) of the row-major arena viewed as
+    [arena / K, K] with what lies past the view zero-filled, as a TMA does."""
+    R, C = gs.TILE_ROWS, gs.TILE_COLS
+    tile0, ntiles, k, kclass, row0 = task[0], task[1], task[3], task[10], task[11]
+    if not row_major:
+        return chain.arena[tile0 * R:(tile0 + ntiles) * R].view(ntiles, R, C).float()
+    assert chain.klasses[kclass] == k
+    view = chain.rowmajor[: chain.rowmajor.numel() // k * k].view(-1, k).float()
+    box = torch.zeros(R, ntiles * C)
+    rows = view[row0: row0 + R, :]
+    box[: rows.shape[0], : min(k, ntiles * C)] = rows[:, : ntiles * C]
+    return box.view(R, ntiles, C).permute(1, 0, 2)
+
+
+def replay(chain: gs.Chain, act: torch.Tensor, row_major: bool = False) -> None:
     """The kernel's arithmetic from the task table alone, in queue order (valid: each task waits for
     every task of the previous GEMV, and queue order is GEMV order)."""
     order = sorted(range(chain.tasks.shape[0]), key=lambda t: int(chain.tasks[t, 6]))
     for t in order:
-        tile0, ntiles, x_off, k, y_off, nrows = chain.tasks[t, :6].tolist()
-        R, C = gs.TILE_ROWS, gs.TILE_COLS
-        tiles = chain.arena[tile0 * R:(tile0 + ntiles) * R].view(ntiles, R, C).float()
+        task = chain.tasks[t].tolist()
+        ntiles, x_off, k, y_off, nrows = task[1:6]
+        C = gs.TILE_COLS
+        tiles = tma_tiles(chain, task, row_major)
         x = torch.zeros(ntiles * C)
         x[:k] = act[x_off:x_off + k]
         y = torch.einsum("trc,tc->r", tiles, x.view(ntiles, C))
         act[y_off:y_off + nrows] = y[:nrows]
 
 
+@pytest.mark.parametrize("row_major", [False, True])
 @pytest.mark.parametrize("chained", [True, False])
 @pytest.mark.parametrize("workers", [1, 3])
-def test_task_table_replays_the_chain(chained, workers):
-    chain = gs.build_chain(SHAPES, workers, chained, "cpu")
+def test_task_table_replays_the_chain(chained, workers, row_major):
+    chain = gs.build_chain(SHAPES, workers, chained, "cpu", sub=2)
     assert int(chain.queue[-1]) == chain.tasks.shape[0] == sum(-(-n // gs.TILE_ROWS) for n, _ in SHAPES)
     for w in range(workers):  # each queue in GEMV order: a task never waits on a later one
         gemvs = chain.tasks[int(chain.queue[w]):int(chain.queue[w + 1]), 6].tolist()
@@ -48,7 +66,7 @@ def test_task_table_replays_the_chain(chained, workers):
     x0 = torch.randn(max(k for _, k in SHAPES))
     act = torch.zeros(chain.act_size)
     act[:x0.numel()] = x0
-    replay(chain, act)
+    replay(chain, act, row_major)
     for out, ref in zip([act[o:o + n] for o, (n, _) in zip(chain.y_off, SHAPES)], gs.reference(chain, x0, chained)):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -82,6 +100,7 @@ def test_triton_kernel_under_the_interpreter_equals_the_chain(chained):
 def test_variants_parse_and_refuse():
     assert gs.Variant.parse("gluon:6x4") == gs.Variant("gluon", 6, 4, 4)
     assert gs.Variant.parse("triton:16x1024").warps == 8
+    assert gs.Variant.parse("gluonrm:6x4").sub == 4 and gs.Variant.parse("triton:16x1024").sub == 1
     for bad in ("gluon:6", "cublas:1x1", "triton:ax4"):
         with pytest.raises(ValueError, match="variant"):
             gs.Variant.parse(bad)
@@ -91,7 +110,7 @@ def test_compiles_for_sm90():
     """In a process without TRITON_INTERPRET (the suite's interpreter would wrap the kernel)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     tool = Path(__file__).resolve().parents[1] / "tools" / "gluon_stream.py"
-    out = subprocess.run([sys.executable, str(tool), "--compile-only", "--variants", "gluon:6x4"],
+    out = subprocess.run([sys.executable, str(tool), "--compile-only", "--variants", "gluon:6x4", "gluonrm:6x4"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     shared = int(re.search(r"shared (\d+) bytes", out.stdout).group(1))
@@ -101,7 +120,7 @@ def test_compiles_for_sm90():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs a GPU")
 @pytest.mark.parametrize("chained", [True, False])
-@pytest.mark.parametrize("spec", ["gluon:3x1", "gluon:4x2", "triton:16x1024"])
+@pytest.mark.parametrize("spec", ["gluon:3x1", "gluon:4x2", "gluonrm:4x2", "triton:16x1024"])
 def test_gpu_chain_equals_torch(chained, spec):
     shapes = SHAPES * 3
     workers = 5  # more tasks than workers, fewer than tasks of one GEMV

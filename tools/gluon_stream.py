@@ -15,6 +15,9 @@ The kernel is the megakernel's skeleton without its other ops: one CTA per SM ru
 signals (release).  What differs from megakernel/ops/linear.py is who reads the weights:
 - the weights are packed tile-major (each task's [16, 256] bf16 tiles contiguous, in queue order),
   so one TMA descriptor addresses every tile of every matrix, K tails zero-filled by the packing;
+  or (gluonrm variants) they stay row-major as the megakernel's arena has them, each matrix starting
+  at a multiple of its K, and one descriptor per distinct K views the arena as [arena / K, K]: a
+  task's tile is the box at (its first row, c x 256), the TMA zero-filling columns past K;
 - a 1-warp producer partition walks the same queue and streams tiles into a ring of shared-memory
   slots by TMA, guarded by mbarriers (ready: bytes landed; empty: consumers done).  It never waits
   on a dependency counter, so the next tasks' weights are in flight while the consumers wait;
@@ -55,8 +58,10 @@ from megakernel.ops import linear  # noqa: E402
 TILE_ROWS, TILE_COLS = 16, 256  # a weight tile: 16 output rows x 256 columns of bf16 (8 KB), one TMA box
 ROWS, COLS = gl.constexpr(TILE_ROWS), gl.constexpr(TILE_COLS)  # the same, for the kernel
 # a task: first tile, tiles, x offset, K, y offset, valid rows, its GEMV, that GEMV's predecessor's task count,
-# and for the plain-Triton kernel its matrix's offset in the row-major arena and its first row
-FIELDS = gl.constexpr(10)
+# its matrix's offset in the row-major arena and its first row (the plain-Triton kernel), and for row-major
+# TMA its K class (which descriptor) and its first row in that class's [arena / K, K] view
+FIELDS = gl.constexpr(12)
+MAX_K_CLASSES = 4  # distinct K of one chain that row-major TMA addresses (one descriptor each)
 MAX_SPINS = gl.constexpr(1 << 24)  # a dependency wait polls at most this often, then flags an error (never hangs)
 STRIDE = 32  # int32s between counters: one per 128-byte line
 COUNTER_STRIDE = gl.constexpr(STRIDE)
@@ -64,20 +69,37 @@ LLAMA_1B = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # (N, K) o
 
 
 @gluon.jit
-def _producer(desc, tasks, queue, ring, ready, empty, SLOTS: gl.constexpr, SUB: gl.constexpr):
+def _producer(d0, d1, d2, d3, tasks, queue, ring, ready, empty, SLOTS: gl.constexpr, SUB: gl.constexpr,
+              RM: gl.constexpr):
     """Streams the worker's tiles into the ring in queue order, SLOTS ahead of the consumers: a slot holds
-    SUB consecutive tiles of one task (its count of tiles is a multiple of SUB), one barrier for all."""
+    SUB consecutive tiles of one task (its count of tiles is a multiple of SUB), one barrier for all.
+    RM: tiles addressed in the row-major arena through the task's K class's descriptor (d0..d3: rows of
+    K, columns past K zero-filled by the TMA), else tile-major through d0."""
     pid = gl.program_id(0)
     it = 0
     for t in range(gl.load(queue + pid), gl.load(queue + pid + 1)):
-        tile0 = gl.load(tasks + t * FIELDS)
-        for c in range(0, gl.load(tasks + t * FIELDS + 1), SUB):
+        task = tasks + t * FIELDS
+        tile0 = gl.load(task)
+        kclass = gl.load(task + 10)
+        row0 = gl.load(task + 11)
+        for c in range(0, gl.load(task + 1), SUB):
             s = it % SLOTS
             mbarrier.wait(empty.index(s), ((it // SLOTS) & 1) ^ 1)  # a fresh barrier passes parity 1
             mbarrier.expect(ready.index(s), SUB * ROWS * COLS * 2)
             for j in gl.static_range(SUB):
-                tma.async_copy_global_to_shared(desc, [(tile0 + c + j) * ROWS, 0], ready.index(s),
-                                                ring.index(s * SUB + j))
+                if RM:
+                    at = [row0, (c + j) * COLS]
+                    if kclass == 0:
+                        tma.async_copy_global_to_shared(d0, at, ready.index(s), ring.index(s * SUB + j))
+                    elif kclass == 1:
+                        tma.async_copy_global_to_shared(d1, at, ready.index(s), ring.index(s * SUB + j))
+                    elif kclass == 2:
+                        tma.async_copy_global_to_shared(d2, at, ready.index(s), ring.index(s * SUB + j))
+                    else:
+                        tma.async_copy_global_to_shared(d3, at, ready.index(s), ring.index(s * SUB + j))
+                else:
+                    tma.async_copy_global_to_shared(d0, [(tile0 + c + j) * ROWS, 0], ready.index(s),
+                                                    ring.index(s * SUB + j))
             it += 1
 
 
@@ -137,9 +159,9 @@ def _consumer(tasks, queue, counters, epoch_ptr, err, act, ring, ready, empty, W
 
 
 @gluon.jit
-def gemv_chain_kernel(desc, tasks, queue, counters, epoch_ptr, err, act, WAIT: gl.constexpr,
-                      SLOTS: gl.constexpr, SUB: gl.constexpr, WARPS: gl.constexpr):
-    ring = gl.allocate_shared_memory(gl.bfloat16, [SLOTS * SUB, ROWS, COLS], desc.layout)
+def gemv_chain_kernel(d0, d1, d2, d3, tasks, queue, counters, epoch_ptr, err, act, WAIT: gl.constexpr,
+                      SLOTS: gl.constexpr, SUB: gl.constexpr, WARPS: gl.constexpr, RM: gl.constexpr):
+    ring = gl.allocate_shared_memory(gl.bfloat16, [SLOTS * SUB, ROWS, COLS], d0.layout)
     ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(SLOTS):
@@ -147,7 +169,8 @@ def gemv_chain_kernel(desc, tasks, queue, counters, epoch_ptr, err, act, WAIT: g
         mbarrier.init(empty.index(s), count=1)
     gl.warp_specialize([(_consumer, (tasks, queue, counters, epoch_ptr, err, act, ring, ready, empty, WAIT, SLOTS,
                                      SUB, WARPS)),
-                        (_producer, (desc, tasks, queue, ring, ready, empty, SLOTS, SUB))], [1], [40])
+                        (_producer, (d0, d1, d2, d3, tasks, queue, ring, ready, empty, SLOTS, SUB, RM))], [1],
+                       [40])
 
 
 # ---- the same tasks through the plain-Triton body (megakernel/ops/linear.py), for the comparison ----------
@@ -192,6 +215,7 @@ class Chain:
     x_off: list[int]  # where each GEMV reads its input in the activation buffer
     y_off: list[int]  # where it writes its output
     act_size: int
+    klasses: list[int]  # the distinct K, in K-class order
 
 
 def k_tiles(k: int, sub: int = 1) -> int:
@@ -219,10 +243,18 @@ def build_chain(shapes, workers: int, chained: bool, device, seed: int = 0, sub:
     if chained and any(k > shapes[j - 1][0] for j, (_, k) in enumerate(shapes) if j > 0):
         raise ValueError(f"gluon_stream: a chained GEMV reads K <= the previous one's N entries: {shapes}")
     arena = torch.cat([tile_major(w, sub) for w in weights])
-    rowmajor = torch.cat([w.reshape(-1) for w in weights] + [weights[0].new_zeros(STREAM_SLACK)])
-    w_base = [0]
+    # row-major, each matrix starting at a multiple of its K: its rows are then rows of the arena viewed
+    # as [arena / K, K], which one TMA descriptor per distinct K addresses (row-major TMA)
+    klasses = sorted({k for _, k in shapes})
+    if len(klasses) > MAX_K_CLASSES:
+        raise ValueError(f"gluon_stream: at most {MAX_K_CLASSES} distinct K, got {klasses}")
+    w_base, end = [], 0
     for n, k in shapes:
-        w_base.append(w_base[-1] + n * k)
+        w_base.append(-(-end // k) * k)
+        end = w_base[-1] + n * k
+    rowmajor = weights[0].new_zeros(end + STREAM_SLACK)
+    for w, base in zip(weights, w_base):
+        rowmajor[base: base + w.numel()] = w.reshape(-1)
     x_off, y_off, base = [], [], max(k for _, k in shapes)  # act[0:max K] is the chain's input
     for j, (n, k) in enumerate(shapes):
         x_off.append(y_off[j - 1] if chained and j > 0 else 0)
@@ -236,18 +268,31 @@ def build_chain(shapes, workers: int, chained: bool, device, seed: int = 0, sub:
         for r in range(nr):
             rows = min(TILE_ROWS, n - r * TILE_ROWS)
             per_worker[w].append([tile, nk, x_off[j], k, y_off[j] + r * TILE_ROWS, rows, j, prev, w_base[j],
-                                  r * TILE_ROWS])
+                                  r * TILE_ROWS, klasses.index(k), w_base[j] // k + r * TILE_ROWS])
             tile += nk
             w = (w + 1) % workers
     table = [t for q in per_worker for t in q]
     queue = torch.tensor([0] + [len(q) for q in per_worker], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return Chain(list(shapes), weights, arena, rowmajor, torch.tensor(table, dtype=torch.int32, device=device),
-                 queue.to(device), x_off, y_off, base)
+                 queue.to(device), x_off, y_off, base, klasses)
+
+
+def descriptors(chain: Chain, row_major: bool) -> list:
+    """The kernel's four TMA descriptors: the tile-major arena's (four times), or one per K class over
+    the row-major arena viewed as [arena / K, K] (the first repeated where a chain has fewer K)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    if not row_major:
+        return [TensorDescriptor.from_tensor(chain.arena, [TILE_ROWS, TILE_COLS], layout)] * MAX_K_CLASSES
+    views = [chain.rowmajor[: chain.rowmajor.numel() // k * k].view(-1, k) for k in chain.klasses]
+    descs = [TensorDescriptor.from_tensor(v, [TILE_ROWS, TILE_COLS], layout) for v in views]
+    return descs + descs[:1] * (MAX_K_CLASSES - len(descs))
 
 
 @dataclass(frozen=True)
 class Variant:
-    """gluon:SLOTSxSUB (ring slots of SUB 8 KB tiles, consumer warps) or triton:BRxKC (the LINEAR body's
+    """gluon:SLOTSxSUB (ring slots of SUB 8 KB tiles, consumer warps; tile-major weights), gluonrm:SLOTSxSUB
+    (the same ring fed from the row-major arena, one descriptor per K) or triton:BRxKC (the LINEAR body's
     weight chunk: BR rows x KC columns, 8 warps as the megakernel)."""
     kind: str
     a: int
@@ -260,14 +305,18 @@ class Variant:
         try:
             a, b = (int(v) for v in shape.split("x"))
         except ValueError:
-            raise ValueError(f"variant {spec!r}: gluon:SLOTSxSUB or triton:BRxKC") from None
-        if kind not in ("gluon", "triton"):
-            raise ValueError(f"variant {spec!r}: the kind is gluon or triton")
-        return Variant(kind, a, b, warps if kind == "gluon" else 8)
+            raise ValueError(f"variant {spec!r}: gluon:SLOTSxSUB, gluonrm:SLOTSxSUB or triton:BRxKC") from None
+        if kind not in ("gluon", "gluonrm", "triton"):
+            raise ValueError(f"variant {spec!r}: the kind is gluon, gluonrm or triton")
+        return Variant(kind, a, b, warps if kind != "triton" else 8)
+
+    @property
+    def gluon(self) -> bool:
+        return self.kind != "triton"
 
     @property
     def sub(self) -> int:
-        return self.b if self.kind == "gluon" else 1
+        return self.b if self.gluon else 1
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.a}x{self.b}"
@@ -279,10 +328,8 @@ class ChainRun:
     def __init__(self, chain: Chain, workers: int, wait: bool, variant: Variant):
         dev = chain.arena.device
         self.chain, self.workers, self.wait, self.v = chain, workers, wait, variant
-        if variant.kind == "gluon":
-            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-            layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-            self.desc = TensorDescriptor.from_tensor(chain.arena, [TILE_ROWS, TILE_COLS], layout)
+        if variant.gluon:
+            self.descs = descriptors(chain, variant.kind == "gluonrm")
         self.counters = torch.zeros(len(chain.shapes) * STRIDE, dtype=torch.int32, device=dev)
         self.epochs = torch.zeros(workers, dtype=torch.int32, device=dev)
         self.err = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -290,10 +337,10 @@ class ChainRun:
 
     def launch(self) -> None:
         c, v = self.chain, self.v
-        if v.kind == "gluon":
-            gemv_chain_kernel[(self.workers,)](self.desc, c.tasks, c.queue, self.counters, self.epochs, self.err,
+        if v.gluon:
+            gemv_chain_kernel[(self.workers,)](*self.descs, c.tasks, c.queue, self.counters, self.epochs, self.err,
                                                 self.act, WAIT=self.wait, SLOTS=v.a, SUB=v.b, WARPS=v.warps,
-                                                num_warps=v.warps)
+                                                RM=v.kind == "gluonrm", num_warps=v.warps)
         else:
             triton_chain_kernel[(self.workers,)](c.rowmajor, self.act, c.tasks, c.queue, self.counters, self.epochs,
                                                   self.err, WAIT=self.wait, BR=v.a, KC=v.b, num_warps=v.warps)
@@ -307,21 +354,22 @@ class ChainRun:
         return [self.act[o:o + n] for o, (n, _) in zip(self.chain.y_off, self.chain.shapes)]
 
 
-def compile_sm90(slots: int, sub: int, warps: int, wait: bool = True):
+def compile_sm90(slots: int, sub: int, warps: int, wait: bool = True, row_major: bool = False):
     """The kernel compiled for an H100/H200 on any machine (Gluon has no interpreter: a CPU's check)."""
-    import triton
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
     tile = torch.zeros(TILE_ROWS, TILE_COLS, dtype=torch.bfloat16)
-    desc = TensorDescriptor.from_tensor(tile, [TILE_ROWS, TILE_COLS], layout)
-    sig = {"desc": native_specialize_impl(BaseBackend, desc, False, True, True)[0],
+    desc = native_specialize_impl(BaseBackend, TensorDescriptor.from_tensor(tile, [TILE_ROWS, TILE_COLS], layout),
+                                  False, True, True)[0]
+    sig = {**{f"d{i}": desc for i in range(MAX_K_CLASSES)},
            **{n: "*i32" for n in ("tasks", "queue", "counters", "epoch_ptr", "err")}, "act": "*fp32",
-           **{n: "constexpr" for n in ("WAIT", "SLOTS", "SUB", "WARPS")}}
-    const = {"WAIT": wait, "SLOTS": slots, "SUB": sub, "WARPS": warps}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(1, 7)}  # as the JIT finds torch tensors
+           **{n: "constexpr" for n in ("WAIT", "SLOTS", "SUB", "WARPS", "RM")}}
+    const = {"WAIT": wait, "SLOTS": slots, "SUB": sub, "WARPS": warps, "RM": row_major}
+    first = MAX_K_CLASSES  # pointers follow the descriptors; 16-byte aligned, as the JIT finds torch tensors
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(first, first + 6)}
     return triton.compile(GluonASTSource(fn=gemv_chain_kernel, signature=sig, constexprs=const, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
@@ -363,8 +411,8 @@ def main() -> None:
     variants = [Variant.parse(spec, args.consumer_warps) for spec in args.variants]
     if args.compile_only:
         for v in variants:
-            if v.kind == "gluon":
-                k = compile_sm90(v.a, v.b, v.warps)
+            if v.gluon:
+                k = compile_sm90(v.a, v.b, v.warps, row_major=v.kind == "gluonrm")
                 ptx = k.asm["ptx"]
                 assert "cp.async.bulk.tensor" in ptx and "mbarrier.try_wait" in ptx and "setmaxnreg" in ptx
                 assert "ld.global.gpu.acquire" in ptx and "atom.global.gpu.release" in ptx  # the dependency counters
