@@ -203,6 +203,20 @@ def test_migration_in_the_engine_moves_experts_and_keeps_the_output_bit_exact(ov
     helper.close()
 
 
+def _migrating_engine(steps: int):
+    """tiny-moe with half its experts on a cpu helper, an eager migration policy and the default (overlapped)
+    migration; its prompts and the all-on-main engine's logits over `steps` tokens."""
+    cfg = preset("tiny-moe")
+    w = init_weights(cfg, seed=5)
+    prompts = torch.randint(0, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(5))
+    want, _ = _decode(cfg, w, prompts, steps)
+    opts = HelperOptions(kind="cpu", fraction=0.5, migrate=True, window=4,
+                         policy=MigrationPolicy(margin=1.0, min_gain=1.0, max_moves=2))
+    engine = make_engine(cfg, w, "interpret", 2, prompts.shape[1] + steps, "cpu", torch.float32, workers=4,
+                         helper=opts)
+    return engine, prompts, want
+
+
 def test_overlapped_migration_decides_after_a_launch_and_commits_at_the_next_boundary():
     """opts.overlap (the default): a migration is decided right after a step's launch, its maps are
     written behind that step (the device routes by them from the step after it) and the host's
@@ -210,13 +224,7 @@ def test_overlapped_migration_decides_after_a_launch_and_commits_at_the_next_bou
     placement, a decision is pending only between a launch and the boundary after it, and the output
     stays the all-on-main engine's, bit for bit."""
     from helper_card.link import _expert_maps
-    cfg = preset("tiny-moe")
-    w = init_weights(cfg, seed=5)
-    prompts = torch.randint(0, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(5))
-    want, _ = _decode(cfg, w, prompts, 14)
-    opts = HelperOptions(kind="cpu", fraction=0.5, migrate=True, window=4,
-                         policy=MigrationPolicy(margin=1.0, min_gain=1.0, max_moves=2))
-    engine = make_engine(cfg, w, "interpret", 2, prompts.shape[1] + 14, "cpu", torch.float32, workers=4, helper=opts)
+    engine, prompts, want = _migrating_engine(14)
     helper = engine.backend.helper
     assert not helper.runners and helper.overlap is None  # runners attach (and decide it) at their first step
 
@@ -264,13 +272,7 @@ def test_a_decision_pending_when_its_step_fails_switches_before_the_next_launch(
     """A step that fails after its launch never reaches its boundary, but the maps of the decision made
     after that launch were written: the next launch switches the host to that placement first, so the
     helper's calls and the device's maps agree and the output stays the all-on-main engine's."""
-    cfg = preset("tiny-moe")
-    w = init_weights(cfg, seed=5)
-    prompts = torch.randint(0, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(5))
-    want, _ = _decode(cfg, w, prompts, 14)
-    opts = HelperOptions(kind="cpu", fraction=0.5, migrate=True, window=4,
-                         policy=MigrationPolicy(margin=1.0, min_gain=1.0, max_moves=2))
-    engine = make_engine(cfg, w, "interpret", 2, prompts.shape[1] + 14, "cpu", torch.float32, workers=4, helper=opts)
+    engine, prompts, want = _migrating_engine(14)
     helper = engine.backend.helper
     decide, failed = helper._after_launch, []
 
