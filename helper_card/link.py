@@ -317,8 +317,8 @@ class ExpertMaps:
                        casting="same_kind")
         values = self.staging.to(self.buf.device, non_blocking=True)
         self.buf.index_copy_(0, self.index, values)
-        if self.copied is not None:
-            self.copied.record()
+        if self.copied is not None:  # on the stream the copy went to (the map's device), whatever is current
+            self.copied.record(torch.cuda.current_stream(self.buf.device))
 
 
 _expert_maps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Memory -> its ExpertMaps
