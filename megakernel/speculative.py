@@ -135,10 +135,21 @@ class SpeculativeDecoder:
         other.k, other.adaptive = k, None
         return other
 
+    def step_shape(self, T: int, prefill: bool) -> StepShape:
+        return StepShape(T=T, B=self.batch, max_len=self.max_len, speculative=True, accept=self.accept,
+                         prefill=prefill, temperature=self.temperature, top_p=self.top_p)
+
     def runner(self, T: int, prefill: bool):
-        return self.engine.runner(StepShape(T=T, B=self.batch, max_len=self.max_len, speculative=True,
-                                            accept=self.accept, prefill=prefill, temperature=self.temperature,
-                                            top_p=self.top_p))
+        return self.engine.runner(self.step_shape(T, prefill))
+
+    def precompile(self, ks, prompt_len: int, processes: int) -> None:
+        """Every plan that generating from a prompt of prompt_len tokens with each k of `ks` uses (verify
+        steps of k+1 tokens, prefill chunks), compiled side by side in `processes` processes."""
+        shapes = []
+        for k in ks:
+            shapes.append(self.step_shape(k + 1, False))
+            shapes += [self.step_shape(T, True) for T in self.with_k(k).prefill_chunks(prompt_len)]
+        self.engine.precompile(shapes, processes)
 
     def prefill_chunks(self, S: int) -> list[int]:
         last = min(S, self.k + 1)

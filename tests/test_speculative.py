@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graph.compile import CompileOptions
+from graph.compile import CompileOptions, compile_step
 from megakernel.ops.spec import row_dist, sample_row, uniform_dev
 from megakernel.speculative import Drafts, SpeculativeDecoder
 from model import TINY_PRESETS, init_weights, preset
@@ -241,7 +241,8 @@ def test_spec_sweep_tool_dry_run(tmp_path):
     import subprocess
     import sys
     out = subprocess.run([sys.executable, "tools/spec_sweep.py", "--models", "tiny-moe", "--device", "cpu", "--ctx", "24",
-                          "--kmax", "2", "--tokens", "8", "--batch", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+                          "--kmax", "2", "--tokens", "8", "--batch", "2", "--compile-processes", "2", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads((tmp_path / "sweep_tiny-moe.json").read_text())
     assert [r["k"] for r in rows] == [0, 1, 2]
@@ -307,3 +308,19 @@ def _draw(lg, out, V, temp, top_p, seed, exclude, BV: tl.constexpr):
     temp, top_p = tl.zeros([], tl.float64) + temp, tl.zeros([], tl.float64) + top_p
     mx, z, cut, kept = row_dist(lg, V, temp, top_p, BV)
     tl.store(out, sample_row(lg, V, temp, mx, z, cut, kept, exclude, uniform_dev(seed, 3, 1), BV))
+
+
+def test_plans_compiled_side_by_side_equal_the_ones_compiled_in_turn():
+    """SpeculativeDecoder.precompile (spec_sweep's setup): worker processes compile the same plans,
+    every one a verify or prefill shape the decoder then uses without compiling again."""
+    cfg = preset("tiny-moe")
+    w = init_weights(cfg, seed=1)
+    dec = SpeculativeDecoder(cfg, w, 2, 2, 32)
+    dec.precompile(range(3), 1, 2)
+    shapes = set(dec.engine.plans)
+    assert shapes == {dec.step_shape(k + 1, False) for k in range(3)} | {dec.step_shape(1, True)}
+    for shape, plan in dec.engine.plans.items():
+        alone = compile_step(cfg, shape, dec.engine.options)
+        assert (plan.words == alone.words).all() and plan.queue_ptr == alone.queue_ptr, shape
+    dec.generate(torch.tensor([[3], [5]]), 4, Drafts("oracle", [[1] * 8, [2] * 8], cfg.vocab_size))
+    assert set(dec.engine.plans) == shapes  # nothing compiled on the way

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -75,6 +76,8 @@ def sweep_model(name: str, args, workers: int) -> list[dict]:
                              backend="megakernel" if gpu else "interpret", options=CompileOptions(workers=workers),
                              temperature=args.temperature, top_p=args.top_p)
     del weights  # the engine packed its own copy
+    # every plan the sweep and the equality check use, compiled side by side (most of a sweep's setup)
+    dec.precompile(range(args.kmax + 1), 1, args.compile_processes)
     gen = torch.Generator().manual_seed(1)
     rows = []
     for k in range(args.kmax + 1):
@@ -118,6 +121,8 @@ def main() -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--sources", nargs="*", default=["mtp", "oracle", "noisy:0.5"],
                    help="draft sources of the equality check (mtp, oracle, noisy:P)")
+    p.add_argument("--compile-processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
+                   help="plans compiled side by side (default: half the CPUs, at most 8)")
     p.add_argument("--out", default=".")
     args = p.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
