@@ -325,8 +325,9 @@ _expert_maps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Memory 
 
 
 def write_expert_maps(mem: Memory, placement: Placement) -> None:
-    """Every MoE layer's expert map of `placement` into a plan's memory (its ExpertMaps, made once)."""
+    """Every MoE layer's expert map of `placement` into a plan's memory (its ExpertMaps, made once: a
+    helper's placements all cover the same layers)."""
     maps = _expert_maps.get(mem)
-    if maps is None or maps.layers != [layer for layer in placement.tables if f"in.L{layer}.expert_map" in mem.io]:
+    if maps is None:
         maps = _expert_maps[mem] = ExpertMaps(mem, placement)
     maps.write(placement)

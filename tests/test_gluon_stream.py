@@ -71,6 +71,14 @@ def test_task_table_replays_the_chain(chained, workers, row_major):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_independent_gemvs_are_the_unchained_build_on_the_same_arenas():
+    chained = gs.build_chain(SHAPES, 3, True, "cpu", sub=2)
+    free = gs.build_chain(SHAPES, 3, False, "cpu", sub=2)
+    derived = gs.independent(chained)
+    assert torch.equal(derived.tasks, free.tasks) and derived.x_off == free.x_off
+    assert derived.arena is chained.arena and derived.rowmajor is chained.rowmajor
+
+
 def test_tile_major_keeps_every_weight():
     w = torch.randn(37, 517).to(torch.bfloat16)
     tiles = gs.tile_major(w)
