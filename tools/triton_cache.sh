@@ -21,6 +21,8 @@ case "${1:-}" in
             rm -f "$2"
         fi ;;
     keep)
+        # a call cut by its time limit can return a truncated archive: keep the last good one then
+        xz -t "$2" || { echo "triton_cache: $2 is damaged; $carried unchanged" >&2; exit 1; }
         install -m 644 "$2" "$carried"  # the fetched file is read-only
         echo "triton_cache: $(du -h "$carried" | cut -f1) in $carried: carry [\"$carried\"] in the next device call" ;;
     restore)
