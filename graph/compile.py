@@ -13,7 +13,7 @@ from model.config import ModelConfig
 from model.stats import step_bytes
 
 from .cost import CostModel
-from .fusion import RULES, fuse
+from .fusion import OPTIONAL_RULES, RULES, fuse
 from .cse import cse
 from .ir import Graph, Op
 from .isa import MAX_WAITS, OPCODES, WORDS, encode
@@ -44,17 +44,21 @@ class CompileError(ValueError):
 
 
 def compile_options(spec: str, workers: int) -> tuple[CompileOptions, int]:
-    """'KEY=V,...' of TilingOptions fields and attn_split (tools: bench, replay) -> (options, attn_split)."""
-    tiling, attn_split = {}, 0
+    """'KEY=V,...' of TilingOptions fields, attn_split and optional fusion rules (norm_into_linear=1)
+    (tools: bench, replay) -> (options, attn_split)."""
+    tiling, attn_split, rules = {}, 0, RULES
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
         if key == "attn_split":
             attn_split = int(value)
+        elif key in OPTIONAL_RULES:
+            rules = rules + (key,) if int(value) else rules
         elif key in {f.name for f in dataclasses.fields(TilingOptions)}:
             tiling[key] = int(value)
         else:
-            raise CompileError(f"plan options {spec!r}: unknown key {key!r} (TilingOptions fields or attn_split)")
-    return CompileOptions(workers=workers, tiling=TilingOptions(**tiling)), attn_split
+            raise CompileError(f"plan options {spec!r}: unknown key {key!r} (TilingOptions fields, attn_split or "
+                               f"an optional fusion rule: {', '.join(OPTIONAL_RULES)})")
+    return CompileOptions(workers=workers, tiling=TilingOptions(**tiling), fusion_rules=rules), attn_split
 
 
 def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | None = None) -> Plan:
@@ -72,7 +76,8 @@ def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | N
         passes.append(fuse(graph, opts.fusion_rules))
     graph.renumber()
     graph.prune()
-    mem = plan_memory(graph, reuse=opts.reuse_memory, weights=canonical_weights(cfg, shape.helper_slots))
+    mem = plan_memory(graph, reuse=opts.reuse_memory,
+                      weights=canonical_weights(cfg, shape.helper_slots, opts.fusion_rules if opts.fuse else ()))
     passes.append({"pass": "memory", "A_bytes": mem.sizes["A"] * 4, "I_bytes": mem.sizes["I"] * 4,
                    "unshared_bytes": mem.activation_bytes_unshared, "reused_blocks": mem.reused,
                    "W_elements": mem.sizes["W"], "WF_elements": mem.sizes["WF"]})
@@ -132,12 +137,19 @@ def attention_split(cfg: ModelConfig, shape: StepShape, workers: int) -> int:
     return max(64, 64 * math.ceil(shape.max_len / splits / 64))
 
 
-def canonical_weights(cfg: ModelConfig, helper_slots: int = -1) -> list:
+def canonical_weights(cfg: ModelConfig, helper_slots: int = -1, rules: tuple[str, ...] = ()) -> list:
     """The weight arena's order for every plan of a model: the order in which one decode step
     and every MTP layer, as the unfused graph first reads them.  Helper plans (helper_slots >= 0)
-    have their own layout: one arena of main expert slots instead of every layer's experts."""
+    have their own layout: one arena of main expert slots instead of every layer's experts.
+    Optional fusion rules that derive weights (norm_into_linear) lay out the fused graph's weights
+    instead: the derived ones, without those only they read."""
     n = cfg.num_nextn_predict_layers
-    return weight_order(lower(cfg, StepShape(T=1, B=1, max_len=1 + n, mtp_passes=n, helper_slots=helper_slots)))
+    graph = lower(cfg, StepShape(T=1, B=1, max_len=1 + n, mtp_passes=n, helper_slots=helper_slots))
+    derive = tuple(r for r in rules if r in OPTIONAL_RULES)
+    if derive:
+        cse(graph)
+        fuse(graph, derive)
+    return weight_order(graph)
 
 
 def _wait_list(op: Op, deps: dict[int, set[int]], anc: list[int], ntasks: dict[int, int]) -> list[tuple[int, int]]:

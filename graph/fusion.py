@@ -10,13 +10,21 @@ Rules, applied in this order (each names what it merged in the report):
 - hc_coeff:      HC_COEFF mix, act, sinkhorn, collapse     -> one HC_COEFF
 A tensor is absorbed only when the fused op is its sole reader and it is not
 an output.  The fused op takes the program position of the chain's last op.
+
+Optional rules (CompileOptions.fusion_rules names them; they change the packed weights):
+- norm_into_linear: RMSNORM read only as x by LINEARs      -> each LINEAR[NORM], the norm gone
+                 (its weight g folded into each reader's weight columns, W' = W diag(g), rounded to
+                 the model dtype when packed: megakernel/memory.py; the task scales its sums by
+                 rsqrt(mean(x²) + eps)).  One hop fewer between a residual and its projections.
+                 Not where a reader's weight has other readers (tied or shared heads): no copies.
 """
 
 from __future__ import annotations
 
-from .ir import Graph, Op, View
+from .ir import Graph, Op, Tensor, View
 
 RULES = ("swiglu", "moe_epilogue", "residual_into_linear", "residual_norm", "route", "hc_coeff")
+OPTIONAL_RULES = ("norm_into_linear",)
 
 
 class _Ctx:
@@ -146,6 +154,61 @@ def _residual_norm(ctx: _Ctx) -> str | None:
     return None
 
 
+def _whole(ctx: _Ctx, view: View) -> bool:
+    return view.col0 == 0 and view.cols in (None, ctx.g.tensors[view.tensor].cols)
+
+
+def scaled_weight(ctx: _Ctx, w: str, g: str) -> str:
+    """The tensor of weight w with its columns scaled by the 1-row weight g (packed as such)."""
+    name = f"{w}*{g}"
+    if name not in ctx.g.tensors:
+        src, (g_part,) = ctx.g.tensors[w], ctx.g.tensors[g].parts
+        ctx.g.add_tensor(Tensor(name, src.buf, src.rows, src.cols, role="weight",
+                                parts=tuple((hf, rel, g_part[0]) for hf, rel in src.parts)))
+    return name
+
+
+def _scaled_alike(ctx: _Ctx, op: Op, g: str) -> bool:
+    """op would read its weights scaled by g too: a LINEAR of a norm with weight g (the same layer's
+    projection in another MTP pass)."""
+    norm = ctx.sole_producer(op.reads["x"], "RMSNORM") if op.opcode == "LINEAR" else None
+    return norm is not None and "ADD" not in norm.flags and "w" in norm.reads and norm.reads["w"].tensor == g
+
+
+def _norm_into_linear(ctx: _Ctx) -> str | None:
+    for norm in ctx.g.ops:
+        if norm.opcode != "RMSNORM" or "ADD" in norm.flags or not _whole(ctx, norm.writes["out"]):
+            continue
+        out = norm.writes["out"].tensor
+        readers = ctx.cons.get(out, [])
+        if ctx.g.tensors[out].role != "act" or not readers or len(ctx.prod.get(out, [])) != 1:
+            continue
+        if any(op.opcode != "LINEAR" or "NORM" in op.flags or op.attrs.get("K") != norm.attrs["D"]
+               or [k for k, v in op.reads.items() if v.tensor == out] != ["x"] or not _whole(ctx, op.reads["x"])
+               for op in readers):
+            continue
+        g = norm.reads.get("w")
+        if g is not None and (len(ctx.g.tensors[g.tensor].parts) != 1 or any(
+                not _scaled_alike(ctx, other, g.tensor) for op in readers for k in ("w", "w2") if k in op.reads
+                for other in ctx.cons[op.reads[k].tensor])):
+            continue  # a weight another op reads unscaled (a tied or shared head) would need a scaled copy
+        fused = {}
+        for lin in readers:
+            reads = dict(lin.reads)
+            reads["x"] = norm.reads["x"]
+            if g is not None:
+                for key in ("w", "w2"):
+                    if key in reads:
+                        reads[key] = View(scaled_weight(ctx, reads[key].tensor, g.tensor))
+            fused[id(lin)] = _new(lin, lin.flags | {"NORM"}, reads, dict(lin.writes),
+                                  attrs={**lin.attrs, "eps": norm.attrs["eps"]})
+            fused[id(lin)].fused_from = lin.fused_from + (norm.label,)
+        ctx.g.ops = [fused.get(id(op), op) for op in ctx.g.ops if op is not norm]
+        ctx.refresh()
+        return f"{norm.label} -> {', '.join(op.label for op in readers)} LINEAR[NORM]"
+    return None
+
+
 def _merge_stages(ctx: _Ctx, opcode: str, stages: tuple[str, ...], label_suffix: str,
                   scratch: tuple[str, ...] = ()) -> str | None:
     """Merge an op running stage s with the op running the next stage on its private outputs.
@@ -182,9 +245,9 @@ def _merge_stages(ctx: _Ctx, opcode: str, stages: tuple[str, ...], label_suffix:
 
 def fuse(graph: Graph, rules: tuple[str, ...] = RULES) -> dict:
     before = len(graph.ops)
-    unknown = set(rules) - set(RULES)
+    unknown = set(rules) - set(RULES) - set(OPTIONAL_RULES)
     if unknown:
-        raise ValueError(f"unknown fusion rule(s) {sorted(unknown)}; rules are {RULES}")
+        raise ValueError(f"unknown fusion rule(s) {sorted(unknown)}; rules are {RULES + OPTIONAL_RULES}")
     ctx = _Ctx(graph)
     impl = {
         "swiglu": _swiglu,
@@ -194,9 +257,10 @@ def fuse(graph: Graph, rules: tuple[str, ...] = RULES) -> dict:
         # ROUTE's slot-table stage reads the top-k ids back from memory (megakernel/ops/moe.py)
         "route": lambda c: _merge_stages(c, "ROUTE", ("SCORE", "TOPK", "SLOTS"), ".route", scratch=("ids",)),
         "hc_coeff": lambda c: _merge_stages(c, "HC_COEFF", ("MIX", "ACT", "SINK", "COLLAPSE"), ".coeff"),
+        "norm_into_linear": _norm_into_linear,
     }
     changes, per_rule = [], {}
-    for rule in RULES:
+    for rule in RULES + OPTIONAL_RULES:
         if rule not in rules:
             continue
         while (change := impl[rule](ctx)) is not None:

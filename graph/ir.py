@@ -98,9 +98,10 @@ class Graph:
             op.id = i
 
     def prune(self) -> int:
-        """Drop tensors no op touches (after passes merged ops away); returns how many."""
+        """Drop activations and weights no op touches (after passes merged ops away, or folded a
+        weight into a derived one); returns how many."""
         used = {v.tensor for op in self.ops for v in (*op.reads.values(), *op.writes.values())}
-        dead = [n for n, t in self.tensors.items() if n not in used and t.role == "act"]
+        dead = [n for n, t in self.tensors.items() if n not in used and t.role in ("act", "weight")]
         for n in dead:
             del self.tensors[n]
         return len(dead)

@@ -68,6 +68,10 @@ def plan_memory(graph: Graph, reuse: bool = True, weights: list[Tensor] | None =
         t = graph.tensors.setdefault(w.name, Tensor(w.name, w.buf, w.rows, w.cols, w.role, w.parts, w.data))
         t.offset = _align(sizes[t.buf])
         sizes[t.buf] = t.offset + t.numel
+    unplaced = [t.name for t in graph.tensors.values() if t.role in ("weight", "const") and t.offset is None]
+    if unplaced:
+        raise ValueError(f"weight(s) {', '.join(unplaced[:4])} are not in the arena layout given (every plan of a "
+                         "model shares one: compile it with the same fusion rules)")
     for t in graph.tensors.values():
         if t.role == "cache":
             t.offset = sizes[Buf.C]

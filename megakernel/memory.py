@@ -53,15 +53,19 @@ class Memory:
         }
         for slot in plan.weights:
             arena = self.bufs[slot.buf]
-            for hf_name, rel in slot.parts:
-                if hf_name not in w:
-                    raise KeyError(f"plan needs weight {hf_name}, which the weights do not have")
-                src = w[hf_name].reshape(-1)
+            for hf_name, rel, *scale in slot.parts:
+                for name in (hf_name, *scale):
+                    if name not in w:
+                        raise KeyError(f"plan needs weight {name}, which the weights do not have")
+                src = w[hf_name]
+                if scale:  # a weight whose columns carry a norm's weight (fusion rule norm_into_linear)
+                    src = src.float() * w[scale[0]].float()
+                src = src.reshape(-1)
                 arena[slot.offset + rel: slot.offset + rel + src.numel()] = src.to(arena.dtype)
         if not _all_finite(self.bufs[Buf.W]):
             # the weight stream reads past a matrix's end into its neighbour (ops/linear.weight_rows),
             # so one non-finite weight anywhere would reach another matrix's outputs (0 x inf)
-            bad = [f"{s.name} ({hf})" for s in plan.weights if s.buf == Buf.W for hf, _ in s.parts
+            bad = [f"{s.name} ({hf})" for s in plan.weights if s.buf == Buf.W for hf, *_ in s.parts
                    if not _all_finite(w[hf].to(self.dtype))]
             raise ValueError(f"weight {', '.join(bad) or '(none by name)'} has non-finite values in {self.dtype}")
         for const in plan.consts:
@@ -109,8 +113,10 @@ def _all_finite(t: torch.Tensor, chunk: int = 1 << 26) -> bool:
 
 
 def _layout(plan: Plan) -> tuple:
-    return (tuple((w.name, w.buf, w.offset) for w in plan.weights),
-            tuple((c["name"], c["offset"]) for c in plan.consts),
+    # where each weight and constant lies, whatever order a plan lists them in (a plan lists those it
+    # reads in its own order, derived weights among them)
+    return (tuple(sorted((w.name, w.buf, w.offset) for w in plan.weights)),
+            tuple(sorted((c["name"], c["offset"]) for c in plan.consts)),
             plan.buffers["W"], plan.buffers["WF"], plan.buffers["C"], plan.shape["B"], plan.shape["max_len"])
 
 

@@ -86,3 +86,63 @@ def test_stage_fusion_never_moves_a_write_past_a_reader():
              op(1, "EWISE", ["COPY"], {"a": "coef"}, {"out": "r"}, "reader_between"),
              op(2, "HC_COEFF", ["COLLAPSE"], {"st": "st", "coef": "coef"}, {"out": "x"}, "collapse")]
     assert fuse(g, ("hc_coeff",))["fused"] == 0 and [o.label for o in g.ops][1] == "reader_between"
+
+
+def test_norms_fold_into_the_linears_that_read_them():
+    """Optional rule norm_into_linear: every layer's norms go (their readers are LINEARs whose weights
+    nothing else reads), the LINEARs carry NORM and eps and read scaled weights packed as W·diag(g);
+    the final norm stays (its output is the step's hidden state).  Plans of every shape, MTP passes
+    included, share the one arena layout, and the interpreter still equals the reference."""
+    import torch
+
+    from graph.fusion import RULES
+    from megakernel.interpreter import Interpreter
+    from megakernel.memory import Memory
+    from model import Cache, Reference, init_weights
+
+    from .conftest import rel_err
+    cfg = preset("tiny-dense")
+    opts = CompileOptions(workers=4, fusion_rules=RULES + ("norm_into_linear",))
+    plan = compile_step(cfg, StepShape(T=2, B=2, max_len=16, mtp_passes=2), opts)
+    fusion = next(p for p in plan.passes if p["pass"] == "fusion")
+    layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    assert fusion["per_rule"]["norm_into_linear"] == 2 * cfg.num_hidden_layers + 2 * 2  # two MTP passes of one layer
+    labels = {plan.task_labels[i] for i in range(plan.num_tasks) if plan.task(i).op.name == "RMSNORM"}
+    assert not any("input_norm" in label or "post_attn_norm" in label for label in labels), labels
+    normed = [plan.task(i) for i in range(plan.num_tasks) if plan.task(i).op.name == "LINEAR" and plan.task(i).has("NORM")]
+    assert normed and all(t["eps"] == pytest.approx(cfg.rms_norm_eps) for t in normed)
+    names = {w.name for w in plan.weights}
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert q not in names and f"{q}*model.layers.0.input_layernorm.weight" in names
+    assert sum("*" in n for n in names) == 5 * layers  # q, k, v, gate, up of every layer
+
+    w = init_weights(cfg, seed=2)
+    mem = Memory(plan, w)
+    slot = next(s for s in plan.weights if s.name.startswith(q))
+    packed = mem.bufs[slot.buf][slot.offset: slot.offset + slot.rows * slot.cols].view(slot.rows, slot.cols)
+    assert torch.equal(packed, w[q] * w["model.layers.0.input_layernorm.weight"])
+    Memory(compile_step(cfg, StepShape(T=1, B=2, max_len=16), opts), None, share=mem)  # the same layout
+
+    interp = Interpreter(plan, w)
+    ref = Reference(cfg, w)
+    gen = torch.Generator().manual_seed(0)
+    cache = Cache.allocate(cfg, 2, 16)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=gen))
+    interp.cache().copy_(cache.data)
+    tokens, lens = torch.randint(0, cfg.vocab_size, (2, 2), generator=gen), torch.tensor([3, 9])
+    got, want = interp.step(tokens, lens), ref.step(tokens, cache, lens)
+    assert rel_err(got.logits, want.logits) <= 1e-5 and torch.equal(got.tokens, want.logits.argmax(-1))
+
+
+def test_a_plan_with_other_fusion_rules_cannot_share_the_arena():
+    from graph.fusion import RULES
+    from megakernel.memory import Memory
+    from model import init_weights
+    cfg = preset("tiny-dense")
+    mem = Memory(compile_step(cfg, StepShape(T=1, B=1, max_len=16), CompileOptions(workers=2)), init_weights(cfg))
+    folded = compile_step(cfg, StepShape(T=1, B=1, max_len=16),
+                          CompileOptions(workers=2, fusion_rules=RULES + ("norm_into_linear",)))
+    with pytest.raises(ValueError, match="do not share a weight layout"):
+        Memory(folded, None, share=mem)
+    with pytest.raises(ValueError, match="unknown fusion rule"):
+        compile_step(cfg, StepShape(T=1, B=1, max_len=16), CompileOptions(workers=2, fusion_rules=("no_such",)))
