@@ -136,6 +136,8 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
         if t.op.name in ("LINEAR", "EXPERT_LINEAR"):
             stream_k = max(stream_k, _pow2(f["K"]))
             stream_n = max(stream_n, _pow2(f["N"], 1))
+            if t.op.name == "LINEAR" and t.has("NORM"):  # x's norm, summed as RMSNORM sums a row
+                norm_width = max(norm_width, _pow2(f["K"], 2))
         elif t.op.name == "HEAD_MATMUL":
             stream_n = max(stream_n, _pow2(f["N"], 1))
             k = 1 if t.has("TRANS") else 0

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from graph.compile import CompileOptions, compile_step
+from graph.fusion import RULES
 from graph.lower import StepShape
 from model import TINY_PRESETS, Cache, Reference, init_weights, preset
 
@@ -14,13 +15,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("one_kernel_for_tiny_mode
 BF16_TOL = 1e-2
 
 
-def _setup(name, T=2, B=2, max_len=64, workers=16, passes=0, layers=None, seed=0):
+FOLDED = RULES + ("norm_into_linear",)  # norms folded into the LINEARs that read them (an optional fusion rule)
+
+
+def _setup(name, T=2, B=2, max_len=64, workers=16, passes=0, layers=None, seed=0, rules=RULES):
     from megakernel.runtime import Megakernel
     cfg = preset(name)
     if layers is not None:
         cfg = cfg.replace(num_hidden_layers=layers)
     w = init_weights(cfg, seed=seed, device="cuda", dtype=torch.bfloat16)
-    plan = compile_step(cfg, StepShape(T=T, B=B, max_len=max_len, mtp_passes=passes), CompileOptions(workers=workers))
+    plan = compile_step(cfg, StepShape(T=T, B=B, max_len=max_len, mtp_passes=passes),
+                        CompileOptions(workers=workers, fusion_rules=rules))
     mk = Megakernel(plan, w, "cuda", torch.bfloat16)
     return cfg, w, plan, mk
 
@@ -48,11 +53,12 @@ def test_tiny_megakernel_equals_interpreter(name):
         assert rel_err(a, b) <= BF16_TOL
 
 
+@pytest.mark.parametrize("rules", [RULES, FOLDED], ids=["default", "norms_folded"])
 @pytest.mark.parametrize("name", ["llama-1b", "dsv2-lite"])
-def test_large_megakernel_equals_interpreter(name):
+def test_large_megakernel_equals_interpreter(name, rules):
     from megakernel.interpreter import Interpreter
     cfg, w, plan, mk = _setup(name, T=1, B=1, max_len=256, workers=torch.cuda.get_device_properties(0).multi_processor_count,
-                              layers=4 if name == "dsv2-lite" else None)
+                              layers=4 if name == "dsv2-lite" else None, rules=rules)
     _random_cache(mk)
     interp = Interpreter(plan, None, "cuda", share=mk.mem)
     saved = mk.cache().clone()
@@ -69,9 +75,9 @@ def _near_tie(logits, tol=BF16_TOL):
     return (top[..., 0] - top[..., 1]) <= tol * top[..., 0].abs().clamp_min(1.0)
 
 
-@pytest.mark.parametrize("name", TINY_PRESETS)
-def test_teacher_forced_greedy_64_steps(name):
-    cfg, w, plan, mk = _setup(name, T=1, B=2, max_len=80)
+@pytest.mark.parametrize("name,rules", [(n, RULES) for n in TINY_PRESETS] + [("tiny-dense", FOLDED)])
+def test_teacher_forced_greedy_64_steps(name, rules):
+    cfg, w, plan, mk = _setup(name, T=1, B=2, max_len=80, rules=rules)
     mk.capture()
     # the plain model on the same (bf16) weights, computed in fp32, keeping its cache in bf16 as the
     # engine does (an fp32 cache differs by the cache's rounding, which put one token of one random
@@ -92,8 +98,8 @@ def test_teacher_forced_greedy_64_steps(name):
     assert mismatches == 0
 
 
-@pytest.mark.parametrize("name", TINY_PRESETS)
-def test_batch_invariance_and_run_to_run(name):
+@pytest.mark.parametrize("name,rules", [(n, RULES) for n in TINY_PRESETS] + [("tiny-moe", FOLDED)])
+def test_batch_invariance_and_run_to_run(name, rules):
     """Sequence 0's logits are bit-identical alone, beside another sequence, and inside a longer step."""
     from megakernel.runtime import Megakernel
     cfg = preset(name)
@@ -103,7 +109,8 @@ def test_batch_invariance_and_run_to_run(name):
     tok = torch.randint(0, cfg.vocab_size, (1, 3), device="cuda", generator=g)
 
     def run(T, B):
-        plan = compile_step(cfg, StepShape(T=T, B=B, max_len=32, attn_split=8), CompileOptions(workers=8))
+        plan = compile_step(cfg, StepShape(T=T, B=B, max_len=32, attn_split=8),
+                            CompileOptions(workers=8, fusion_rules=rules))
         mk = Megakernel(plan, w, "cuda", torch.bfloat16)
         mk.cache()[:, :1].copy_(prefix)
         if B > 1:

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from graph.compile import CompileOptions, compile_step
+from graph.fusion import RULES
 from graph.isa import Buf, decode
 from graph.lower import StepShape
 from graph.tiling import TilingOptions
@@ -22,13 +23,14 @@ from .conftest import TINY_BLOCKS, rel_err
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton interpreter only")
 
 
-def _pair(name, workers=1, scheduler="critical_path", fuse=True, T=2, B=2, passes=1, tiling=None, blocks=None):
+def _pair(name, workers=1, scheduler="critical_path", fuse=True, T=2, B=2, passes=1, tiling=None, blocks=None,
+          rules=RULES):
     from megakernel.runtime import LaunchConfig, Megakernel
     cfg = preset(name)
     w = init_weights(cfg, seed=3)
     shape = StepShape(T=T, B=B, max_len=16, mtp_passes=passes if cfg.num_nextn_predict_layers else 0, attn_split=4)
     plan = compile_step(cfg, shape, CompileOptions(workers=workers, scheduler=scheduler, fuse=fuse,
-                                                   tiling=tiling or TilingOptions()))
+                                                   tiling=tiling or TilingOptions(), fusion_rules=rules))
     interp = Interpreter(plan, w)
     mk = Megakernel(plan, w, device="cpu", config=LaunchConfig(max_spins=2000, blocks=blocks))
     cache = torch.randn(interp.cache().shape, generator=torch.Generator().manual_seed(0))
@@ -70,6 +72,16 @@ def test_kernel_small_blocks(name):
                                                   BI=8, BO=8, BIT=8, BOT=4, ATT_KIND=0, BE=128))
     assert cfg.hidden_size > 16 and plan.shape["max_len"] // plan.shape["attn_split"] > 2
     _compare(cfg, interp, mk, torch.tensor([3, 11]))
+
+
+@pytest.mark.parametrize("name,blocks", [("tiny-dense", None), ("tiny-moe", dict(BN=16, BR=8, KC=32, TB=2))])
+def test_kernel_norms_folded_into_linears(name, blocks):
+    """Fusion rule norm_into_linear: LINEAR[NORM] tasks scale their sums by each token's rsqrt(mean(x²) +
+    eps), with the norm's weight packed into their columns; with small blocks the norm's row takes
+    several BN chunks and the 4 tokens several TB groups (a scale per group)."""
+    cfg, plan, interp, mk = _pair(name, blocks=blocks, rules=RULES + ("norm_into_linear",))
+    assert any(decode(word).has("NORM") for word in plan.words if decode(word).op.name == "LINEAR")
+    _compare(cfg, interp, mk, torch.tensor([2, 7]))
 
 
 def test_tiny_blocks_cover_every_tiny_plan_as_one_kernel():

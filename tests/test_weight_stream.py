@@ -18,24 +18,27 @@ from .conftest import rel_err
 DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                                        reason="CPU Triton interpreter only")),
            pytest.param("cuda", marks=pytest.mark.gpu)]
-# K, rows R, first row r0, tokens N, KC, BR, gate|up, rows from a list, residual
-SHAPES = [(64, 16, 0, 1, 64, 8, False, False, False), (64, 8, 0, 1, 64, 8, False, False, True),  # one step
-          (40, 24, 0, 1, 64, 8, False, False, False),  # an odd step count (the unrolled loop's remainder)
-          (96, 21, 3, 3, 64, 8, True, False, False), (40, 9, 0, 2, 32, 8, False, True, False),
-          (256, 12, 4, 2, 128, 16, True, True, False), (200, 40, 0, 2, 128, 128, False, False, True),
-          (1408, 40, 0, 3, 2048, 8, True, True, False), (8192, 24, 8, 1, 2048, 8, False, False, True)]
+# K, rows R, first row r0, tokens N, KC, BR, gate|up, rows from a list, residual, x's RMSNorm (NORM)
+SHAPES = [(64, 16, 0, 1, 64, 8, False, False, False, False), (64, 8, 0, 1, 64, 8, False, False, True, False),  # one step
+          (40, 24, 0, 1, 64, 8, False, False, False, False),  # an odd step count (the unrolled loop's remainder)
+          (96, 21, 3, 3, 64, 8, True, False, False, True), (40, 9, 0, 2, 32, 8, False, True, False, False),
+          (256, 12, 4, 2, 128, 16, True, True, False, False), (200, 40, 0, 2, 128, 128, False, False, True, True),
+          (1408, 40, 0, 3, 2048, 8, True, True, False, True), (8192, 24, 8, 1, 2048, 8, False, False, True, True)]
+BN = 2048  # the norm's chunk: K = 8192 takes four, K < 2048 one masked
 GUARD = 256  # NaN before the weights and after the slack: a read outside [weights, slack] shows in the output
 
 
 @triton.jit
-def _stream_kernel(W, A, I, K, n_rows, xrows_div, x_ld, r0, r1, out_off, res_off, w_off, w2_off, flags,
-                   BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr):
+def _stream_kernel(W, A, I, K, n_rows, xrows_div, x_ld, r0, r1, out_off, res_off, w_off, w2_off, flags, eps,
+                   BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr,
+                   BN: tl.constexpr):
     w = linear.first_chunk(W + w_off, r0, r1, K, BR, KC, ALIGN)
     linear.stream_chunks(A, x_ld, I, xrows_div, n_rows, A + out_off, r1, A + res_off, r1, (flags & 2) != 0,
-                         W + w_off, W + w2_off, (flags & 1) != 0, r0, r1, K, w, BR, KC, ALIGN, TB, DEPTH)
+                         W + w_off, W + w2_off, (flags & 1) != 0, r0, r1, K, w, (flags & 4) != 0, eps, BR, KC, ALIGN,
+                         TB, DEPTH, BN)
 
 
-def _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res, depth=1):
+def _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res, norm, depth=1, eps=1e-5):
     g = torch.Generator().manual_seed(K + R + N)
     w1 = torch.randn(R, K, generator=g).to(dtype)
     w2 = torch.randn(R, K, generator=g).to(dtype)
@@ -46,13 +49,16 @@ def _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res, depth=1):
     rows = torch.tensor([4, 1, 3][:N], dtype=torch.int32) if listed else torch.arange(N, dtype=torch.int32)
     A = torch.cat([x.reshape(-1), torch.full((8 * R,), float("nan")), r.reshape(-1)])
     W, A, dev_rows = W.to(device), A.to(device), rows.to(device)
-    # flags: bit 0 gate|up, bit 1 residual; + 4 so no argument is a literal 1 (Triton would make it a constexpr)
+    # flags: bit 0 gate|up, bit 1 residual, bit 2 norm; + 8 so no argument is a literal 1 (Triton would make
+    # it a constexpr)
     _stream_kernel[(1,)](W, A, dev_rows, K, N, 2 if listed else 0, K, r0, R, x.numel(), x.numel() + 8 * R, GUARD,
-                         GUARD + R * K, 4 + int(two) + 2 * int(res), BR=BR, KC=KC, ALIGN=8, TB=tb, DEPTH=depth, num_warps=8)
+                         GUARD + R * K, 8 + int(two) + 2 * int(res) + 4 * int(norm), eps, BR=BR, KC=KC, ALIGN=8,
+                         TB=tb, DEPTH=depth, BN=BN, num_warps=8)
     xs = (x[rows.long() // 2] if listed else x[:N]).double()
-    want = xs @ w1[r0:].double().T
+    scale = torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + eps) if norm else 1.0
+    want = (xs @ w1[r0:].double().T) * scale
     if two:
-        want = torch.nn.functional.silu(want) * (xs @ w2[r0:].double().T)
+        want = torch.nn.functional.silu(want) * ((xs @ w2[r0:].double().T) * scale)
     if res:
         want = want + r[rows.long(), r0:].double()
     out = A.cpu()[x.numel():x.numel() + 8 * R].view(8, R)
@@ -62,14 +68,15 @@ def _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res, depth=1):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tb,depth", [(1, 1), (2, 2), (4, 1)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("K,R,r0,N,KC,BR,two,listed,res", SHAPES)
-def test_weight_stream_irregular_shapes(device, tb, depth, dtype, K, R, r0, N, KC, BR, two, listed, res):
+@pytest.mark.parametrize("K,R,r0,N,KC,BR,two,listed,res,norm", SHAPES)
+def test_weight_stream_irregular_shapes(device, tb, depth, dtype, K, R, r0, N, KC, BR, two, listed, res, norm):
     """bf16 weights as 32-bit words of two columns (what the GPU runs), fp32 weights plainly; K not a
     multiple of KC, rows not a multiple of BR, a block that starts inside the matrix, one step and an
     odd number of steps, several tokens (in groups of TB per weight chunk, the last one partial), one
-    or two chunks in flight (DEPTH), gate|up, rows from a list, a residual; whole chunks read past
-    the matrix's end into the arena's slack, and no read outside [weights, slack] reaches an output."""
-    out, rows, want = _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res, depth)
+    or two chunks in flight (DEPTH), gate|up, rows from a list, a residual, x's RMSNorm (a scale per
+    token, per group); whole chunks read past the matrix's end into the arena's slack, and no read
+    outside [weights, slack] reaches an output."""
+    out, rows, want = _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res, norm, depth)
     got = out[rows.long(), r0:]
     assert not got.isnan().any() and rel_err(got, want) <= 1e-5, rel_err(got, want)
     untouched = torch.ones(8, dtype=torch.bool)
@@ -80,14 +87,15 @@ def test_weight_stream_irregular_shapes(device, tb, depth, dtype, K, R, r0, N, K
 @pytest.mark.parametrize("device", DEVICES)
 def test_weight_stream_without_rows_writes_nothing(device):
     """An expert slot's row count can be zero at run time: no step runs, nothing is written."""
-    out, _, _ = _run(device, 1, torch.bfloat16, 64, 16, 0, 0, 64, 8, True, True, False)
+    out, _, _ = _run(device, 1, torch.bfloat16, 64, 16, 0, 0, 64, 8, True, True, False, True)
     assert out.isnan().all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_weight_stream_token_groups_are_invisible(device):
     """A token's sums are bit-identical whether its weight chunk is shared with 0, 1 or 3 others
-    (TB = 1, 2, 4): the same products, summed in the same order (batch invariance)."""
-    shape = (1408, 40, 0, 3, 2048, 8, True, True, True)
+    (TB = 1, 2, 4): the same products, summed in the same order, and the same norm scale (batch
+    invariance)."""
+    shape = (1408, 40, 0, 3, 2048, 8, True, True, True, True)
     outs = [_run(device, tb, torch.bfloat16, *shape)[0] for tb in (1, 2, 4)]
     assert all(torch.equal(o.nan_to_num(), outs[0].nan_to_num()) for o in outs[1:])

@@ -198,7 +198,7 @@ def triton_chain_kernel(W, A, tasks, queue, counters, epoch_ptr, err, WAIT: tl.c
                 _wait(counters + (gemv - 1) * COUNTER_STRIDE, epoch * tl.load(task + 7), err)
         no = gemv < 0  # no residual, no gate|up (a runtime False, as the megakernel's flags are)
         linear.stream_chunks(A + x_off, K, tasks, 0, 1, A + (y_off - r0), 0, A, 0, no, w_ptr, w_ptr, no, r0,
-                             r0 + nrows, K, w, BR, KC, 8, 1, 1)
+                             r0 + nrows, K, w, False, 0.0, BR, KC, 8, 1, 1, 16)
         tl.debug_barrier()  # every thread's stores before the release
         tl.atomic_add(counters + gemv * COUNTER_STRIDE, 1, sem="release", scope="gpu")
 

@@ -48,7 +48,7 @@ def stream_probe(W, A, I, x_off, x_ld, xrows_div, n_rows, out_off, out_ld, res_o
     w = linear.first_chunk(W + (w_off // ALIGN) * ALIGN, r0, r1, K, BR, KC, ALIGN)
     linear.stream_chunks(A + (x_off // ALIGN) * ALIGN, x_ld, I, xrows_div, n_rows, A + out_off, out_ld, A + res_off,
                          res_ld, use_res != 0, W + (w_off // ALIGN) * ALIGN, W + (w2_off // ALIGN) * ALIGN, two != 0,
-                         r0, r1, K, w, BR, KC, ALIGN, TB, DEPTH)
+                         r0, r1, K, w, False, 0.0, BR, KC, ALIGN, TB, DEPTH, 16)
 
 
 def compile_kernel(fn, pointers: dict, scalars: list[str], const: dict, num_warps: int = 8):

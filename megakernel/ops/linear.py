@@ -1,24 +1,28 @@
-"""LINEAR: a block of output columns of x @ W.T, with a fused SiLU·mul (gate/up) or residual epilogue."""
+"""LINEAR: a block of output columns of x @ W.T, with a fused SiLU·mul (gate/up) or residual epilogue,
+and optionally x's RMSNorm (NORM: the norm's weight is folded into W's columns, the task scales its
+sums by rsqrt(mean(x²) + eps))."""
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .common import aligned, fld, has, off, prefetch_l2, silu
-from .fields import (FLAG_LINEAR_RES, FLAG_LINEAR_SILU_MUL, LINEAR_FLAGS, LINEAR_K, LINEAR_N, LINEAR_OUT_LD,
-                     LINEAR_OUT_OFF, LINEAR_R0, LINEAR_R1, LINEAR_RES_LD, LINEAR_RES_OFF, LINEAR_W2_OFF, LINEAR_W_OFF,
-                     LINEAR_X_LD, LINEAR_X_OFF)
+from .common import aligned, ffld, fld, has, off, prefetch_l2, silu
+from .fields import (FLAG_LINEAR_NORM, FLAG_LINEAR_RES, FLAG_LINEAR_SILU_MUL, LINEAR_EPS, LINEAR_FLAGS, LINEAR_K,
+                     LINEAR_N, LINEAR_OUT_LD, LINEAR_OUT_OFF, LINEAR_R0, LINEAR_R1, LINEAR_RES_LD, LINEAR_RES_OFF,
+                     LINEAR_W2_OFF, LINEAR_W_OFF, LINEAR_X_LD, LINEAR_X_OFF)
 
 
 def reference(task, mem) -> None:
     N, K, r0, r1 = task["N"], task["K"], task["r0"], task["r1"]
     x = mem.mat(task, "x", N, K).float()
     w = mem.mat(task, "w", r1 - r0, K, row0=r0, ld=K).float()
-    y = x @ w.T
+    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + task["eps"]) if task.has("NORM") else 1.0
+    y = (x @ w.T) * r
     if task.has("SILU_MUL"):
-        y = F.silu(y) * (x @ mem.mat(task, "w2", r1 - r0, K, row0=r0, ld=K).float().T)
+        y = F.silu(y) * ((x @ mem.mat(task, "w2", r1 - r0, K, row0=r0, ld=K).float().T) * r)
     if task.has("RES"):
         y = y + mem.mat(task, "res", N, r1 - r0, col0=r0).float()
     mem.mat(task, "out", N, r1 - r0, col0=r0).copy_(y)
@@ -135,11 +139,31 @@ def token_sums(w, x_ptr, xrow, x_ld, kb, K, sub, t, acc, acc2, w_ptr, BR: tl.con
 
 
 @triton.jit
+def norm_scales(x_ptr, x_ld, xrows_ptr, xrows_div, n0, n_rows, K, eps, TB: tl.constexpr, BN: tl.constexpr,
+                ALIGN: tl.constexpr):
+    """[TB] rsqrt(mean(x[xrow(n)]²) + eps) for the group's tokens n0.. (NORM; 1 past n_rows).  Each row is
+    summed alone over BN-wide chunks in a fixed order (RMSNORM's), so a token's scale never depends on
+    its neighbours or on TB.  Its loads go out behind the first weight chunk's, so at T = 1 the row's
+    one round trip hides under that chunk's."""
+    rs = tl.full((TB,), 1.0, tl.float32)
+    c = tl.arange(0, BN)
+    for t in range(0, tl.minimum(TB, n_rows - n0)):
+        row = x_ptr + list_rows(n0 + t, True, xrows_ptr, xrows_div)[1].to(tl.int64) * aligned(x_ld, ALIGN)
+        sq = tl.zeros((BN,), tl.float32)
+        for kb in range(0, K, BN):
+            v = tl.load(row + kb + c, mask=kb + c < K, other=0.0)
+            sq += v * v
+        rs = tl.where(tl.arange(0, TB) == t, 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps), rs)
+    return rs
+
+
+@triton.jit
 def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, res_ptr, res_ld, use_res,
-                  w_ptr, w2_ptr, two, r0, r1, K, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr,
-                  TB: tl.constexpr, DEPTH: tl.constexpr):
+                  w_ptr, w2_ptr, two, r0, r1, K, w, norm, eps, BR: tl.constexpr, KC: tl.constexpr,
+                  ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr, BN: tl.constexpr):
     """out[orow(n), r0:r1] = f(x[xrow(n)] @ W[r0:r1].T) for n < n_rows, f = identity, + residual, or
-    SiLU(x@W.T) * (x@W2.T).  Rows come from a list (xrows_div > 0: row = list[n] // xrows_div, out row
+    SiLU(x@W.T) * (x@W2.T); with norm, each x@W.T scaled by x's rsqrt(mean(x²) + eps) first (the
+    norm's weight is in W).  Rows come from a list (xrows_div > 0: row = list[n] // xrows_div, out row
     = list[n]) or are n itself.  CUDA cores, fp32 products and sums, K in chunks of KC in a fixed
     order, one token at a time against a chunk: a token's result never depends on its neighbours
     (batch invariance).  Steps run (row block, group of TB tokens, K chunk, gate|up) in a flat loop
@@ -168,6 +192,9 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     # activation load never waits on a row-list load (a T=1 expert task's only token); later tokens
     # of a group (T > 1, B > 1) look theirs up in turn
     xrow0 = list_rows(zero, zero < total, xrows_ptr, xrows_div)[1]
+    rs = tl.full((TB,), 1.0, tl.float32)
+    if norm:
+        rs = norm_scales(x_ptr, x_ld, xrows_ptr, xrows_div, zero, n_rows, K, eps, TB, BN, ALIGN)
     for i in tl.range(total, loop_unroll_factor=2):
         if DEPTH == 2:
             w_next = weight_rows(tl.where(sub_b == 1, w2_ptr, w_ptr), r0 + blk_b * BR, r1, K, kc_b * KC, BR, KC, ALIGN)
@@ -187,6 +214,9 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
             n = n0 + col
             orow = list_rows(n, n < n_rows, xrows_ptr, xrows_div)[0]
             mask = (rows < r1) & (n < n_rows)
+            if norm:
+                acc = acc * rs[None, :]
+                acc2 = acc2 * rs[None, :]
             y = acc
             if two:
                 y = silu(acc) * acc2
@@ -194,6 +224,9 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
             tl.store(out_ptr + orow.to(tl.int64) * out_ld + rows, y + res, mask=mask)
             acc = tl.zeros((BR, TB), tl.float32)
             acc2 = tl.zeros((BR, TB), tl.float32)
+            if norm:
+                if (ngroups > 1) & (i + 1 < total):  # the next step starts group g_a
+                    rs = norm_scales(x_ptr, x_ld, xrows_ptr, xrows_div, g_a * TB, n_rows, K, eps, TB, BN, ALIGN)
         xrow0 = xrow0_a
         sub, kc, g, blk = sub_a, kc_a, g_a, blk_a
         if DEPTH == 2:
@@ -244,10 +277,11 @@ def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
 
 @triton.jit
 def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
-         DEPTH: tl.constexpr):
+         DEPTH: tl.constexpr, BN: tl.constexpr):
     flags = fld(word, LINEAR_FLAGS)
     stream_chunks(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
                   A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
                   fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), aligned_base(W, word, LINEAR_W_OFF, ALIGN),
                   aligned_base(W, word, LINEAR_W2_OFF, ALIGN), has(flags, FLAG_LINEAR_SILU_MUL), fld(word, LINEAR_R0),
-                  fld(word, LINEAR_R1), fld(word, LINEAR_K), w, BR, KC, ALIGN, TB, DEPTH)
+                  fld(word, LINEAR_R1), fld(word, LINEAR_K), w, has(flags, FLAG_LINEAR_NORM), ffld(word, LINEAR_EPS),
+                  BR, KC, ALIGN, TB, DEPTH, BN)
