@@ -20,6 +20,7 @@ HELPER_WAIT measured on the device timer is the exposed wait.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -37,6 +38,27 @@ IDLE_S = 0.05  # polling this long without a request (and no step in flight), th
 # (at once after a step's boundary began: nothing can arrive before the next launch kicks it, and a thread
 # polling through the boundary takes the GIL from the host's own work there, docs/PERF.md session 9)
 BUSY_S = 10.0  # a launched step keeps the thread polling until its boundary (count_step), at most this long
+# While a service thread runs, the interpreter hands the GIL to a waiting thread after this long instead
+# of Python's default 5 ms: the host's own Python during a step (overlapped migration right after a
+# launch, ~1 ms in phases of up to 0.4 ms) then delays a helper call's answer by at most about this
+# (docs/PERF.md session 10: with the default, steps that migrated were up to 9% slower).  Process-wide,
+# so it is restored when the last service closes.
+SWITCH_S = 5e-5
+_switch = {"services": 0, "saved": None}
+_switch_lock = threading.Lock()
+
+
+def _hold_switch_interval(on: bool) -> None:
+    with _switch_lock:
+        if on:
+            if _switch["services"] == 0:
+                _switch["saved"] = sys.getswitchinterval()
+                sys.setswitchinterval(min(SWITCH_S, _switch["saved"]))
+            _switch["services"] += 1
+        else:
+            _switch["services"] -= 1
+            if _switch["services"] == 0:
+                sys.setswitchinterval(_switch["saved"])
 
 
 @dataclass
@@ -110,6 +132,7 @@ class MailboxService:
         self.busy_until = 0.0
         self.closing = False
         self.thread = threading.Thread(target=self._serve, name="helper-mailbox", daemon=True)
+        _hold_switch_interval(True)
         self.thread.start()
 
     def kick(self) -> None:
@@ -126,9 +149,12 @@ class MailboxService:
         return ("helper service: " + "; ".join(errors[-3:])) if errors else ""
 
     def close(self) -> None:
+        if self.closing:
+            return
         self.closing = True
         self.wake.set()
         self.thread.join(timeout=5)
+        _hold_switch_interval(False)
         if self.thread.is_alive():
             raise RuntimeError("helper mailbox thread did not stop within 5 s (a call still running?)")
         if self.kernel is not None:  # graphs still queued on the helper GPU write the mailbox: let them land

@@ -8,6 +8,7 @@ On a CPU the kernel runs under TRITON_INTERPRET (one worker); on a GPU (`gpu`) t
 reads and writes the mailboxes in pinned host memory over the bus."""
 
 import os
+import sys
 import time
 
 import pytest
@@ -50,6 +51,7 @@ def _runners(name, device, opts, workers, T=2, B=2, passes=1, config=None):
 def test_megakernel_with_a_helper_equals_the_interpreter_with_one(device, fraction):
     workers = 1 if device == "cpu" else 16
     opts = HelperOptions(kind="cpu", fraction=fraction, migrate=True, window=2, timeout_s=60 if INTERPRET else 2.0)
+    default_switch = sys.getswitchinterval()
     cfg, (h_interp, h_mk), interp, mk = _runners("tiny-moe", device, opts, workers)
     if device == "cuda":
         mk.capture()
@@ -70,8 +72,12 @@ def test_megakernel_with_a_helper_equals_the_interpreter_with_one(device, fracti
     # routing statistics from the mailboxes' slot tables: the same counts the interpreter's calls saw
     for layer, counts in h_interp.link.stats.counts().items():
         assert (h_mk.link.stats.counts()[layer] == counts).all()
+    # while the mailbox thread serves, a waiting thread gets the GIL within SWITCH_S; restored after
+    from helper_card.mailbox import SWITCH_S
+    assert sys.getswitchinterval() <= SWITCH_S * 1.01 < default_switch
     for h in (h_interp, h_mk):
         h.close()
+    assert sys.getswitchinterval() == default_switch
 
 
 @pytest.mark.parametrize("device", DEVICES)
