@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from graph.compile import CompileOptions, compile_step
+from graph.fusion import RULES
 from graph.lower import StepShape
 from model import ConfigError, CheckpointError, ModelConfig, PRESETS, init_weights, load_checkpoint, preset
 from model.reference import CacheOverflowError
@@ -52,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=None,
                    help="workers (queues) a plan is scheduled on (default: 8 on a CPU, the GPU's SM count)")
     p.add_argument("--plan", action="store_true", help="print the decode-step plan's description and exit")
+    p.add_argument("--fuse-norms", action="store_true",
+                   help="fold each RMSNorm into the projections that read it (fusion rule norm_into_linear: the "
+                        "norm's weight packed into theirs, one dependent hop fewer per norm)")
     p.add_argument("--spec-k", type=int, default=None, metavar="K",
                    help="speculative decoding: verify K drafts per step (0..7), accept on the device")
     p.add_argument("--adaptive-k", action="store_true",
@@ -251,7 +255,8 @@ def run(args: argparse.Namespace) -> dict:
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
     max_len = args.prompt_len + args.steps
-    options = CompileOptions(workers=args.workers)
+    options = CompileOptions(workers=args.workers,
+                             fusion_rules=RULES + (("norm_into_linear",) if args.fuse_norms else ()))
     if args.plan:
         plan = compile_step(cfg, StepShape(T=1, B=args.batch, max_len=max_len), options)
         print(plan.describe())

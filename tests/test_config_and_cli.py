@@ -97,6 +97,15 @@ def test_check_passes_and_is_reported(name, tmp_path, capsys):
     assert "PASS" in capsys.readouterr().out
 
 
+def test_fuse_norms_flag_folds_the_norms_and_still_checks(tmp_path, capsys):
+    assert main(["--model", "tiny-dense", "--backend", "interpret", "--fuse-norms", "--check", "--steps", "4",
+                 "--json", str(tmp_path / "r.json")]) == 0
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["check"]["ok"] and r["check"]["max_rel_err"] <= 1e-5
+    assert main(["--model", "tiny-dense", "--fuse-norms", "--plan", "--json", str(tmp_path / "p.json")]) == 0
+    assert "norm_into_linear" in capsys.readouterr().out
+
+
 def test_check_fails_on_a_mismatch(monkeypatch, capsys):
     import megakernel.ops as ops
     real = ops.REFERENCE["ATTN_COMBINE"]
