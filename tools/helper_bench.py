@@ -89,6 +89,34 @@ def run(engine, cfg, args, tokens=None) -> dict:
     return row
 
 
+def repeated_ratios(rows: list[dict], warmup: int) -> list[dict]:
+    """With a mode given more than once (--migrate off on off on): each step's fastest run, with migration
+    against without.  A step's fastest of several runs drops most of the host's jitter, which in one run
+    is as large as the 5% a step may lose to migration (issue 6); two runs without migration, step
+    against step, show how much jitter one comparison carries."""
+    out = []
+    for fraction in sorted({r["fraction"] for r in rows if r["fraction"] > 0}):
+        runs = {}
+        for r in rows:
+            if r["fraction"] == fraction and "error" not in r and r["helper"] != "none":
+                runs.setdefault(r["migrate"], []).append(r["step_ms"][warmup:])
+        offs = runs.get("off", [])
+        if not offs or max(len(v) for v in runs.values()) < 2:
+            continue
+        fastest_off = [min(s) for s in zip(*offs)]
+        for mode, ons in runs.items():
+            if mode == "off":
+                continue
+            ratios = [min(s) / b for s, b in zip(zip(*ons), fastest_off)]
+            row = {"fraction": fraction, "migrate": mode, "runs": len(ons), "off_runs": len(offs),
+                   "max_step_ratio": max(ratios), "median_step_ratio": statistics.median(ratios),
+                   "steps_over_1.05": sum(x > 1.05 for x in ratios)}
+            if len(offs) >= 2:
+                row["off_vs_off_max"] = max(max(a / b, b / a) for a, b in zip(offs[0], offs[1]))
+            out.append(row)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="dsv2-lite")
@@ -97,7 +125,8 @@ def main() -> None:
                    help="0: a helper plan with every expert on main (the calls' own cost)")
     p.add_argument("--migrate", nargs="*", choices=["off", "on", "sync"], default=["off", "on"],
                    help="on: migration decided after each launch, overlapping the step (the default); sync: "
-                        "all of it at the step boundary")
+                        "all of it at the step boundary.  A mode given twice runs twice (each step's fastest run "
+                        "is compared, and off against off shows the jitter)")
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--warmup", type=int, default=4)
@@ -155,9 +184,10 @@ def main() -> None:
             # the noise such a ratio carries: the slowest step without migration against that run's median
             steady = off["step_ms"][args.warmup:]
             on["no_migration_max_over_median"] = max(steady) / statistics.median(steady)
+    repeats = repeated_ratios(rows, args.warmup)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"helper_{args.model}.json").write_text(json.dumps(rows, indent=1))
+    (out / f"helper_{args.model}.json").write_text(json.dumps({"runs": rows, "repeats": repeats}, indent=1))
     print(f"\n{'helper':8} {'frac':>5} {'migr':>4} {'ms/step':>8} {'bound.':>7} {'x main':>7} {'calls':>6} {'skip':>5} "
           f"{'wait ms':>8} {'moves':>6} {'share 1st/last':>15} {'tokens':>7}")
     for r in rows:
@@ -177,6 +207,10 @@ def main() -> None:
                   f"the same step without; without migration the slowest step is "
                   f"{r['no_migration_max_over_median']:.3f}x "
                   "that run's median")
+    for r in repeats:
+        print(f"{args.helper} {r['fraction']:.2f} migrate {r['migrate']} ({r['runs']} runs) against off ({r['off_runs']} "
+              f"runs), each step's fastest run: at most {r['max_step_ratio']:.3f}x (median {r['median_step_ratio']:.3f}x)"
+              + (f"; off against off: at most {r['off_vs_off_max']:.3f}x" if "off_vs_off_max" in r else ""))
     for r in rows:
         if "count_ms_median" in r:
             parts = ", ".join(f"{k} {v:.3f}" for k, v in r["migration_parts_ms_median"].items())
