@@ -78,22 +78,35 @@ def test_prefill_longer_than_a_chunk_and_shorter_than_k():
         assert out == [plain[0][:6]]
 
 
+# Through the persistent kernel under TRITON_INTERPRET (~0.8 s per token of a step there), every k, every
+# draft source and B = 1 and 4 at least once; the whole product runs on the plan interpreter above and
+# compiled on a GPU (tests/test_gpu.py, tools/spec_sweep.py)
+TRITON_CASES = [("tiny-dense", 1, 1, "mtp", 2), ("tiny-dense", 2, 1, "oracle", 3), ("tiny-dense", 3, 1, "noisy:0.5", 4),
+                ("tiny-dense", 4, 1, "oracle", 5), ("tiny-dense", 5, 1, "noisy:0.5", 3),
+                ("tiny-dense", 6, 1, "mtp", 2), ("tiny-dense", 7, 1, "oracle", 8),
+                ("tiny-dense", 3, 4, "oracle", 4), ("tiny-moe", 2, 2, "noisy:0.4", 4)]
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton interpreter only")
-@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
-def test_triton_accept_and_gather_bodies(name):
+@pytest.mark.parametrize("name,k,B,kind,n", TRITON_CASES)
+def test_triton_accept_and_gather_bodies(name, k, B, kind, n):
     """The whole speculative step (ACCEPT, GATHER, the MTP chain) through the persistent kernel: the same
     tokens as plain decoding and the same accepted drafts, step by step, as the plan interpreter (equal
     output alone hid a fused ROUTE that overwrote the drafts, so nothing was ever accepted)."""
-    cfg, w, _ = _setup(name, 2, seed=4)
-    prompts = torch.randint(0, cfg.vocab_size, (2, 3), generator=torch.Generator().manual_seed(4))
-    plain = _plain(cfg, w, prompts, 8)
+    cfg, w, _ = _setup(name, B, seed=4)
+    prompts = torch.randint(0, cfg.vocab_size, (B, 2), generator=torch.Generator().manual_seed(4))
+    plain = _plain(cfg, w, prompts, n + k + 1)
     runs = {}
     for backend in ("megakernel", "interpret"):
-        dec = SpeculativeDecoder(cfg, w, 2, 2, 24, backend=backend, options=CompileOptions(workers=1))
-        runs[backend] = dec.generate(prompts, 4, Drafts("noisy:0.4", plain, cfg.vocab_size, seed=1))
+        dec = SpeculativeDecoder(cfg, w, k, B, 32, backend=backend, options=CompileOptions(workers=1))
+        runs[backend] = dec.generate(prompts, n, Drafts(kind, plain, cfg.vocab_size, seed=k))
     (out, stats), (_, want) = runs["megakernel"], runs["interpret"]
-    assert out == [seq[:4] for seq in plain] and stats.steps >= 1
-    assert stats.accepted_hist == want.accepted_hist and sum(stats.accepted_hist) > 0
+    assert out == [seq[:n] for seq in plain] and stats.steps >= 1
+    assert stats.accepted_hist == want.accepted_hist
+    if kind == "oracle":  # every draft right: one step of k + 1 tokens per sequence while n allows
+        assert stats.accepted_hist[0] == min(k, n - 1)
+    if kind.startswith("noisy"):
+        assert sum(stats.accepted_hist) > 0
 
 
 def test_bad_requests_are_refused():
