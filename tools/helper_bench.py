@@ -72,6 +72,8 @@ def run(engine, cfg, args, tokens=None) -> dict:
         row["bytes_migrated"] = helper.copier.bytes_moved
         row["migration_stall_ms_max"] = max(s["migration_stall_ms"] for s in steps)
         row["migration_stall_ms"] = [round(s["migration_stall_ms"], 3) for s in metrics]
+        # per step, to tell a slower answer (host) from a slower kernel: HELPER_WAIT's wait on the device timer
+        row["exposed_wait_ms"] = [round(s["exposed_wait_ms"], 3) for s in metrics]
         # the boundary's parts: reading the mailboxes' counts, then migration's phases
         row["count_ms_median"] = statistics.median(s["count_ms"] for s in steps)
         phases = {k for s in steps for k in s["migration_parts_ms"]}
