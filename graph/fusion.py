@@ -158,7 +158,7 @@ def _whole(ctx: _Ctx, view: View) -> bool:
     return view.col0 == 0 and view.cols in (None, ctx.g.tensors[view.tensor].cols)
 
 
-def scaled_weight(ctx: _Ctx, w: str, g: str) -> str:
+def _scaled_weight(ctx: _Ctx, w: str, g: str) -> str:
     """The tensor of weight w with its columns scaled by the 1-row weight g (packed as such)."""
     name = f"{w}*{g}"
     if name not in ctx.g.tensors:
@@ -199,7 +199,7 @@ def _norm_into_linear(ctx: _Ctx) -> str | None:
             if g is not None:
                 for key in ("w", "w2"):
                     if key in reads:
-                        reads[key] = View(scaled_weight(ctx, reads[key].tensor, g.tensor))
+                        reads[key] = View(_scaled_weight(ctx, reads[key].tensor, g.tensor))
             fused[id(lin)] = _new(lin, lin.flags | {"NORM"}, reads, dict(lin.writes),
                                   attrs={**lin.attrs, "eps": norm.attrs["eps"]})
             fused[id(lin)].fused_from = lin.fused_from + (norm.label,)
