@@ -61,6 +61,11 @@ class RoutingStats:
             self.add(layer, np.arange(self.n_experts), np.bincount(chosen, minlength=self.n_experts)[: self.n_experts])
         self.end_step(decode)
 
+    @property
+    def filled(self) -> int:
+        """Steps the window holds so far."""
+        return len(self.steps)
+
     def counts(self) -> dict[int, np.ndarray]:
         total = self.total.copy()
         return {layer: total[i] for i, layer in enumerate(self.layers)}
@@ -88,52 +93,130 @@ class MigrationPolicy:
     max_moves: int = 2
 
     def plan(self, placement: Placement, counts: dict[int, np.ndarray], busy: set[int] = frozenset(),
-             moving: set[tuple[int, int]] = frozenset()) -> list[Move]:
+             moving: set[tuple[int, int]] = frozenset(), steps: int = 1) -> list[Move]:
         """Moves for this step boundary; slots in `busy` and experts in `moving` (a copy in flight)
-        are left alone.  Array operations over every (layer, expert) at once: this runs between two
-        decode steps (as Python loops it took ~1.3 ms for DeepSeek-V2-Lite's 26 x 64 experts)."""
-        layers = list(placement.tables)
-        if not layers:
+        are left alone; `steps`: how many steps the counts cover.  Array operations over every
+        (layer, expert) at once: this runs between two decode steps (as Python loops it took ~1.3 ms
+        for DeepSeek-V2-Lite's 26 x 64 experts)."""
+        a = _Arrays(placement, counts, busy, moving)
+        if a.empty:
             return []
-        T = np.stack([placement.tables[layer] for layer in layers])
-        C = np.stack([np.asarray(counts[layer], dtype=np.float64) for layer in layers])
-        layer_of = np.asarray(layers)
-        index = {layer: i for i, layer in enumerate(layers)}
         # hot: helper experts with rows, hottest first (ties: lower layer, then lower expert)
-        candidate = (T == HELPER) & (C > 0)
-        for layer, e in moving:
-            if layer in index:
-                candidate[index[layer], e] = False
-        hl, he = np.nonzero(candidate)
-        hot = np.lexsort((he, layer_of[hl], -C[hl, he]))
+        hl, he = np.nonzero(a.candidate)
+        hot = np.lexsort((he, a.layer_of[hl], -a.C[hl, he]))
         # cold: main experts outside busy slots, coldest first (ties: lower slot)
-        ml, me = np.nonzero(T != HELPER)
-        slots = T[ml, me]
-        taken = np.zeros(placement.capacity, dtype=bool)  # busy slots, then every occupied one
-        taken[[s for s in busy if 0 <= s < placement.capacity]] = True  # as the loop version: others ignored
-        keep = ~taken[slots]
-        ml, me, slots = ml[keep], me[keep], slots[keep]
-        cold = np.lexsort((slots, C[ml, me]))
-        taken[slots] = True
-        free = np.flatnonzero(~taken).tolist()
+        ml, me, slots = a.victims()
+        cold = np.lexsort((slots, a.C[ml, me]))
         moves: list[Move] = []
         next_cold = 0
         for h in hot:
             if len(moves) >= self.max_moves:
                 break
-            layer, e, heat = int(layer_of[hl[h]]), int(he[h]), float(C[hl[h], he[h]])
-            if free:
-                moves.append(Move(layer, e, free.pop(0), None))
+            layer, e, heat = int(a.layer_of[hl[h]]), int(he[h]), float(a.C[hl[h], he[h]])
+            if a.free:
+                moves.append(Move(layer, e, a.free.pop(0), None))
                 continue
             if next_cold == len(cold):
                 break
             c = cold[next_cold]
-            if heat >= self.margin * float(C[ml[c], me[c]]) + self.min_gain:
-                moves.append(Move(layer, e, int(slots[c]), (int(layer_of[ml[c]]), int(me[c]))))
+            if heat >= self.margin * float(a.C[ml[c], me[c]]) + self.min_gain:
+                moves.append(Move(layer, e, int(slots[c]), (int(a.layer_of[ml[c]]), int(me[c]))))
                 next_cold += 1
             else:
                 break  # the hottest candidate cannot displace the coldest incumbent: nothing colder helps
         return moves
+
+
+@dataclass
+class CallAwarePolicy(MigrationPolicy):
+    """Moves chosen by the helper calls they save, not the rows: at decode a call costs about the
+    same whatever its rows (docs/PERF.md, session 11), so a layer with one helper row costs as much
+    as a layer with six.  A layer is called unless none of its helper experts is routed:
+    P(call) = 1 - prod(1 - p_e) over its helper experts, p_e the share of the window's steps that
+    routed to e (counts / steps, at most 1).  Promote the expert whose move lowers the expected calls
+    most (the last hot helper expert of a layer first), evict the one whose move raises them least,
+    preferring layers that already keep the most experts on the helper, so that what is left on the
+    helper stays in few layers and a shift of the hot set calls few new ones.  A row adds `row_cost`
+    of a call (so where every layer is called anyway, as at a large batch, it moves by rows).  The same
+    hysteresis (margin, min_gain on the counts) and max_moves as MigrationPolicy."""
+
+    row_cost: float = 0.05
+
+    def plan(self, placement: Placement, counts: dict[int, np.ndarray], busy: set[int] = frozenset(),
+             moving: set[tuple[int, int]] = frozenset(), steps: int = 1) -> list[Move]:
+        a = _Arrays(placement, counts, busy, moving)
+        if a.empty:
+            return []
+        # log P(a layer's helper experts are all unrouted), summed over each layer's helper experts
+        rate = a.C / max(1, steps)  # rows per step
+        log_miss = np.log1p(-np.minimum(rate, 0.999))
+        on_helper = a.T == HELPER
+        for i, e in a.arriving:  # a copy in flight: on main from the next boundary on
+            on_helper[i, e] = False
+        S = (log_miss * on_helper).sum(1)
+        ml, me, slots = a.victims()
+        ok_victim = np.ones(len(slots), dtype=bool)
+        moves: list[Move] = []
+        candidate = a.candidate.copy()
+        while len(moves) < self.max_moves and candidate.any():
+            hl, he = np.nonzero(candidate)
+            gain = np.exp(S[hl] - log_miss[hl, he]) - np.exp(S[hl]) + self.row_cost * rate[hl, he]
+            order = np.lexsort((he, a.layer_of[hl], -a.C[hl, he], -gain))
+            if a.free:
+                best, slot, evict = order[0], a.free.pop(0), None
+            else:
+                if not ok_victim.any():
+                    break
+                loss = np.exp(S[ml]) - np.exp(S[ml] + log_miss[ml, me]) + self.row_cost * rate[ml, me]
+                crowd = on_helper[ml].sum(1)  # the layer's experts already on the helper
+                v = np.lexsort((slots, -crowd, a.C[ml, me], loss + np.where(ok_victim, 0.0, np.inf)))[0]
+                heat, cold = a.C[hl[order], he[order]], a.C[ml[v], me[v]]
+                fits = (heat >= self.margin * cold + self.min_gain) & (gain[order] > loss[v])
+                if not fits.any():
+                    break  # no candidate beats the cheapest incumbent to evict
+                best, slot, evict = order[np.argmax(fits)], int(slots[v]), (int(a.layer_of[ml[v]]), int(me[v]))
+                ok_victim[v] = False
+                on_helper[ml[v], me[v]] = True
+                S[ml[v]] += log_miss[ml[v], me[v]]
+            i, e = int(hl[best]), int(he[best])
+            moves.append(Move(int(a.layer_of[i]), e, slot, evict))
+            candidate[i, e] = False
+            on_helper[i, e] = False
+            S[i] -= log_miss[i, e]
+        return moves
+
+
+class _Arrays:
+    """A placement and its counts as [layers, experts] arrays, and what a plan may touch."""
+
+    def __init__(self, placement: Placement, counts, busy, moving):
+        layers = list(placement.tables)
+        self.empty = not layers
+        if self.empty:
+            return
+        self.T = np.stack([placement.tables[layer] for layer in layers])
+        self.C = np.stack([np.asarray(counts[layer], dtype=np.float64) for layer in layers])
+        self.layer_of = np.asarray(layers)
+        index = {layer: i for i, layer in enumerate(layers)}
+        self.arriving = [(index[layer], e) for layer, e in moving if layer in index]
+        # candidates: helper experts with rows and no copy in flight
+        self.candidate = (self.T == HELPER) & (self.C > 0)
+        for i, e in self.arriving:
+            self.candidate[i, e] = False
+        self.capacity = placement.capacity
+        self.taken = np.zeros(placement.capacity, dtype=bool)  # busy slots, then every occupied one
+        self.taken[[s for s in busy if 0 <= s < placement.capacity]] = True  # others ignored
+        self._busy = self.taken.copy()
+        ml, me = np.nonzero(self.T != HELPER)
+        self.taken[self.T[ml, me]] = True
+        self.free = np.flatnonzero(~self.taken).tolist()
+
+    def victims(self):
+        """Main experts outside busy slots: (layer rows, experts, slots)."""
+        ml, me = np.nonzero(self.T != HELPER)
+        slots = self.T[ml, me]
+        keep = ~self._busy[slots]
+        return ml[keep], me[keep], slots[keep]
 
 
 def apply_moves(placement: Placement, moves: list[Move]) -> Placement:

@@ -22,7 +22,7 @@ from .backends import make_backend
 from .copy_engine import CopyEngine
 from .link import HelperLink, expert_store
 from .mailbox import MailboxService
-from .migration import MigrationPolicy, RoutingStats
+from .migration import CallAwarePolicy, MigrationPolicy, RoutingStats
 from .placement import HELPER, Placement
 
 
@@ -39,7 +39,9 @@ class HelperOptions:
     timeout_s: float = 1.0
     fallback: bool = False  # on timeout, recompute on the main side instead of raising
     window: int = 32  # steps of routing statistics
-    policy: MigrationPolicy = field(default_factory=MigrationPolicy)
+    # by the helper calls a move saves (at decode a call costs about the same whatever its rows);
+    # MigrationPolicy() moves by rows
+    policy: MigrationPolicy = field(default_factory=CallAwarePolicy)
     # migration's planning, map writes and copies run right after the next step's launch (a megakernel's
     # step then runs on the device meanwhile; the plan interpreter's has run) and commit at the boundary
     # after it: a move decided from step n's routing takes effect at step n+2, not n+1, and the boundary
@@ -171,7 +173,8 @@ class Helper:
         for m in landed:  # copies done: the expert now reads from its main slot
             placement.tables[m.layer][m.expert] = m.slot
         t1 = time.perf_counter()
-        moves = self.opts.policy.plan(placement, stats.counts(), busy=copier.busy_slots(), moving=copier.moving())
+        moves = self.opts.policy.plan(placement, stats.counts(), busy=copier.busy_slots(), moving=copier.moving(),
+                                      steps=stats.filled)
         for m in moves:
             if m.evict is not None:  # its rows go to the helper from then on (it has every expert)
                 placement.tables[m.evict[0]][m.evict[1]] = HELPER
@@ -236,6 +239,19 @@ class Helper:
         if self.pending is not None:
             self.link.commit(self.pending)
             self.placement, self.pending = self.pending, None
+
+    def place_now(self, placement: Placement) -> None:
+        """Between two steps, with no copy in flight: fill the slots that change and flip every map, all
+        synchronously (tools/helper_bench.py's replay: a migrating run's placements, step by step,
+        without migration running)."""
+        if self.copier.in_flight:
+            raise RuntimeError(f"place_now with {len(self.copier.in_flight)} expert copies in flight")
+        old = self.placement.main_experts()
+        self.copier.fill({s: le for s, le in placement.main_experts().items() if old.get(s) != le})
+        self.link.set_placement(placement, self.runners)
+        self.placement, self.pending = placement, None
+        if self.copier.cuda:
+            torch.cuda.synchronize(self.copier.arena.device)
 
     def close(self) -> None:
         for service in self.services:

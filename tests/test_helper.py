@@ -15,7 +15,7 @@ from graph.compile import CompileOptions, compile_step
 from graph.isa import Buf
 from graph.lower import StepShape
 from helper_card.link import HelperTimeout
-from helper_card.migration import MigrationPolicy, RoutingStats, SkewedRouter, apply_moves
+from helper_card.migration import CallAwarePolicy, MigrationPolicy, RoutingStats, SkewedRouter, apply_moves
 from helper_card.placement import HELPER, Placement
 from helper_card.setup import Helper, HelperOptions, capacity_for, moe_layers
 from megakernel.engine import make_engine
@@ -163,17 +163,18 @@ def _simulate(router, placement, policy, stats, steps, tokens=4):
         remote = sum(int(placement.on_helper(layer, int(e))) for layer, v in ids.items() for e in v.reshape(-1))
         share.append(remote / rows)
         stats.observe(ids)
-        moves = policy.plan(placement, stats.counts())
+        moves = policy.plan(placement, stats.counts(), steps=stats.filled)
         placement = apply_moves(placement, moves)
         moved.append(len(moves))
     return share, moved, placement
 
 
-def test_migration_brings_a_shifting_hot_set_to_main_and_then_holds_still():
+@pytest.mark.parametrize("policy", [MigrationPolicy(max_moves=2), CallAwarePolicy(max_moves=2)], ids=["rows", "calls"])
+def test_migration_brings_a_shifting_hot_set_to_main_and_then_holds_still(policy):
     layers, E, k = [1, 2], 32, 4
     router = SkewedRouter(layers, E, k, a=1.5, shift_every=60, seed=0)
     placement = Placement.with_fraction(layers, E, 0.75)  # 16 main slots for 64 experts
-    policy, stats = MigrationPolicy(max_moves=2), RoutingStats(layers, E, window=16)
+    stats = RoutingStats(layers, E, window=16)
     share, moved, placement = _simulate(router, placement, policy, stats, 60)
     hot = {(layer, e) for layer in layers for e in router.hot_set(layer, 4)}
     assert all(not placement.on_helper(layer, e) for layer, e in hot)  # the 4 hottest of each layer
@@ -376,22 +377,46 @@ def test_fallback_never_shares_buffers_with_a_late_helper():
     helper.close()
 
 
-def test_an_expert_being_copied_is_not_planned_again():
+@pytest.mark.parametrize("policy", [MigrationPolicy(max_moves=1), CallAwarePolicy(max_moves=1)], ids=["rows", "calls"])
+def test_an_expert_being_copied_is_not_planned_again(policy):
     placement = Placement(2, {1: np.array([0, 1, HELPER, HELPER], dtype=np.int32)})
     counts = {1: np.array([1.0, 1.0, 50.0, 0.0])}
-    policy = MigrationPolicy(max_moves=1)
-    first = policy.plan(placement, counts)
+    first = policy.plan(placement, counts, steps=50)
     assert [(m.expert, m.evict) for m in first] == [(2, (1, 0))]
-    assert policy.plan(placement, counts, busy={first[0].slot}, moving={(1, 2)}) == []
+    assert policy.plan(placement, counts, busy={first[0].slot}, moving={(1, 2)}, steps=50) == []
+
+
+def test_the_call_aware_policy_empties_a_layer_of_helper_rows_first():
+    """One free slot: the rows policy takes the hottest expert (layer 2, which keeps two more hot helper
+    experts, so it is called anyway); the call-aware one takes layer 1's only routed helper expert, which
+    ends that layer's calls."""
+    placement = Placement(3, {1: np.array([0, 1, HELPER, HELPER], dtype=np.int32),
+                              2: np.array([HELPER, HELPER, HELPER, HELPER], dtype=np.int32)})
+    counts = {1: np.array([10.0, 10.0, 8.0, 0.0]), 2: np.array([10.0, 10.0, 10.0, 0.0])}
+    assert [(m.layer, m.expert) for m in MigrationPolicy(max_moves=1).plan(placement, counts, steps=10)] == [(2, 0)]
+    assert [(m.layer, m.expert) for m in CallAwarePolicy(max_moves=1).plan(placement, counts, steps=10)] == [(1, 2)]
+
+
+def test_the_call_aware_policy_evicts_where_the_helper_already_holds_most():
+    """No free slot; two unrouted incumbents: the one in the layer that keeps the most experts on the
+    helper goes, so the helper's experts stay in few layers (a later shift of the hot set calls fewer)."""
+    placement = Placement(4, {1: np.array([0, 1, 2, HELPER], dtype=np.int32),
+                              2: np.array([3, HELPER, HELPER, HELPER], dtype=np.int32)})
+    counts = {1: np.array([5.0, 5.0, 0.0, 0.0]), 2: np.array([0.0, 9.0, 0.0, 0.0])}
+    moves = CallAwarePolicy(max_moves=1).plan(placement, counts, steps=10)
+    assert [(m.layer, m.expert, m.slot, m.evict) for m in moves] == [(2, 1, 3, (2, 0))]
+    # the rows policy evicts the coldest, ties to the lower slot: layer 1's, which starts calling layer 1
+    moves = MigrationPolicy(max_moves=1).plan(placement, counts, steps=10)
+    assert [(m.layer, m.expert, m.slot, m.evict) for m in moves] == [(2, 1, 2, (1, 2))]
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.data())
-def test_the_migration_plan_keeps_its_rules_on_any_placement(data):
+@given(st.data(), st.sampled_from([MigrationPolicy, CallAwarePolicy]))
+def test_the_migration_plan_keeps_its_rules_on_any_placement(data, kind):
     """Whatever the placement, counts, busy slots and copies in flight: at most max_moves moves, each of
     a helper expert with rows and no copy in flight, into a slot no copy is filling; free slots first
     (lowest first), then in place of an incumbent only past the hysteresis; the hottest candidates
-    first; and the result is a valid placement."""
+    first (the rows policy); and the result is a valid placement."""
     layers = data.draw(st.lists(st.integers(0, 30), min_size=1, max_size=4, unique=True), "layers")
     E = data.draw(st.integers(1, 6), "experts")
     pairs = [(layer, e) for layer in layers for e in range(E)]
@@ -405,8 +430,8 @@ def test_the_migration_plan_keeps_its_rules_on_any_placement(data):
               for layer in layers}
     busy = set(data.draw(st.lists(st.integers(0, capacity - 1), max_size=3))) if capacity else set()
     moving = set(data.draw(st.lists(st.sampled_from(pairs), max_size=2), "moving"))
-    policy = MigrationPolicy(margin=1.5, min_gain=1.0, max_moves=data.draw(st.integers(0, 3), "max_moves"))
-    moves = policy.plan(placement, counts, busy=busy, moving=moving)
+    policy = kind(margin=1.5, min_gain=1.0, max_moves=data.draw(st.integers(0, 3), "max_moves"))
+    moves = policy.plan(placement, counts, busy=busy, moving=moving, steps=data.draw(st.integers(1, 4), "steps"))
     free = [s for s in placement.free_slots() if s not in busy]
     eligible = {(layer, e) for layer, e in pairs if placement.on_helper(layer, e) and counts[layer][e] > 0
                 and (layer, e) not in moving}
@@ -415,7 +440,8 @@ def test_the_migration_plan_keeps_its_rules_on_any_placement(data):
     for i, m in enumerate(moves):
         assert (m.layer, m.expert) in eligible and m.slot not in busy
         heat = counts[m.layer][m.expert]
-        assert all(heat >= counts[layer][e] for layer, e in eligible - {(n.layer, n.expert) for n in moves})
+        if kind is MigrationPolicy:
+            assert all(heat >= counts[layer][e] for layer, e in eligible - {(n.layer, n.expert) for n in moves})
         if i < len(free):
             assert m.evict is None and m.slot == free[i]
         else:

@@ -28,15 +28,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from helper_card.migration import BiasSkew, with_routing_bias  # noqa: E402
+from helper_card.migration import BiasSkew, CallAwarePolicy, MigrationPolicy, with_routing_bias  # noqa: E402
 from helper_card.setup import HelperOptions, moe_layers  # noqa: E402
 from megakernel.engine import make_engine  # noqa: E402
 from model import init_weights, preset  # noqa: E402
 from tools.bench import rel_err  # noqa: E402
 
 
-def run(engine, cfg, args, tokens=None) -> dict:
-    """`args.steps` decode steps; tokens: the inputs to feed (None: greedy, recording them)."""
+def run(engine, cfg, args, tokens=None, placements=None) -> dict:
+    """`args.steps` decode steps; tokens: the inputs to feed (None: greedy, recording them); placements:
+    each step's expert placement, applied synchronously before the step and outside its time (replay)."""
     runner = engine.backend.runner(1)
     layers = [layer for layer in moe_layers(cfg) if layer < cfg.num_hidden_layers]
     skew = BiasSkew(cfg, layers, a=1.2, scale=1.0, shift_every=args.shift, seed=3)
@@ -45,10 +46,14 @@ def run(engine, cfg, args, tokens=None) -> dict:
     cache.normal_(generator=torch.Generator(device=cache.device).manual_seed(1))
     lens = torch.tensor([args.ctx - 1])
     feed = tokens or [torch.tensor([[11]])]
-    times, boundary, logits, metrics = [], [], [], []
+    times, boundary, logits, metrics, used = [], [], [], [], []
     helper = engine.backend.helper
     for n in range(args.steps):
         tok = feed[n] if tokens else feed[-1]
+        if placements is not None:
+            helper.place_now(placements[n])
+        if helper is not None:
+            used.append(helper.placement.copy())  # what this step routes by (overlap: committed at the boundary)
         t0 = time.perf_counter()
         out = runner.step(tok, lens)
         logits.append(out.logits[0, -1].float().cpu())
@@ -64,7 +69,7 @@ def run(engine, cfg, args, tokens=None) -> dict:
            # where a step's time goes: the boundary (helper metrics, routing statistics, migration) on the
            # host, and the rest (staging, the graph replay, the helper's calls inside it, the sync)
            "boundary_ms_median": statistics.median(boundary[args.warmup:]),
-           "logits": logits, "tokens": feed}
+           "logits": logits, "tokens": feed, "placements": used}
     if helper is not None:
         steps = metrics[args.warmup:]
         for key in ("calls", "skipped", "rows", "exposed_wait_ms", "moves"):
@@ -74,6 +79,8 @@ def run(engine, cfg, args, tokens=None) -> dict:
         row["migration_stall_ms"] = [round(s["migration_stall_ms"], 3) for s in metrics]
         # per step, to tell a slower answer (host) from a slower kernel: HELPER_WAIT's wait on the device timer
         row["exposed_wait_ms"] = [round(s["exposed_wait_ms"], 3) for s in metrics]
+        # at decode a call costs about the same whatever its rows: the calls made, step by step
+        row["calls"] = [s["calls"] for s in metrics]
         # the boundary's parts: reading the mailboxes' counts, then migration's phases
         row["count_ms_median"] = statistics.median(s["count_ms"] for s in steps)
         phases = {k for s in steps for k in s["migration_parts_ms"]}
@@ -107,6 +114,8 @@ def migration_costs(rows: list[dict], warmup: int) -> list[dict]:
         if not offs:
             continue
         fastest_off = [min(s) for s in zip(*offs)]
+        replays = runs.get("replay", [])
+        fastest_replay = [min(s) for s in zip(*replays)]
         for mode, ons in runs.items():
             if mode == "off":
                 continue
@@ -117,6 +126,11 @@ def migration_costs(rows: list[dict], warmup: int) -> list[dict]:
                    "off_max_over_median": max(fastest_off) / statistics.median(fastest_off)}
             if len(offs) >= 2:
                 row["off_vs_off_max"] = max(max(a / b, b / a) for a, b in zip(offs[0], offs[1]))
+            if replays and mode != "replay":
+                # migration's own cost: against the same steps with the same placements, none moving
+                vs = [min(s) / b for s, b in zip(zip(*ons), fastest_replay)]
+                row.update(max_step_ratio_vs_replay=max(vs), median_step_ratio_vs_replay=statistics.median(vs),
+                           steps_over_1_05_vs_replay=sum(x > 1.05 for x in vs), replay_runs=len(replays))
             out.append(row)
     return out
 
@@ -127,10 +141,15 @@ def main() -> None:
     p.add_argument("--helper", default="cuda:1", help="cpu | cuda:N")
     p.add_argument("--fractions", nargs="*", type=float, default=[0.0, 0.25, 0.5],
                    help="0: a helper plan with every expert on main (the calls' own cost)")
-    p.add_argument("--migrate", nargs="*", choices=["off", "on", "sync"], default=["off", "on"],
+    p.add_argument("--migrate", nargs="*", choices=["off", "on", "sync", "replay"], default=["off", "on"],
                    help="on: migration decided after each launch, overlapping the step (the default); sync: "
-                        "all of it at the step boundary.  A mode given twice runs twice (each step's fastest run "
-                        "is compared, and off against off shows the jitter)")
+                        "all of it at the step boundary; replay: no migration, but each step runs on the placement "
+                        "the last on/sync run of that fraction had at that step, set before the step, outside its "
+                        "time (so on against replay is migration's own cost: the copies and the host's work).  "
+                        "A mode given twice runs twice (each step's fastest run is compared, and off against off "
+                        "shows the jitter)")
+    p.add_argument("--policy", choices=["calls", "rows"], default="calls",
+                   help="migration policy: by the helper calls a move saves (the default) or by rows")
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--warmup", type=int, default=4)
@@ -151,21 +170,28 @@ def main() -> None:
     base = run(engine(None), cfg, args)
     rows.append({"helper": "none", "fraction": 0.0, "migrate": "off", "step_ms_median": base["step_ms_median"]})
     print(f"all on main: {base['step_ms_median']:.3f} ms/step", flush=True)
+    policy = CallAwarePolicy() if args.policy == "calls" else MigrationPolicy()
     for fraction in args.fractions:
+        recorded = None  # the last migrating run's placements, step by step (for replay)
         for migrate in args.migrate if fraction > 0 else ["off"]:
-            opts = HelperOptions(kind=args.helper, fraction=fraction, migrate=migrate != "off", overlap=migrate == "on",
-                                 timeout_s=args.timeout)
+            opts = HelperOptions(kind=args.helper, fraction=fraction, migrate=migrate in ("on", "sync"),
+                                 overlap=migrate == "on", timeout_s=args.timeout, policy=policy)
             t0 = time.perf_counter()
             try:
-                got = run(engine(opts), cfg, args, base["tokens"][: args.steps])
+                if migrate == "replay" and recorded is None:
+                    raise ValueError("--migrate replay needs an on or sync run of the same fraction before it")
+                got = run(engine(opts), cfg, args, base["tokens"][: args.steps],
+                          recorded if migrate == "replay" else None)
             except Exception as e:  # a row that failed says why; the others still run
                 rows.append({"helper": args.helper, "fraction": fraction, "migrate": migrate, "error": repr(e)[:400]})
                 print(f"{fraction} {migrate}: {e!r}"[:300], flush=True)
                 continue
+            if migrate in ("on", "sync"):
+                recorded = got["placements"]
             errs = [rel_err(a, b) for a, b in zip(got["logits"], base["logits"])]
             same = sum(int(a.argmax() == b.argmax()) for a, b in zip(got["logits"], base["logits"]))
             row = {"helper": args.helper, "fraction": fraction, "migrate": migrate,
-                   **{k: v for k, v in got.items() if k not in ("logits", "tokens")},
+                   **{k: v for k, v in got.items() if k not in ("logits", "tokens", "placements")},
                    "rel_err_max_vs_main": max(errs), "rel_err_vs_main": [float(f"{e:.2e}") for e in errs],
                    "tokens_equal": f"{same}/{len(errs)}",
                    "setup_s": round(time.perf_counter() - t0 - sum(got["step_ms"]) / 1e3, 1)}
@@ -198,7 +224,10 @@ def main() -> None:
               f"step's fastest run is at most {r['max_step_ratio']:.3f}x (median {r['median_step_ratio']:.3f}x) the "
               f"same step's without; {r['steps_over_1.05']} steps over 1.05x; without migration the slowest step is "
               f"{r['off_max_over_median']:.3f}x the median"
-              + (f", and off against off at most {r['off_vs_off_max']:.3f}x" if "off_vs_off_max" in r else ""))
+              + (f", and off against off at most {r['off_vs_off_max']:.3f}x" if "off_vs_off_max" in r else "")
+              + (f"; against replay (same placements, nothing moving; {r['replay_runs']} run(s)) at most "
+                 f"{r['max_step_ratio_vs_replay']:.3f}x (median {r['median_step_ratio_vs_replay']:.3f}x), "
+                 f"{r['steps_over_1_05_vs_replay']} steps over 1.05x" if "max_step_ratio_vs_replay" in r else ""))
     for r in rows:
         if "count_ms_median" in r:
             parts = ", ".join(f"{k} {v:.3f}" for k, v in r["migration_parts_ms_median"].items())
