@@ -44,20 +44,20 @@ class CompileError(ValueError):
 
 
 def compile_options(spec: str, workers: int) -> tuple[CompileOptions, int]:
-    """'KEY=V,...' of TilingOptions fields, attn_split and optional fusion rules (norm_into_linear=1)
-    (tools: bench, replay) -> (options, attn_split)."""
+    """'KEY=V,...' of TilingOptions fields, attn_split and fusion rules, added (norm_into_linear=1) or
+    removed (rope_into_cache=0) (tools: bench, replay) -> (options, attn_split)."""
     tiling, attn_split, rules = {}, 0, RULES
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
         if key == "attn_split":
             attn_split = int(value)
-        elif key in OPTIONAL_RULES:
-            rules = rules + (key,) if int(value) else rules
+        elif key in RULES + OPTIONAL_RULES:
+            rules = tuple(r for r in RULES + OPTIONAL_RULES if (r == key and int(value)) or (r != key and r in rules))
         elif key in {f.name for f in dataclasses.fields(TilingOptions)}:
             tiling[key] = int(value)
         else:
             raise CompileError(f"plan options {spec!r}: unknown key {key!r} (TilingOptions fields, attn_split or "
-                               f"an optional fusion rule: {', '.join(OPTIONAL_RULES)})")
+                               f"a fusion rule: {', '.join(RULES + OPTIONAL_RULES)})")
     return CompileOptions(workers=workers, tiling=TilingOptions(**tiling), fusion_rules=rules), attn_split
 
 
@@ -141,14 +141,14 @@ def canonical_weights(cfg: ModelConfig, helper_slots: int = -1, rules: tuple[str
     """The weight arena's order for every plan of a model: the order in which one decode step
     and every MTP layer, as the unfused graph first reads them.  Helper plans (helper_slots >= 0)
     have their own layout: one arena of main expert slots instead of every layer's experts.
-    Optional fusion rules that derive weights (norm_into_linear) lay out the fused graph's weights
-    instead: the derived ones, without those only they read."""
+    Optional fusion rules that derive weights (norm_into_linear) lay out the graph fused by all of
+    `rules` instead (which norms fold depends on the others: residual_norm keeps its norms): the
+    derived weights, without those only they read."""
     n = cfg.num_nextn_predict_layers
     graph = lower(cfg, StepShape(T=1, B=1, max_len=1 + n, mtp_passes=n, helper_slots=helper_slots))
-    derive = tuple(r for r in rules if r in OPTIONAL_RULES)
-    if derive:
+    if any(r in OPTIONAL_RULES for r in rules):
         cse(graph)
-        fuse(graph, derive)
+        fuse(graph, rules)
     return weight_order(graph)
 
 

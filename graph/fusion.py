@@ -6,6 +6,8 @@ Rules, applied in this order (each names what it merged in the report):
                  (before residual_into_linear, so shared experts run beside the routed ones)
 - residual_into_linear:  ADD(res, LINEAR out)             -> LINEAR[RES]
 - residual_norm: ADD(a, b) feeding an RMSNORM              -> RMSNORM[ADD] (writes the sum too)
+- rope_into_cache: CACHE_WRITE of a ROPE's whole output     -> ROPE[CACHE] (rotated keys go straight
+                 into the cache: one hop fewer before attention; the same values, rounded once)
 - route:         ROUTE[SCORE], ROUTE[TOPK], ROUTE[SLOTS]   -> one ROUTE
 - hc_coeff:      HC_COEFF mix, act, sinkhorn, collapse     -> one HC_COEFF
 A tensor is absorbed only when the fused op is its sole reader and it is not
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 from .ir import Graph, Op, Tensor, View
 
-RULES = ("swiglu", "moe_epilogue", "residual_into_linear", "residual_norm", "route", "hc_coeff")
+RULES = ("swiglu", "moe_epilogue", "residual_into_linear", "residual_norm", "rope_into_cache", "route", "hc_coeff")
 OPTIONAL_RULES = ("norm_into_linear",)
 
 
@@ -154,6 +156,24 @@ def _residual_norm(ctx: _Ctx) -> str | None:
     return None
 
 
+def _rope_into_cache(ctx: _Ctx) -> str | None:
+    for write in ctx.g.ops:
+        if write.opcode != "CACHE_WRITE":
+            continue
+        rope = ctx.sole_producer(write.reads["src"], "ROPE")
+        if rope is None or not ctx.private(rope.writes["out"].tensor, write):
+            continue
+        a = rope.attrs
+        if write.attrs["cols"] != a["heads"] * a["out_hs"] or a["out_hs"] != 2 * a["half"]:
+            continue  # heads not packed back to back in the cache row
+        attrs = {**a, **{k: write.attrs[k] for k in ("T", "S", "width", "col0", "pos_offset")}}
+        fused = _new(rope, rope.flags | {"CACHE"}, {**rope.reads, "cl": write.reads["cl"]},
+                     {"cache": write.writes["cache"]}, attrs)
+        ctx.replace([rope, write], fused)
+        return f"{write.label} -> {rope.label} ROPE[CACHE]"
+    return None
+
+
 def _whole(ctx: _Ctx, view: View) -> bool:
     return view.col0 == 0 and view.cols in (None, ctx.g.tensors[view.tensor].cols)
 
@@ -254,6 +274,7 @@ def fuse(graph: Graph, rules: tuple[str, ...] = RULES) -> dict:
         "residual_into_linear": _residual_into_linear,
         "moe_epilogue": _moe_epilogue,
         "residual_norm": _residual_norm,
+        "rope_into_cache": _rope_into_cache,
         # ROUTE's slot-table stage reads the top-k ids back from memory (megakernel/ops/moe.py)
         "route": lambda c: _merge_stages(c, "ROUTE", ("SCORE", "TOPK", "SLOTS"), ".route", scratch=("ids",)),
         "hc_coeff": lambda c: _merge_stages(c, "HC_COEFF", ("MIX", "ACT", "SINK", "COLLAPSE"), ".coeff"),

@@ -95,7 +95,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                 elif op == OP_ATTN_COMBINE:
                     attention.combine_body(word, A, BSC, BCW, CPF, ALIGN)
                 elif op == OP_ROPE:
-                    rope.apply_body(word, A, BH)
+                    rope.apply_body(word, A, I, C, BH)
                 elif op == OP_CACHE_WRITE:
                     rope.cache_write_body(word, A, I, C, BD)
                 elif op == OP_ROPE_TABLE:

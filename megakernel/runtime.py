@@ -36,7 +36,7 @@ OPERAND_BUFFERS = {
     "LINEAR": {"x": Buf.A, "w": Buf.W, "w2": Buf.W, "res": Buf.A, "out": Buf.A},
     "EWISE": {"a": Buf.A, "b": Buf.A, "out": Buf.A},
     "ROPE_TABLE": {"cl": Buf.I, "f": Buf.WF, "out": Buf.A},
-    "ROPE": {"x": Buf.A, "tab": Buf.A, "out": Buf.A},
+    "ROPE": {"x": Buf.A, "tab": Buf.A, "out": Buf.A, "cache": Buf.C, "cl": Buf.I},
     "CACHE_WRITE": {"src": Buf.A, "cache": Buf.C, "cl": Buf.I},
     "HEAD_MATMUL": {"x": Buf.A, "w": Buf.W, "out": Buf.A},
     "ATTENTION": {"q": Buf.A, "pe": Buf.A, "cache": Buf.C, "cl": Buf.I, "op": Buf.A, "lse": Buf.A},
@@ -169,6 +169,10 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     # (T x its heads, e.g. 6 x 4 at T=6) take one block up to 64; MLA's 512-wide rows keep 16, where
     # each doubling of BM costs another 32 accumulator registers in the heaviest body
     bm = 16 if dmax > 128 else min(64, att_rows)
+    # cache positions per block: GQA's 64-wide rows take 64 at once (llama-1b -4%, docs/PERF.md session 9
+    # call G; one BJ for every plan of a kind, so a token's sums do not depend on T or B); MLA's 512-wide
+    # latent rows keep 32 (64 spilled 388 bytes in the heaviest body, session 5)
+    bj = 32 if dmax > 128 else 64
     # 16K weights per step: 128 bytes per thread, one row per warp at KC = 2048 (docs/PERF.md run 13);
     # no wider than the widest matrix (small models: more rows per step instead of columns that
     # would only be multiplied by zero)
@@ -188,7 +192,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     # the attention combine: all splits of a task's columns in one load where 8K values allow
     bcw = min(combine_cols, max(16, 8192 // splits))
     # bf16 weights: activations enter the tensor cores as a bf16 (high, low) pair, ~16 mantissa bits
-    return dict(BR=br, KC=kc, STAGES=stages, BD=256, BH=32, BM=bm, BJ=32, DMAX=dmax, RMAX=rmax, BI=bi, BO=bo, BIT=bit, BOT=bot,
+    return dict(BR=br, KC=kc, STAGES=stages, BD=256, BH=32, BM=bm, BJ=bj, DMAX=dmax, RMAX=rmax, BI=bi, BO=bo, BIT=bit, BOT=bot,
                 BE=experts, BP=min(256, pairs), BW=width, ALIGN=alignment(tasks), BT=spec_t,
                 # whole rows per load where registers allow: each block is one memory round trip
                 BSC=min(splits, max(1, 8192 // bcw)), BCW=bcw, BN=min(norm_width, 8192), BK=topk, CPF=0,

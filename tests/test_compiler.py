@@ -146,3 +146,38 @@ def test_a_plan_with_other_fusion_rules_cannot_share_the_arena():
         Memory(folded, None, share=mem)
     with pytest.raises(ValueError, match="unknown fusion rule"):
         compile_step(cfg, StepShape(T=1, B=1, max_len=16), CompileOptions(workers=2, fusion_rules=("no_such",)))
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
+def test_rotated_keys_go_straight_into_the_cache(name):
+    """rope_into_cache: every CACHE_WRITE of a ROPE's output becomes ROPE[CACHE] (GQA's k, MLA's k_pe, and
+    the MTP layers'), and the step (T=2, B=2, two MTP passes) writes the same cache and logits, bit for bit,
+    as the plan with the rule removed (compile_options' rope_into_cache=0)."""
+    import torch
+
+    from graph.compile import compile_options
+    from megakernel.interpreter import Interpreter
+    from model import init_weights
+    cfg = preset(name)
+    shape = StepShape(T=2, B=2, max_len=16, mtp_passes=2)
+    plan = compile_step(cfg, shape, CompileOptions(workers=4))
+    unfused = compile_step(cfg, shape, compile_options("rope_into_cache=0", 4)[0])
+    ropes = [plan.task(i) for i in range(plan.num_tasks) if plan.task(i).op.name == "ROPE" and plan.task(i).has("CACHE")]
+    layers = cfg.num_hidden_layers + 2  # two MTP passes
+    assert len({t.signal for t in ropes}) == layers  # one fused op per layer
+    counts, before = plan.opcode_counts(), unfused.opcode_counts()
+    assert before["CACHE_WRITE"] - counts.get("CACHE_WRITE", 0) == layers
+    assert not any(unfused.task(i).has("CACHE") for i in range(unfused.num_tasks) if unfused.task(i).op.name == "ROPE")
+
+    w = init_weights(cfg, seed=4)
+    gen = torch.Generator().manual_seed(1)
+    tokens, lens = torch.randint(0, cfg.vocab_size, (2, 2), generator=gen), torch.tensor([2, 11])
+    prefix = torch.randn(Interpreter(plan, w).cache().shape, generator=gen)
+    outs = []
+    for p in (plan, unfused):
+        interp = Interpreter(p, w)
+        interp.cache().copy_(prefix)
+        outs.append((interp.step(tokens, lens), interp.cache().clone()))
+    (a, cache_a), (b, cache_b) = outs
+    assert torch.equal(cache_a, cache_b) and torch.equal(a.logits, b.logits)
+    assert len(a.mtp_logits) == 2 and all(torch.equal(x, y) for x, y in zip(a.mtp_logits, b.mtp_logits))

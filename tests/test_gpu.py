@@ -75,18 +75,27 @@ def _near_tie(logits, tol=BF16_TOL):
     return (top[..., 0] - top[..., 1]) <= tol * top[..., 0].abs().clamp_min(1.0)
 
 
-@pytest.mark.parametrize("name,rules", [(n, RULES) for n in TINY_PRESETS] + [("tiny-dense", FOLDED)])
-def test_teacher_forced_greedy_64_steps(name, rules):
-    cfg, w, plan, mk = _setup(name, T=1, B=2, max_len=80, rules=rules)
+# the large shapes as test_large builds them (the same kernels): B=1, dsv2-lite cut to 4 layers
+TEACHER_CASES = ([(n, RULES, 2, None) for n in TINY_PRESETS] + [("tiny-dense", FOLDED, 2, None)]
+                 + [(n, r, 1, 4 if n == "dsv2-lite" else None) for n in ("llama-1b", "dsv2-lite") for r in (RULES, FOLDED)])
+
+
+@pytest.mark.parametrize("name,rules,B,layers", TEACHER_CASES,
+                         ids=[f"{n}-{'folded' if r == FOLDED else 'default'}" for n, r, _, _ in TEACHER_CASES])
+def test_teacher_forced_greedy_64_steps(name, rules, B, layers):
+    large = layers is not None or name == "llama-1b"
+    max_len = 256 if large else 80
+    workers = torch.cuda.get_device_properties(0).multi_processor_count if large else 16
+    cfg, w, plan, mk = _setup(name, T=1, B=B, max_len=max_len, workers=workers, layers=layers, rules=rules)
     mk.capture()
     # the plain model on the same (bf16) weights, computed in fp32, keeping its cache in bf16 as the
     # engine does (an fp32 cache differs by the cache's rounding, which put one token of one random
     # draw just past the near-tie margin); the draw is seeded so a failure can be rerun
     ref = Reference(cfg, {k: v.float() for k, v in w.items()})
-    cache = Cache.allocate(cfg, 2, 80, torch.bfloat16, "cuda")
-    tokens = torch.randint(0, cfg.vocab_size, (2, 1), device="cuda",
+    cache = Cache.allocate(cfg, B, max_len, torch.bfloat16, "cuda")
+    tokens = torch.randint(0, cfg.vocab_size, (B, 1), device="cuda",
                            generator=torch.Generator(device="cuda").manual_seed(0))
-    lens = torch.zeros(2, dtype=torch.long, device="cuda")
+    lens = torch.zeros(B, dtype=torch.long, device="cuda")
     mismatches = 0
     for _ in range(64):
         got = mk.step(tokens, lens)

@@ -11,7 +11,8 @@ import triton
 import triton.language as tl
 
 from .common import ffld, fld, has, off
-from .fields import (CACHE_WRITE_CACHE_OFF, CACHE_WRITE_CL_OFF, CACHE_WRITE_COL0, CACHE_WRITE_COLS,
+from .fields import (FLAG_ROPE_CACHE, ROPE_CACHE_OFF, ROPE_CL_OFF, ROPE_COL0, ROPE_POS_OFFSET, ROPE_S, ROPE_T,
+                     ROPE_WIDTH, CACHE_WRITE_CACHE_OFF, CACHE_WRITE_CL_OFF, CACHE_WRITE_COL0, CACHE_WRITE_COLS,
                      CACHE_WRITE_POS_OFFSET, CACHE_WRITE_R0, CACHE_WRITE_R1, CACHE_WRITE_S, CACHE_WRITE_SRC_LD,
                      CACHE_WRITE_SRC_OFF, CACHE_WRITE_T, CACHE_WRITE_WIDTH, FLAG_ROPE_INTERLEAVE, ROPE_FLAGS, ROPE_HALF,
                      ROPE_HEADS, ROPE_OUT_HS, ROPE_OUT_LD, ROPE_OUT_OFF, ROPE_R0, ROPE_R1, ROPE_TAB_OFF, ROPE_TABLE_CL_OFF,
@@ -38,6 +39,7 @@ def reference_apply(task, mem) -> None:
     r0, r1, half = task["r0"], task["r1"], task["half"]
     tab = mem.mat(task, "tab", r1 - r0, 2 * half, row0=r0, ld=2 * half)
     cos, sin = tab[:, :half], tab[:, half:]
+    heads = []
     for h in range(task["heads"]):
         x = mem.mat(task, "x", r1 - r0, 2 * half, row0=r0, col0=h * task["x_hs"] + task["x_col0"]).float()
         if task.has("INTERLEAVE"):
@@ -46,19 +48,28 @@ def reference_apply(task, mem) -> None:
         else:
             x1, x2 = x[:, :half], x[:, half:]
             y = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        mem.mat(task, "out", r1 - r0, 2 * half, row0=r0, col0=h * task["out_hs"]).copy_(y)
+        if task.has("CACHE"):  # heads back to back (out_hs = 2·half: the compiler checks)
+            heads.append(y)
+        else:
+            mem.mat(task, "out", r1 - r0, 2 * half, row0=r0, col0=h * task["out_hs"]).copy_(y)
+    if heads:
+        write_cache(task, mem, torch.cat(heads, dim=1))
 
 
 def reference_cache_write(task, mem) -> None:
+    write_cache(task, mem, mem.mat(task, "src", task["r1"] - task["r0"], task["cols"], row0=task["r0"]))
+
+
+def write_cache(task, mem, src: torch.Tensor) -> None:
+    """cache[b, pos, col0 : col0 + src columns] = src[r] for rows r0..r1 (CACHE_WRITE, ROPE[CACHE])."""
     r0, r1, T, S, width = task["r0"], task["r1"], task["T"], task["S"], task["width"]
     pos = positions(task, mem, r0, r1)
     if int(pos.max()) >= S:
-        raise IndexError(f"CACHE_WRITE to position {int(pos.max())} of a cache with {S} positions")
-    src = mem.mat(task, "src", r1 - r0, task["cols"], row0=r0)
+        raise IndexError(f"{task.op.name} to cache position {int(pos.max())} of a cache with {S} positions")
     b = torch.arange(r0, r1, device=mem.device) // T
     cache = mem.bufs[task["cache.buf"]]
     index = task["cache.off"] + ((b * S + pos) * width + task["col0"])[:, None] \
-        + torch.arange(task["cols"], device=mem.device)
+        + torch.arange(src.shape[1], device=mem.device)
     cache[index] = src.to(cache.dtype)
 
 
@@ -80,15 +91,27 @@ def table_body(word, WF, A, I, BH: tl.constexpr):
 
 
 @triton.jit
-def apply_body(word, A, BH: tl.constexpr):
+def apply_body(word, A, I, C, BH: tl.constexpr):
     """All heads of a row at once, [HB heads, BH pairs] per block: a head at a time cost a memory
-    round trip each (9.4 µs for llama-1b's 32 query heads, on every layer's dependency chain)."""
+    round trip each (9.4 µs for llama-1b's 32 query heads, on every layer's dependency chain).  CACHE:
+    the rotated row goes to its cache position instead (a CACHE_WRITE fused in: one hop fewer)."""
     flags, half, heads = fld(word, ROPE_FLAGS), fld(word, ROPE_HALF), fld(word, ROPE_HEADS)
     x_ptr, x_ld, x_hs, x_col0 = A + off(word, ROPE_X_OFF), fld(word, ROPE_X_LD), fld(word, ROPE_X_HS), fld(word, ROPE_X_COL0)
     o_ptr, o_ld, o_hs = A + off(word, ROPE_OUT_OFF), fld(word, ROPE_OUT_LD), fld(word, ROPE_OUT_HS)
     tab = A + off(word, ROPE_TAB_OFF)
+    to_cache = has(flags, FLAG_ROPE_CACHE)
+    T, S, width, col0 = fld(word, ROPE_T), fld(word, ROPE_S), fld(word, ROPE_WIDTH), fld(word, ROPE_COL0)
+    cl, cache = I + off(word, ROPE_CL_OFF), C + off(word, ROPE_CACHE_OFF)
     HB: tl.constexpr = max(1, 1024 // BH)
     for r in range(fld(word, ROPE_R0), fld(word, ROPE_R1)):
+        if to_cache:
+            b = r // T
+            pos = tl.load(cl + b, cache_modifier=".cg") + r % T + fld(word, ROPE_POS_OFFSET)
+            row_in = pos < S  # the host refuses steps that would not fit; never write past the cache
+            c_row = cache + (b.to(tl.int64) * S + pos) * width + col0
+        else:
+            row_in = r >= 0
+            c_row = cache
         for hb in range(0, heads, HB):
             h = hb + tl.arange(0, HB)[:, None]
             for ib in range(0, half, BH):
@@ -101,11 +124,17 @@ def apply_body(word, A, BH: tl.constexpr):
                 else:
                     p1, p2 = i, i + half
                 src = x_ptr + r * x_ld + h * x_hs + x_col0
-                dst = o_ptr + r * o_ld + h * o_hs
                 x1 = tl.load(src + p1, mask=m, other=0.0, cache_modifier=".cg")
                 x2 = tl.load(src + p2, mask=m, other=0.0, cache_modifier=".cg")
-                tl.store(dst + p1, x1 * cos - x2 * sin, mask=m)
-                tl.store(dst + p2, x2 * cos + x1 * sin, mask=m)
+                y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+                if to_cache:
+                    dst_c = c_row + h * o_hs
+                    tl.store(dst_c + p1, y1.to(C.dtype.element_ty), mask=m & row_in)
+                    tl.store(dst_c + p2, y2.to(C.dtype.element_ty), mask=m & row_in)
+                else:
+                    dst = o_ptr + r * o_ld + h * o_hs
+                    tl.store(dst + p1, y1, mask=m)
+                    tl.store(dst + p2, y2, mask=m)
 
 
 @triton.jit
