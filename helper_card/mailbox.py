@@ -91,7 +91,7 @@ def call_sites(plan) -> list[CallSite]:
 class MailboxService:
     """Serves one megakernel runner's helper calls from a thread.  `kick()` at every launch wakes it."""
 
-    def __init__(self, link: HelperLink, runner):
+    def __init__(self, link: HelperLink, runner, helper_workers: int = 0):
         self.link, self.runner = link, runner
         self.sites = call_sites(runner.plan)
         box = runner.mem.bufs[Buf.H]
@@ -105,7 +105,8 @@ class MailboxService:
         self.program: WholeExpertRunner | None = None
         store = link.backend.store
         if runner.device.type == "cuda" and store.device.type == "cuda":
-            self.kernel = KernelHelper(runner, store, link.layers, link.n_experts)
+            workers = helper_workers or torch.cuda.get_device_properties(store.device).multi_processor_count
+            self.kernel = KernelHelper(runner, store, link.layers, link.n_experts, workers)
             self.kernel.capture(box, {s.signal: {**s.parts, "box": s.box} for s in self.sites})
         else:
             self.program = WholeExpertRunner(runner.mem.cfg, store, link.layers, link.n_experts)

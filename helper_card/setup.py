@@ -47,6 +47,9 @@ class HelperOptions:
     # after it: a move decided from step n's routing takes effect at step n+2, not n+1, and the boundary
     # between two tokens keeps only the counts.  False: all of it at the boundary, effective at step n+1
     overlap: bool = True
+    # a helper GPU's persistent kernel per call: 0 = one worker per SM of the helper GPU.  A call's tiles
+    # stream its experts' weights (17 MB each on DeepSeek-V2-Lite), so fewer workers read them slower
+    helper_workers: int = 0
 
     @property
     def enabled(self) -> bool:
@@ -138,7 +141,7 @@ class Helper:
         self.link.attach(runner, program=not megakernel)  # no tile program (and its buffers) for mailboxes
         self.runners.append(runner)
         if megakernel:  # its calls reach the helper through mailboxes
-            service = MailboxService(self.link, runner)
+            service = MailboxService(self.link, runner, self.opts.helper_workers)
             runner.launch_hooks.append(service.kick)
             runner.diagnostics.append(service.failures)
             self.services.append(service)

@@ -155,6 +155,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--shift", type=int, default=12, help="steps between moves of the routing hot set")
     p.add_argument("--timeout", type=float, default=10.0, help="helper bound, seconds")
+    p.add_argument("--helper-workers", type=int, default=0,
+                   help="a helper GPU's workers per call (0: one per SM, the default)")
     p.add_argument("--device", default="cuda", help="cuda, or cpu under TRITON_INTERPRET=1 (a tiny preset)")
     p.add_argument("--out", default=".")
     args = p.parse_args()
@@ -175,7 +177,8 @@ def main() -> None:
         recorded = None  # the last migrating run's placements, step by step (for replay)
         for migrate in args.migrate if fraction > 0 else ["off"]:
             opts = HelperOptions(kind=args.helper, fraction=fraction, migrate=migrate in ("on", "sync"),
-                                 overlap=migrate == "on", timeout_s=args.timeout, policy=policy)
+                                 overlap=migrate == "on", timeout_s=args.timeout, policy=policy,
+                                 helper_workers=args.helper_workers)
             t0 = time.perf_counter()
             try:
                 if migrate == "replay" and recorded is None:
