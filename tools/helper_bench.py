@@ -150,6 +150,7 @@ def main() -> None:
                         "shows the jitter)")
     p.add_argument("--policy", choices=["calls", "rows"], default="calls",
                    help="migration policy: by the helper calls a move saves (the default) or by rows")
+    p.add_argument("--max-moves", type=int, default=2, help="migration's moves per step at most")
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--warmup", type=int, default=4)
@@ -172,7 +173,7 @@ def main() -> None:
     base = run(engine(None), cfg, args)
     rows.append({"helper": "none", "fraction": 0.0, "migrate": "off", "step_ms_median": base["step_ms_median"]})
     print(f"all on main: {base['step_ms_median']:.3f} ms/step", flush=True)
-    policy = CallAwarePolicy() if args.policy == "calls" else MigrationPolicy()
+    policy = (CallAwarePolicy if args.policy == "calls" else MigrationPolicy)(max_moves=args.max_moves)
     for fraction in args.fractions:
         recorded = None  # the last migrating run's placements, step by step (for replay)
         for migrate in args.migrate if fraction > 0 else ["off"]:
