@@ -169,8 +169,8 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     # (T x its heads, e.g. 6 x 4 at T=6) take one block up to 64; MLA's 512-wide rows keep 16, where
     # each doubling of BM costs another 32 accumulator registers in the heaviest body
     bm = 16 if dmax > 128 else min(64, att_rows)
-    # cache positions per block: GQA's 64-wide rows take 64 at once (llama-1b -4%, docs/PERF.md session 9
-    # call G; one BJ for every plan of a kind, so a token's sums do not depend on T or B); MLA's 512-wide
+    # cache positions per block: GQA's 64-wide rows take 64 at once (llama-1b -6.7%, docs/PERF.md session 11
+    # call 2; one BJ for every plan of a kind, so a token's sums do not depend on T or B); MLA's 512-wide
     # latent rows keep 32 (64 spilled 388 bytes in the heaviest body, session 5)
     bj = 32 if dmax > 128 else 64
     # 16K weights per step: 128 bytes per thread, one row per warp at KC = 2048 (docs/PERF.md run 13);
