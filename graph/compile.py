@@ -52,7 +52,8 @@ def compile_options(spec: str, workers: int) -> tuple[CompileOptions, int]:
         if key == "attn_split":
             attn_split = int(value)
         elif key in RULES + OPTIONAL_RULES:
-            rules = tuple(r for r in RULES + OPTIONAL_RULES if (r == key and int(value)) or (r != key and r in rules))
+            chosen = set(rules) | {key} if int(value) else set(rules) - {key}
+            rules = tuple(r for r in RULES + OPTIONAL_RULES if r in chosen)  # in the order fuse() applies them
         elif key in {f.name for f in dataclasses.fields(TilingOptions)}:
             tiling[key] = int(value)
         else:
