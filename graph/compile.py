@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from model.config import ModelConfig
 from model.stats import step_bytes
 
 from .cost import CostModel
-from .fusion import OPTIONAL_RULES, RULES, fuse
+from .fusion import RULES, WEIGHT_RULES, fuse
 from .cse import cse
 from .ir import Graph, Op
 from .isa import MAX_WAITS, OPCODES, WORDS, encode
@@ -44,21 +45,21 @@ class CompileError(ValueError):
 
 
 def compile_options(spec: str, workers: int) -> tuple[CompileOptions, int]:
-    """'KEY=V,...' of TilingOptions fields, attn_split and fusion rules, added (norm_into_linear=1) or
-    removed (rope_into_cache=0) (tools: bench, replay) -> (options, attn_split)."""
+    """'KEY=V,...' of TilingOptions fields, attn_split and fusion rules, removed from the default ones
+    (rope_into_cache=0) or put back (tools: bench, replay) -> (options, attn_split)."""
     tiling, attn_split, rules = {}, 0, RULES
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
         if key == "attn_split":
             attn_split = int(value)
-        elif key in RULES + OPTIONAL_RULES:
+        elif key in RULES:
             chosen = set(rules) | {key} if int(value) else set(rules) - {key}
-            rules = tuple(r for r in RULES + OPTIONAL_RULES if r in chosen)  # in the order fuse() applies them
+            rules = tuple(r for r in RULES if r in chosen)  # in the order fuse() applies them
         elif key in {f.name for f in dataclasses.fields(TilingOptions)}:
             tiling[key] = int(value)
         else:
             raise CompileError(f"plan options {spec!r}: unknown key {key!r} (TilingOptions fields, attn_split or "
-                               f"a fusion rule: {', '.join(RULES + OPTIONAL_RULES)})")
+                               f"a fusion rule: {', '.join(RULES)})")
     return CompileOptions(workers=workers, tiling=TilingOptions(**tiling), fusion_rules=rules), attn_split
 
 
@@ -78,7 +79,7 @@ def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | N
     graph.renumber()
     graph.prune()
     mem = plan_memory(graph, reuse=opts.reuse_memory,
-                      weights=canonical_weights(cfg, shape.helper_slots, opts.fusion_rules if opts.fuse else ()))
+                      weights=canonical_weights(cfg, shape.helper_slots, tuple(opts.fusion_rules) if opts.fuse else ()))
     passes.append({"pass": "memory", "A_bytes": mem.sizes["A"] * 4, "I_bytes": mem.sizes["I"] * 4,
                    "unshared_bytes": mem.activation_bytes_unshared, "reused_blocks": mem.reused,
                    "W_elements": mem.sizes["W"], "WF_elements": mem.sizes["WF"]})
@@ -138,19 +139,21 @@ def attention_split(cfg: ModelConfig, shape: StepShape, workers: int) -> int:
     return max(64, 64 * math.ceil(shape.max_len / splits / 64))
 
 
-def canonical_weights(cfg: ModelConfig, helper_slots: int = -1, rules: tuple[str, ...] = ()) -> list:
+@functools.lru_cache(maxsize=16)  # one lowering (and, with a weight rule, fusion) per model and layout
+def canonical_weights(cfg: ModelConfig, helper_slots: int = -1, rules: tuple[str, ...] = ()) -> tuple:
     """The weight arena's order for every plan of a model: the order in which one decode step
     and every MTP layer, as the unfused graph first reads them.  Helper plans (helper_slots >= 0)
     have their own layout: one arena of main expert slots instead of every layer's experts.
-    Optional fusion rules that derive weights (norm_into_linear) lay out the graph fused by all of
+    Fusion rules that derive weights (WEIGHT_RULES: norm_into_linear) lay out the graph fused by all of
     `rules` instead (which norms fold depends on the others: residual_norm keeps its norms): the
-    derived weights, without those only they read."""
+    derived weights, without those only they read.  Cached: every compile of a model asks for it, and
+    plan_memory only reads the tensors it returns."""
     n = cfg.num_nextn_predict_layers
     graph = lower(cfg, StepShape(T=1, B=1, max_len=1 + n, mtp_passes=n, helper_slots=helper_slots))
-    if any(r in OPTIONAL_RULES for r in rules):
+    if any(r in WEIGHT_RULES for r in rules):
         cse(graph)
         fuse(graph, rules)
-    return weight_order(graph)
+    return tuple(weight_order(graph))
 
 
 def _wait_list(op: Op, deps: dict[int, set[int]], anc: list[int], ntasks: dict[int, int]) -> list[tuple[int, int]]:

@@ -10,23 +10,24 @@ Rules, applied in this order (each names what it merged in the report):
                  into the cache: one hop fewer before attention; the same values, rounded once)
 - route:         ROUTE[SCORE], ROUTE[TOPK], ROUTE[SLOTS]   -> one ROUTE
 - hc_coeff:      HC_COEFF mix, act, sinkhorn, collapse     -> one HC_COEFF
-A tensor is absorbed only when the fused op is its sole reader and it is not
-an output.  The fused op takes the program position of the chain's last op.
-
-Optional rules (CompileOptions.fusion_rules names them; they change the packed weights):
 - norm_into_linear: RMSNORM read only as x by LINEARs      -> each LINEAR[NORM], the norm gone
                  (its weight g folded into each reader's weight columns, W' = W diag(g), rounded to
                  the model dtype when packed: megakernel/memory.py; the task scales its sums by
                  rsqrt(mean(x²) + eps)).  One hop fewer between a residual and its projections.
                  Not where a reader's weight has other readers (tied or shared heads): no copies.
+A tensor is absorbed only when the fused op is its sole reader and it is not
+an output.  The fused op takes the program position of the chain's last op.
+CompileOptions.fusion_rules names the rules a plan applies (all of RULES by default).  Those in
+WEIGHT_RULES change the packed weights, so plans that differ in them cannot share a weight arena.
 """
 
 from __future__ import annotations
 
 from .ir import Graph, Op, Tensor, View
 
-RULES = ("swiglu", "moe_epilogue", "residual_into_linear", "residual_norm", "rope_into_cache", "route", "hc_coeff")
-OPTIONAL_RULES = ("norm_into_linear",)
+RULES = ("swiglu", "moe_epilogue", "residual_into_linear", "residual_norm", "rope_into_cache", "route", "hc_coeff",
+         "norm_into_linear")
+WEIGHT_RULES = ("norm_into_linear",)  # rules that derive packed weights (W' = W diag(g))
 
 
 class _Ctx:
@@ -265,9 +266,9 @@ def _merge_stages(ctx: _Ctx, opcode: str, stages: tuple[str, ...], label_suffix:
 
 def fuse(graph: Graph, rules: tuple[str, ...] = RULES) -> dict:
     before = len(graph.ops)
-    unknown = set(rules) - set(RULES) - set(OPTIONAL_RULES)
+    unknown = set(rules) - set(RULES)
     if unknown:
-        raise ValueError(f"unknown fusion rule(s) {sorted(unknown)}; rules are {RULES + OPTIONAL_RULES}")
+        raise ValueError(f"unknown fusion rule(s) {sorted(unknown)}; rules are {RULES}")
     ctx = _Ctx(graph)
     impl = {
         "swiglu": _swiglu,
@@ -281,7 +282,7 @@ def fuse(graph: Graph, rules: tuple[str, ...] = RULES) -> dict:
         "norm_into_linear": _norm_into_linear,
     }
     changes, per_rule = [], {}
-    for rule in RULES + OPTIONAL_RULES:
+    for rule in RULES:
         if rule not in rules:
             continue
         while (change := impl[rule](ctx)) is not None:

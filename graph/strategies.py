@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from model.config import ModelConfig
 
 from .compile import CompileOptions
-from .fusion import OPTIONAL_RULES, RULES
+from .fusion import RULES
 from .lower import StepShape
 from .tiling import TilingOptions
 
@@ -87,7 +87,7 @@ def model_configs():
 
 @st.composite
 def compile_options(draw) -> CompileOptions:
-    rules = tuple(r for r in RULES + OPTIONAL_RULES if draw(st.booleans()))
+    rules = tuple(r for r in RULES if draw(st.booleans()))
     return CompileOptions(
         workers=draw(st.one_of(st.integers(1, 8), st.integers(9, 64))),
         scheduler=draw(st.sampled_from(["critical_path", "round_robin"])),
@@ -97,7 +97,7 @@ def compile_options(draw) -> CompileOptions:
         tiling=TilingOptions(tile_bytes=draw(st.sampled_from([256, 1024, 4096, 65536])),
                              row_align=draw(st.sampled_from([1, 4, 16])), act_rows=draw(st.integers(1, 8)),
                              attn_heads=draw(st.integers(0, 4)), spread=draw(st.sampled_from([0, -1, 2, 5]))),
-        fusion_rules=rules if any(r in RULES for r in rules) else RULES,
+        fusion_rules=rules or RULES,
     )
 
 

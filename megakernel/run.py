@@ -53,9 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=None,
                    help="workers (queues) a plan is scheduled on (default: 8 on a CPU, the GPU's SM count)")
     p.add_argument("--plan", action="store_true", help="print the decode-step plan's description and exit")
-    p.add_argument("--fuse-norms", action="store_true",
+    p.add_argument("--fuse-norms", action=argparse.BooleanOptionalAction, default=True,
                    help="fold each RMSNorm into the projections that read it (fusion rule norm_into_linear: the "
-                        "norm's weight packed into theirs, one dependent hop fewer per norm)")
+                        "norm's weight packed into theirs, one dependent hop fewer per norm; on by default, "
+                        "--no-fuse-norms keeps the norms as tasks of their own)")
     p.add_argument("--spec-k", type=int, default=None, metavar="K",
                    help="speculative decoding: verify K drafts per step (0..7), accept on the device")
     p.add_argument("--adaptive-k", action="store_true",
@@ -256,7 +257,7 @@ def run(args: argparse.Namespace) -> dict:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
     max_len = args.prompt_len + args.steps
     options = CompileOptions(workers=args.workers,
-                             fusion_rules=RULES + (("norm_into_linear",) if args.fuse_norms else ()))
+                             fusion_rules=tuple(r for r in RULES if args.fuse_norms or r != "norm_into_linear"))
     if args.plan:
         plan = compile_step(cfg, StepShape(T=1, B=args.batch, max_len=max_len), options)
         print(plan.describe())

@@ -89,20 +89,19 @@ def test_stage_fusion_never_moves_a_write_past_a_reader():
 
 
 def test_norms_fold_into_the_linears_that_read_them():
-    """Optional rule norm_into_linear: every layer's norms go (their readers are LINEARs whose weights
+    """Default rule norm_into_linear: every layer's norms go (their readers are LINEARs whose weights
     nothing else reads), the LINEARs carry NORM and eps and read scaled weights packed as W·diag(g);
     the final norm stays (its output is the step's hidden state).  Plans of every shape, MTP passes
     included, share the one arena layout, and the interpreter still equals the reference."""
     import torch
 
-    from graph.fusion import RULES
     from megakernel.interpreter import Interpreter
     from megakernel.memory import Memory
     from model import Cache, Reference, init_weights
 
     from .conftest import rel_err
     cfg = preset("tiny-dense")
-    opts = CompileOptions(workers=4, fusion_rules=RULES + ("norm_into_linear",))
+    opts = CompileOptions(workers=4)
     plan = compile_step(cfg, StepShape(T=2, B=2, max_len=16, mtp_passes=2), opts)
     fusion = next(p for p in plan.passes if p["pass"] == "fusion")
     layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
@@ -135,15 +134,15 @@ def test_norms_fold_into_the_linears_that_read_them():
 
 
 def test_a_plan_with_other_fusion_rules_cannot_share_the_arena():
-    from graph.fusion import RULES
     from megakernel.memory import Memory
     from model import init_weights
+
+    from .conftest import UNFOLDED
     cfg = preset("tiny-dense")
     mem = Memory(compile_step(cfg, StepShape(T=1, B=1, max_len=16), CompileOptions(workers=2)), init_weights(cfg))
-    folded = compile_step(cfg, StepShape(T=1, B=1, max_len=16),
-                          CompileOptions(workers=2, fusion_rules=RULES + ("norm_into_linear",)))
+    unfolded = compile_step(cfg, StepShape(T=1, B=1, max_len=16), CompileOptions(workers=2, fusion_rules=UNFOLDED))
     with pytest.raises(ValueError, match="do not share a weight layout"):
-        Memory(folded, None, share=mem)
+        Memory(unfolded, None, share=mem)
     with pytest.raises(ValueError, match="unknown fusion rule"):
         compile_step(cfg, StepShape(T=1, B=1, max_len=16), CompileOptions(workers=2, fusion_rules=("no_such",)))
 

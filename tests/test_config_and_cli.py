@@ -97,13 +97,16 @@ def test_check_passes_and_is_reported(name, tmp_path, capsys):
     assert "PASS" in capsys.readouterr().out
 
 
-def test_fuse_norms_flag_folds_the_norms_and_still_checks(tmp_path, capsys):
-    assert main(["--model", "tiny-dense", "--backend", "interpret", "--fuse-norms", "--check", "--steps", "4",
+def test_norms_fold_by_default_and_no_fuse_norms_keeps_them(tmp_path, capsys):
+    assert main(["--model", "tiny-dense", "--backend", "interpret", "--no-fuse-norms", "--check", "--steps", "4",
                  "--json", str(tmp_path / "r.json")]) == 0
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["check"]["ok"] and r["check"]["max_rel_err"] <= 1e-5
-    assert main(["--model", "tiny-dense", "--fuse-norms", "--plan", "--json", str(tmp_path / "p.json")]) == 0
+    capsys.readouterr()
+    assert main(["--model", "tiny-dense", "--plan"]) == 0
     assert "norm_into_linear" in capsys.readouterr().out
+    assert main(["--model", "tiny-dense", "--no-fuse-norms", "--plan"]) == 0
+    assert "norm_into_linear" not in capsys.readouterr().out
 
 
 def test_check_fails_on_a_mismatch(monkeypatch, capsys):

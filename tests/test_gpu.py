@@ -9,13 +9,10 @@ from graph.fusion import RULES
 from graph.lower import StepShape
 from model import TINY_PRESETS, Cache, Reference, init_weights, preset
 
-from .conftest import rel_err
+from .conftest import UNFOLDED, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("one_kernel_for_tiny_models")]
 BF16_TOL = 1e-2
-
-
-FOLDED = RULES + ("norm_into_linear",)  # norms folded into the LINEARs that read them (an optional fusion rule)
 
 
 def _setup(name, T=2, B=2, max_len=64, workers=16, passes=0, layers=None, seed=0, rules=RULES):
@@ -53,7 +50,7 @@ def test_tiny_megakernel_equals_interpreter(name):
         assert rel_err(a, b) <= BF16_TOL
 
 
-@pytest.mark.parametrize("rules", [RULES, FOLDED], ids=["default", "norms_folded"])
+@pytest.mark.parametrize("rules", [RULES, UNFOLDED], ids=["default", "norms_unfolded"])
 @pytest.mark.parametrize("name", ["llama-1b", "dsv2-lite"])
 def test_large_megakernel_equals_interpreter(name, rules):
     from megakernel.interpreter import Interpreter
@@ -76,12 +73,12 @@ def _near_tie(logits, tol=BF16_TOL):
 
 
 # the large shapes as test_large builds them (the same kernels): B=1, dsv2-lite cut to 4 layers
-TEACHER_CASES = ([(n, RULES, 2, None) for n in TINY_PRESETS] + [("tiny-dense", FOLDED, 2, None)]
-                 + [(n, r, 1, 4 if n == "dsv2-lite" else None) for n in ("llama-1b", "dsv2-lite") for r in (RULES, FOLDED)])
+TEACHER_CASES = ([(n, RULES, 2, None) for n in TINY_PRESETS] + [("tiny-dense", UNFOLDED, 2, None)]
+                 + [(n, r, 1, 4 if n == "dsv2-lite" else None) for n in ("llama-1b", "dsv2-lite") for r in (RULES, UNFOLDED)])
 
 
 @pytest.mark.parametrize("name,rules,B,layers", TEACHER_CASES,
-                         ids=[f"{n}-{'folded' if r == FOLDED else 'default'}" for n, r, _, _ in TEACHER_CASES])
+                         ids=[f"{n}-{'unfolded' if r == UNFOLDED else 'default'}" for n, r, _, _ in TEACHER_CASES])
 def test_teacher_forced_greedy_64_steps(name, rules, B, layers):
     large = layers is not None or name == "llama-1b"
     max_len = 256 if large else 80
@@ -107,7 +104,7 @@ def test_teacher_forced_greedy_64_steps(name, rules, B, layers):
     assert mismatches == 0
 
 
-@pytest.mark.parametrize("name,rules", [(n, RULES) for n in TINY_PRESETS] + [("tiny-moe", FOLDED)])
+@pytest.mark.parametrize("name,rules", [(n, RULES) for n in TINY_PRESETS] + [("tiny-moe", UNFOLDED)])
 def test_batch_invariance_and_run_to_run(name, rules):
     """Sequence 0's logits are bit-identical alone, beside another sequence, and inside a longer step."""
     from megakernel.runtime import Megakernel

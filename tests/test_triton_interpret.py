@@ -18,7 +18,7 @@ from megakernel.interpreter import Interpreter
 from megakernel.ops import moe
 from model import TINY_PRESETS, init_weights, preset
 
-from .conftest import TINY_BLOCKS, rel_err
+from .conftest import TINY_BLOCKS, UNFOLDED, rel_err
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton interpreter only")
 
@@ -76,11 +76,19 @@ def test_kernel_small_blocks(name):
 
 @pytest.mark.parametrize("name,blocks", [("tiny-dense", None), ("tiny-dense", dict(BN=16, TB=2))])
 def test_kernel_norms_folded_into_linears(name, blocks):
-    """Fusion rule norm_into_linear: LINEAR[NORM] tasks scale their sums by each token's rsqrt(mean(x²) +
-    eps), with the norm's weight packed into their columns; with small blocks the norm's row takes
-    several BN chunks and the 4 tokens several TB groups (a scale per group)."""
-    cfg, plan, interp, mk = _pair(name, blocks=blocks, rules=RULES + ("norm_into_linear",))
+    """Fusion rule norm_into_linear (a default rule): LINEAR[NORM] tasks scale their sums by each
+    token's rsqrt(mean(x²) + eps), with the norm's weight packed into their columns; with small blocks
+    the norm's row takes several BN chunks and the 4 tokens several TB groups (a scale per group)."""
+    cfg, plan, interp, mk = _pair(name, blocks=blocks)
     assert any(decode(word).has("NORM") for word in plan.words if decode(word).op.name == "LINEAR")
+    _compare(cfg, interp, mk, torch.tensor([2, 7]))
+
+
+def test_kernel_norms_as_tasks_of_their_own():
+    """Without norm_into_linear every layer's norms are RMSNORM tasks (the plain body, and the A side
+    of the fold)."""
+    cfg, plan, interp, mk = _pair("tiny-dense", rules=UNFOLDED)
+    assert not any(decode(word).has("NORM") for word in plan.words if decode(word).op.name == "LINEAR")
     _compare(cfg, interp, mk, torch.tensor([2, 7]))
 
 

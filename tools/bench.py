@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from graph.compile import CompileOptions, compile_options, compile_step
-from graph.fusion import OPTIONAL_RULES
+from graph.fusion import WEIGHT_RULES
 from graph.lower import StepShape
 from megakernel.interpreter import Interpreter
 from megakernel.profiler import count_launches, task_trace
@@ -196,9 +196,9 @@ def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path,
     def plan_variant(spec: str):
         opts, split = compile_options(spec, workers)
         vplan = compile_step(cfg, StepShape(T=T, B=1, max_len=max_len, attn_split=split), opts)
-        if not set(opts.fusion_rules + tuple(plan.options["fusion_rules"])) & set(OPTIONAL_RULES):
-            return Megakernel(vplan, None, "cuda", share=mk.mem)  # the same (unfused) weight layout
-        # a fusion rule that derives weights (norm_into_linear) packs its own arena; same cache contents
+        if set(opts.fusion_rules) & set(WEIGHT_RULES) == set(plan.options["fusion_rules"]) & set(WEIGHT_RULES):
+            return Megakernel(vplan, None, "cuda", share=mk.mem)  # the same weight layout
+        # another choice of the rules that derive weights (norm_into_linear=0) packs its own arena; same cache
         vk = Megakernel(vplan, weights, "cuda", dtype)
         vk.cache().copy_(cache.data)
         return vk
