@@ -76,6 +76,15 @@ def write_cache(task, mem, src: torch.Tensor) -> None:
 
 # ---- GPU body ----------------------------------------------------------------------------
 @triton.jit
+def cache_row(cl, cache, r, T, S, width, col0, pos_offset):
+    """Where row r (sequence r // T, its r % T-th token) lands in the cache, and whether it fits (the
+    host refuses steps that would not fit; never write past the cache): CACHE_WRITE and ROPE[CACHE]."""
+    b = r // T
+    pos = tl.load(cl + b, cache_modifier=".cg") + r % T + pos_offset
+    return cache + (b.to(tl.int64) * S + pos) * width + col0, pos < S
+
+
+@triton.jit
 def table_body(word, WF, A, I, BH: tl.constexpr):
     T, half, scale = fld(word, ROPE_TABLE_T), fld(word, ROPE_TABLE_HALF), ffld(word, ROPE_TABLE_SCALE)
     cl, f = I + off(word, ROPE_TABLE_CL_OFF), WF + off(word, ROPE_TABLE_F_OFF)
@@ -106,10 +115,7 @@ def apply_body(word, A, I, C, BH: tl.constexpr):
     HB: tl.constexpr = max(1, 1024 // BH)
     for r in range(fld(word, ROPE_R0), fld(word, ROPE_R1)):
         if to_cache:
-            b = r // T
-            pos = tl.load(cl + b, cache_modifier=".cg") + r % T + fld(word, ROPE_POS_OFFSET)
-            row_in = pos < S  # the host refuses steps that would not fit; never write past the cache
-            c_row = cache + (b.to(tl.int64) * S + pos) * width + col0
+            c_row, row_in = cache_row(cl, cache, r, T, S, width, col0, fld(word, ROPE_POS_OFFSET))
         else:
             row_in = r >= 0
             c_row = cache
@@ -145,10 +151,8 @@ def cache_write_body(word, A, I, C, BD: tl.constexpr):
     src, src_ld = A + off(word, CACHE_WRITE_SRC_OFF), fld(word, CACHE_WRITE_SRC_LD)
     cl, cache = I + off(word, CACHE_WRITE_CL_OFF), C + off(word, CACHE_WRITE_CACHE_OFF)
     for r in range(fld(word, CACHE_WRITE_R0), fld(word, CACHE_WRITE_R1)):
-        b = r // T
-        pos = tl.load(cl + b, cache_modifier=".cg") + r % T + pos_offset
-        if pos < S:  # the host refuses steps that would not fit; never write past the cache
-            dst = cache + (b.to(tl.int64) * S + pos) * width + col0
+        dst, row_in = cache_row(cl, cache, r, T, S, width, col0, pos_offset)
+        if row_in:
             for cb in range(0, cols, BD):
                 c = cb + tl.arange(0, BD)
                 m = c < cols
