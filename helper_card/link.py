@@ -217,19 +217,19 @@ class HelperLink:
 
     def set_placement(self, placement: Placement, runners) -> None:
         """A step-boundary flip: the helper's map and every plan's expert maps change together."""
-        self.commit(placement)
         self.write_maps(placement, runners)
+        self.commit(placement)
 
     def write_maps(self, placement: Placement, runners) -> None:
         """Every plan's expert maps, on the current stream: from the next step launched on, the device
-        routes by `placement`."""
+        routes by `placement`.  Checked first: no map the device reads puts two experts in one slot."""
+        placement.check()
         for r in runners:
             write_expert_maps(r.mem, placement)
 
     def commit(self, placement: Placement) -> None:
-        """The host side of a flip: the helper's map and the placement the link's calls are checked and
-        chosen against."""
-        placement.check()
+        """The host side of a flip (of maps write_maps checked and wrote): the helper's map and the
+        placement the link's calls are checked and chosen against."""
         self.backend.set_placement(placement)
         self.placement = placement
 
