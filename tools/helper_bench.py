@@ -35,6 +35,27 @@ from model import init_weights, preset  # noqa: E402
 from tools.bench import rel_err  # noqa: E402
 
 
+class GcClock:
+    """Time the interpreter spends in garbage collection (gc.callbacks), read per step: a collection that
+    lands in a step or its boundary is host time no helper or migration change can explain."""
+
+    def __init__(self):
+        self.total_s, self.started = 0.0, 0.0
+
+    def __call__(self, phase, info) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+        else:
+            self.total_s += time.perf_counter() - self.started
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+
 def run(engine, cfg, args, tokens=None, placements=None) -> dict:
     """`args.steps` decode steps; tokens: the inputs to feed (None: greedy, recording them); placements:
     each step's expert placement, applied synchronously before the step and outside its time (replay)."""
@@ -46,9 +67,10 @@ def run(engine, cfg, args, tokens=None, placements=None) -> dict:
     cache.normal_(generator=torch.Generator(device=cache.device).manual_seed(1))
     lens = torch.tensor([args.ctx - 1])
     feed = tokens or [torch.tensor([[11]])]
-    times, boundary, logits, metrics, used = [], [], [], [], []
+    times, boundary, logits, metrics, used, gc_ms = [], [], [], [], [], []
     helper = engine.backend.helper
-    for n in range(args.steps):
+
+    def step(n: int) -> None:
         tok = feed[n] if tokens else feed[-1]
         if placements is not None:
             helper.place_now(placements[n])
@@ -64,11 +86,18 @@ def run(engine, cfg, args, tokens=None, placements=None) -> dict:
         boundary.append((time.perf_counter() - t1) * 1e3)
         if not tokens:
             feed.append(out.logits[:, -1].argmax(-1, keepdim=True).cpu())
-        skew.step(runner)
+
+    with GcClock() as gc_clock:
+        for n in range(args.steps):
+            gc_before = gc_clock.total_s
+            step(n)
+            gc_ms.append((gc_clock.total_s - gc_before) * 1e3)
+            skew.step(runner)
     row = {"step_ms_median": statistics.median(times[args.warmup:]), "step_ms": [round(t, 3) for t in times],
            # where a step's time goes: the boundary (helper metrics, routing statistics, migration) on the
            # host, and the rest (staging, the graph replay, the helper's calls inside it, the sync)
            "boundary_ms_median": statistics.median(boundary[args.warmup:]),
+           "boundary_ms": [round(t, 3) for t in boundary], "gc_ms": [round(t, 3) for t in gc_ms],
            "logits": logits, "tokens": feed, "placements": used}
     if helper is not None:
         steps = metrics[args.warmup:]
@@ -83,6 +112,7 @@ def run(engine, cfg, args, tokens=None, placements=None) -> dict:
         row["calls"] = [s["calls"] for s in metrics]
         # the boundary's parts: reading the mailboxes' counts, then migration's phases
         row["count_ms_median"] = statistics.median(s["count_ms"] for s in steps)
+        row["count_ms"] = [round(s["count_ms"], 3) for s in metrics]
         phases = {k for s in steps for k in s["migration_parts_ms"]}
         row["migration_parts_ms_median"] = {k: statistics.median(s["migration_parts_ms"].get(k, 0.0) for s in steps)
                                             for k in sorted(phases)}
@@ -236,7 +266,8 @@ def main() -> None:
         if "count_ms_median" in r:
             parts = ", ".join(f"{k} {v:.3f}" for k, v in r["migration_parts_ms_median"].items())
             print(f"{r['helper']} {r['fraction']:.2f} migrate {r['migrate']}: boundary medians (ms): mailbox counts "
-                  f"{r['count_ms_median']:.3f}; {parts or 'no migration'}")
+                  f"{r['count_ms_median']:.3f}; {parts or 'no migration'}; garbage collection "
+                  f"{sum(r['gc_ms']):.2f} ms in all, {sum(t > 0 for t in r['gc_ms'])} steps")
 
 
 if __name__ == "__main__":
