@@ -41,9 +41,10 @@ BUSY_S = 10.0  # a launched step keeps the thread polling until its boundary (co
 # While a service thread runs, the interpreter hands the GIL to a waiting thread after this long instead
 # of Python's default 5 ms: the host's own Python during a step (overlapped migration right after a
 # launch, ~1 ms in phases of up to 0.4 ms) then delays a helper call's answer by at most about this
-# (docs/PERF.md session 10: with the default, steps that migrated were up to 9% slower).  Process-wide,
-# so it is restored when the last service closes.
-SWITCH_S = 5e-5
+# (docs/PERF.md session 10: with the default, steps that migrated were up to 9% slower; session 12: at
+# 50 us, a migrating step's exposed wait was still 0.1-0.5 ms over the same placements' without
+# migration, so 10 us).  Process-wide, so it is restored when the last service closes.
+SWITCH_S = 1e-5
 _switch = {"services": 0, "saved": None}
 _switch_lock = threading.Lock()
 
@@ -125,7 +126,7 @@ class MailboxService:
         self.wait_at = np.array([s.box + BOX_WAIT_NS for s in self.sites], dtype=np.int64)
         self.site_layers = [s.layer for s in self.sites]
         self.stat_rows = link.stats.rows_of(self.site_layers) if link.stats is not None else None
-        self._tables: tuple = (None, None)  # (placement, its tables stacked per site)
+        self._rows: tuple = (None, None)  # (a placement's layer rows, each site's row in its grid)
         self.counted_epoch = 0
         self.errors: list[str] = []
         self.lock = threading.Lock()  # the thread's answers against failures()/count_step on the main thread
@@ -254,12 +255,10 @@ class MailboxService:
         site, slot = np.nonzero(used)
         if stats is not None:  # routing of every site, called or not (a skipped call routed to main only)
             stats.add_at(self.stat_rows[site], experts[site, slot], counts[site, slot])
-        placement, tables = self._tables
-        if placement is not self.link.placement:  # stacked once per flip, not per step
-            placement = self.link.placement
-            tables = np.stack([placement.tables[layer] for layer in self.site_layers])
-            self._tables = (placement, tables)
-        on_helper = tables[site, experts[site, slot]] == HELPER
+        placement = self.link.placement
+        if placement.row is not self._rows[0]:  # copies share their original's row map
+            self._rows = (placement.row, np.array([placement.row[layer] for layer in self.site_layers], dtype=np.int64))
+        on_helper = placement.grid[self._rows[1][site], experts[site, slot]] == HELPER
         metrics.skipped += int((~called).sum())
         metrics.calls += int(called.sum())
         metrics.rows += int(counts[site, slot][on_helper & called[site]].sum())

@@ -194,7 +194,7 @@ class _Arrays:
         self.empty = not layers
         if self.empty:
             return
-        self.T = np.stack([placement.tables[layer] for layer in layers])
+        self.T = placement.grid  # read only
         self.C = np.stack([np.asarray(counts[layer], dtype=np.float64) for layer in layers])
         self.layer_of = np.asarray(layers)
         index = {layer: i for i, layer in enumerate(layers)}

@@ -24,6 +24,17 @@ class Placement:
     capacity: int
     tables: dict[int, np.ndarray] = field(default_factory=dict)
 
+    def __post_init__(self):
+        # one [layers, experts] array, each layer's table a view of its row: the step boundary reads
+        # every table at once (the mailboxes' counts, helper_share, check) and copy() is one array copy
+        sizes = {len(t) for t in self.tables.values()}
+        if len(sizes) > 1:
+            raise ValueError(f"placement tables of unequal lengths {sorted(sizes)}: every MoE layer has the same experts")
+        self.grid = (np.stack([np.asarray(t, dtype=np.int32) for t in self.tables.values()]) if self.tables
+                     else np.zeros((0, 0), dtype=np.int32))
+        self.row = {layer: i for i, layer in enumerate(self.tables)}
+        self.tables = dict(zip(self.tables, self.grid))
+
     @classmethod
     def build(cls, counts: dict[int, np.ndarray], capacity: int) -> "Placement":
         """The `capacity` experts with the highest counts go to main (ties: lower layer, then lower
@@ -65,8 +76,7 @@ class Placement:
 
     @property
     def helper_share(self) -> float:
-        every = np.concatenate(list(self.tables.values()) or [np.zeros(0, np.int32)])  # one pass: read at every boundary
-        return float((every == HELPER).mean()) if every.size else 0.0
+        return float((self.grid == HELPER).mean()) if self.grid.size else 0.0
 
     def digest(self) -> str:
         """A hash of the whole map; the main side and the helper compare it before the first step."""
@@ -77,14 +87,15 @@ class Placement:
         return h.hexdigest()[:16]
 
     def copy(self) -> "Placement":
-        return Placement(self.capacity, {layer: t.copy() for layer, t in self.tables.items()})
+        new = Placement(self.capacity, dict(zip(self.tables, self.grid.copy())))
+        new.row = self.row  # the same layer order: readers that cache rows by it (mailbox) keep them
+        return new
 
     def check(self) -> None:
         """Every main slot holds at most one expert and lies inside the arena.  Checked with array
         operations (it runs at every flip, between two decode steps); the loop below only names the
         first offender."""
-        slots = np.concatenate(list(self.tables.values()) or [np.zeros(0, np.int32)])
-        slots = slots[slots != HELPER]
+        slots = self.grid[self.grid != HELPER]
         if not slots.size or (slots.min() >= 0 and slots.max() < self.capacity
                               and np.bincount(slots, minlength=self.capacity).max() <= 1):
             return

@@ -14,9 +14,9 @@ carried=.triton_cache.txz
 case "${1:-}" in
     pack)
         [ -d "$cache" ] || { echo "triton_cache: no cache at $cache" >&2; exit 0; }
-        # xz on every core at a low preset: the default (-6, one thread) took over 50 s for session 12's
-        # ~150 MB cache and came back cut off
-        XZ_OPT="${XZ_OPT:--T0 -2}" tar -C "$cache" -cJf "$2" .
+        # xz on every core: one thread at the default preset took over 50 s for session 12's ~150 MB
+        # cache and came back cut off; preset 2 came to 19 MiB, over what a call returns
+        XZ_OPT="${XZ_OPT:--T0 -6}" tar -C "$cache" -cJf "$2" .
         size=$(stat -c %s "$2")
         if [ "$size" -gt $((16 * 1024 * 1024)) ]; then
             echo "triton_cache: $2 is $((size >> 20)) MiB, over the 16 MiB a device call returns: dropped" >&2
