@@ -87,8 +87,11 @@ class Placement:
         return h.hexdigest()[:16]
 
     def copy(self) -> "Placement":
-        new = Placement(self.capacity, dict(zip(self.tables, self.grid.copy())))
-        new.row = self.row  # the same layer order: readers that cache rows by it (mailbox) keep them
+        # one array copy and its row views, without __post_init__'s checks and stacking (a copy is made at
+        # every flip; the row map is shared: readers that cache rows by it, the mailboxes, keep them)
+        new = object.__new__(Placement)
+        new.capacity, new.grid, new.row = self.capacity, self.grid.copy(), self.row
+        new.tables = dict(zip(self.row, new.grid))
         return new
 
     def check(self) -> None:
