@@ -129,15 +129,15 @@ def footprint(task: Decoded) -> list[Access]:
         out += _flat(task, "cl", r0 // T, (r1 - 1) // T + 1, False) + _flat(task, "f", 0, f["half"], False)
         out += _acc(task, "out", r0, r1, 0, 2 * f["half"], True, ld=2 * f["half"])
     elif name == "ROPE":
-        r0, r1, half = f["r0"], f["r1"], f["half"]
-        for h in range(f["heads"]):
+        r0, r1, half, h0 = f["r0"], f["r1"], f["half"], f["h0"]
+        for h in range(h0, f["heads"]):
             c = h * f["x_hs"] + f["x_col0"]
             out += _acc(task, "x", r0, r1, c, c + 2 * half, False)
             if not task.has("CACHE"):
                 out += _acc(task, "out", r0, r1, h * f["out_hs"], h * f["out_hs"] + 2 * half, True)
         out += _acc(task, "tab", r0, r1, 0, 2 * half, False, ld=2 * half)
         if task.has("CACHE"):
-            out += _cache_rows(task, f, f["heads"] * f["out_hs"])
+            out += _cache_rows(task, f, (f["heads"] - h0) * f["out_hs"], h0 * f["out_hs"])
     elif name == "CACHE_WRITE":
         out += _acc(task, "src", f["r0"], f["r1"], 0, f["cols"], False)
         out += _cache_rows(task, f, f["cols"])
@@ -272,13 +272,13 @@ def footprint(task: Decoded) -> list[Access]:
 READ_ONLY = (Buf.W, Buf.WF)
 
 
-def _cache_rows(task, f, cols: int) -> list:
+def _cache_rows(task, f, cols: int, skip: int = 0) -> list:
     """A cache write of rows r0..r1 (CACHE_WRITE, ROPE[CACHE]): the cache lengths it reads and the cache
-    columns col0..col0+cols it writes.  Positions come from the cache lengths at run time: claim every
+    columns col0+skip..col0+skip+cols it writes.  Positions come from the cache lengths at run time: claim every
     position of those sequences; tiles of one op with disjoint rows write distinct positions
     (cache_lens[b] + t differs per t)."""
-    r0, r1, T, S = f["r0"], f["r1"], f["T"], f["S"]
+    r0, r1, T, S, c0 = f["r0"], f["r1"], f["T"], f["S"], f["col0"] + skip
     return (_flat(task, "cl", r0 // T, (r1 - 1) // T + 1, False)
-            + _acc(task, "cache", (r0 // T) * S, ((r1 - 1) // T + 1) * S, f["col0"], f["col0"] + cols, True,
+            + _acc(task, "cache", (r0 // T) * S, ((r1 - 1) // T + 1) * S, c0, c0 + cols, True,
                    ld=f["width"], exclusive=(task.signal, "rows", f["cl.off"], f["cache.off"], T,
                                              f["pos_offset"], r0, r1)))

@@ -102,9 +102,9 @@ _OPS = [
     Opcode("EWISE", 4, _f("a* b* out* cols r0 r1"), ("ADD", "MUL", "SILU", "COPY")),
     # out[r] = [cos(pos·f) · scale, sin(pos·f) · scale], pos = cache_lens[r // T] + r % T + pos_offset
     Opcode("ROPE_TABLE", 5, _f("cl+ f+ out+ T half scale pos_offset r0 r1")),
-    # out[r, h*out_hs : +2·half] = rotate(x[r, h*x_hs + x_col0 : +2·half]) for each head; CACHE: into
-    # cache[b, pos, col0 + h*out_hs : +2·half] instead, b and pos as in CACHE_WRITE
-    Opcode("ROPE", 6, _f("x* tab+ out* heads x_hs x_col0 out_hs half r0 r1 cache+ cl+ T S width col0 pos_offset"),
+    # out[r, h*out_hs : +2·half] = rotate(x[r, h*x_hs + x_col0 : +2·half]) for each head h0 <= h < heads;
+    # CACHE: into cache[b, pos, col0 + h*out_hs : +2·half] instead, b and pos as in CACHE_WRITE
+    Opcode("ROPE", 6, _f("x* tab+ out* heads x_hs x_col0 out_hs half r0 r1 cache+ cl+ T S width col0 pos_offset h0"),
            ("INTERLEAVE", "CACHE")),
     # cache[b, pos, col0:col0+cols] = src[r, :cols], b = r // T, pos as in ROPE_TABLE
     Opcode("CACHE_WRITE", 7, _f("src* cache+ cl+ T S width col0 cols pos_offset r0 r1")),

@@ -20,6 +20,7 @@ class TilingOptions:
     row_align: int = 16  # weight rows per task are a multiple of this (or all rows)
     act_rows: int = 16  # activation rows per task for row-parallel ops
     attn_heads: int = 0  # query heads per attention task (0: all for MLA, one KV group for GQA)
+    rope_heads: int = 0  # heads per ROPE task (0: all of a row's heads in one task)
     # > 0: split an op that would make fewer tasks than this (a layer's small projections, the
     # router, per-head matmuls, the attention combine) into up to this many, down to min_tile_bytes
     # each: such ops sit on the step's dependency chain, where only their slowest task counts
@@ -106,9 +107,16 @@ class Tiler:
         return self.row_tiles(a["rows"], 2 * a["half"], 4 * a["half"], self.weight_bytes(op, "f"))
 
     def tile_rope(self, op):
+        """Rows, and with rope_heads, blocks of heads: a decode step's query rope is one row of every
+        head, a single task on each layer's chain (docs/PERF.md session 12)."""
         a = op.attrs
-        width = (a["heads"] - 1) * a["x_hs"] + a["x_col0"] + 2 * a["half"]
-        return self.row_tiles(a["rows"], width + a["heads"] * 2 * a["half"], 6 * a["half"] * a["heads"])
+        tiles = []
+        for h0, h1 in _blocks(a["heads"], self.opts.rope_heads or a["heads"]):
+            per_row = (h1 - h0) * (a["x_hs"] + 2 * a["half"])
+            for tile in self.row_tiles(a["rows"], per_row, 6 * a["half"] * (h1 - h0)):
+                tile.fields.update(h0=h0, heads=h1)
+                tiles.append(tile)
+        return tiles
 
     def tile_cache_write(self, op):
         return self.row_tiles(op.attrs["rows"], op.attrs["cols"])

@@ -148,6 +148,36 @@ def test_a_plan_with_other_fusion_rules_cannot_share_the_arena():
 
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
+def test_rope_split_by_heads_writes_what_one_task_writes(name):
+    """TilingOptions.rope_heads=1: each ROPE task rotates one head (a decode step's query rope is
+    otherwise one task of every head on each layer's chain); the step writes the same cache and logits,
+    bit for bit, as with one task per row."""
+    import torch
+
+    from graph.compile import compile_options
+    from megakernel.interpreter import Interpreter
+    from model import init_weights
+    cfg = preset(name)
+    shape = StepShape(T=2, B=2, max_len=16, mtp_passes=2)
+    whole = compile_step(cfg, shape, CompileOptions(workers=4))
+    split = compile_step(cfg, shape, compile_options("rope_heads=1", 4)[0])
+    ropes = [split.task(i) for i in range(split.num_tasks) if split.task(i).op.name == "ROPE"]
+    assert all(t["heads"] - t["h0"] == 1 for t in ropes) and any(t.has("CACHE") for t in ropes)
+    assert len(ropes) > sum(whole.task(i).op.name == "ROPE" for i in range(whole.num_tasks))
+    w = init_weights(cfg, seed=4)
+    gen = torch.Generator().manual_seed(2)
+    tokens, lens = torch.randint(0, cfg.vocab_size, (2, 2), generator=gen), torch.tensor([3, 10])
+    prefix = torch.randn(Interpreter(whole, w).cache().shape, generator=gen)
+    outs = []
+    for p in (whole, split):
+        interp = Interpreter(p, w)
+        interp.cache().copy_(prefix)
+        outs.append((interp.step(tokens, lens), interp.cache().clone()))
+    (a, cache_a), (b, cache_b) = outs
+    assert torch.equal(cache_a, cache_b) and torch.equal(a.logits, b.logits)
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
 def test_rotated_keys_go_straight_into_the_cache(name):
     """rope_into_cache: every CACHE_WRITE of a ROPE's output becomes ROPE[CACHE] (GQA's k, MLA's k_pe, and
     the MTP layers'), and the step (T=2, B=2, two MTP passes) writes the same cache and logits, bit for bit,

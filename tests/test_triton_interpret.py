@@ -92,6 +92,15 @@ def test_kernel_norms_as_tasks_of_their_own():
     _compare(cfg, interp, mk, torch.tensor([2, 7]))
 
 
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
+def test_kernel_rope_split_by_heads(name):
+    """TilingOptions.rope_heads: ROPE tasks of one head each (GQA's q and k into the cache; MLA's
+    interleaved q_pe and k_pe)."""
+    cfg, plan, interp, mk = _pair(name, tiling=TilingOptions(rope_heads=1))
+    assert any(decode(word)["h0"] > 0 for word in plan.words if decode(word).op.name == "ROPE")
+    _compare(cfg, interp, mk, torch.tensor([2, 7]))
+
+
 def test_tiny_blocks_cover_every_tiny_plan_as_one_kernel():
     """conftest.TINY_BLOCKS (the GPU tests' shared block sizes) raises the sizes fitted to every tiny
     plan the tests build to one set, which the launch checks accept: one JIT compile per dtype."""

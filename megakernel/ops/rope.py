@@ -14,7 +14,7 @@ from .common import ffld, fld, has, off
 from .fields import (CACHE_WRITE_CACHE_OFF, CACHE_WRITE_CL_OFF, CACHE_WRITE_COL0, CACHE_WRITE_COLS,
                      CACHE_WRITE_POS_OFFSET, CACHE_WRITE_R0, CACHE_WRITE_R1, CACHE_WRITE_S, CACHE_WRITE_SRC_LD,
                      CACHE_WRITE_SRC_OFF, CACHE_WRITE_T, CACHE_WRITE_WIDTH, FLAG_ROPE_CACHE, FLAG_ROPE_INTERLEAVE,
-                     ROPE_CACHE_OFF, ROPE_CL_OFF, ROPE_COL0, ROPE_FLAGS, ROPE_HALF, ROPE_HEADS, ROPE_OUT_HS,
+                     ROPE_CACHE_OFF, ROPE_CL_OFF, ROPE_COL0, ROPE_FLAGS, ROPE_H0, ROPE_HALF, ROPE_HEADS, ROPE_OUT_HS,
                      ROPE_OUT_LD, ROPE_OUT_OFF, ROPE_POS_OFFSET, ROPE_R0, ROPE_R1, ROPE_S, ROPE_T, ROPE_TABLE_CL_OFF,
                      ROPE_TABLE_F_OFF, ROPE_TABLE_HALF, ROPE_TABLE_OUT_OFF, ROPE_TABLE_POS_OFFSET, ROPE_TABLE_R0,
                      ROPE_TABLE_R1, ROPE_TABLE_SCALE, ROPE_TABLE_T, ROPE_TAB_OFF, ROPE_WIDTH, ROPE_X_COL0, ROPE_X_HS,
@@ -41,7 +41,7 @@ def reference_apply(task, mem) -> None:
     tab = mem.mat(task, "tab", r1 - r0, 2 * half, row0=r0, ld=2 * half)
     cos, sin = tab[:, :half], tab[:, half:]
     heads = []
-    for h in range(task["heads"]):
+    for h in range(task["h0"], task["heads"]):
         x = mem.mat(task, "x", r1 - r0, 2 * half, row0=r0, col0=h * task["x_hs"] + task["x_col0"]).float()
         if task.has("INTERLEAVE"):
             x1, x2 = x[:, 0::2], x[:, 1::2]
@@ -54,15 +54,16 @@ def reference_apply(task, mem) -> None:
         else:
             mem.mat(task, "out", r1 - r0, 2 * half, row0=r0, col0=h * task["out_hs"]).copy_(y)
     if heads:
-        write_cache(task, mem, torch.cat(heads, dim=1))
+        write_cache(task, mem, torch.cat(heads, dim=1), task["h0"] * task["out_hs"])
 
 
 def reference_cache_write(task, mem) -> None:
     write_cache(task, mem, mem.mat(task, "src", task["r1"] - task["r0"], task["cols"], row0=task["r0"]))
 
 
-def write_cache(task, mem, src: torch.Tensor) -> None:
-    """cache[b, pos, col0 : col0 + src columns] = src[r] for rows r0..r1 (CACHE_WRITE, ROPE[CACHE])."""
+def write_cache(task, mem, src: torch.Tensor, skip: int = 0) -> None:
+    """cache[b, pos, col0 + skip : + src columns] = src[r] for rows r0..r1 (CACHE_WRITE, ROPE[CACHE]:
+    skip, the columns of the heads before its first)."""
     r0, r1, T, S, width = task["r0"], task["r1"], task["T"], task["S"], task["width"]
     pos = positions(task, mem, r0, r1)
     if int(pos.max()) >= S:
@@ -70,7 +71,7 @@ def write_cache(task, mem, src: torch.Tensor) -> None:
     b = torch.arange(r0, r1, device=mem.device) // T
     cache = mem.bufs[task["cache.buf"]]
     index = task["cache.off"] + ((b * S + pos) * width + task["col0"])[:, None] \
-        + torch.arange(src.shape[1], device=mem.device)
+        + skip + torch.arange(src.shape[1], device=mem.device)
     cache[index] = src.to(cache.dtype)
 
 
@@ -105,7 +106,8 @@ def apply_body(word, A, I, C, BH: tl.constexpr):
     """All heads of a row at once, [HB heads, BH pairs] per block: a head at a time cost a memory
     round trip each (9.4 µs for llama-1b's 32 query heads, on every layer's dependency chain).  CACHE:
     the rotated row goes to its cache position instead (a CACHE_WRITE fused in: one hop fewer)."""
-    flags, half, heads = fld(word, ROPE_FLAGS), fld(word, ROPE_HALF), fld(word, ROPE_HEADS)
+    flags, half = fld(word, ROPE_FLAGS), fld(word, ROPE_HALF)
+    h0, heads = fld(word, ROPE_H0), fld(word, ROPE_HEADS)  # this task's heads (TilingOptions.rope_heads)
     x_ptr, x_ld, x_hs, x_col0 = A + off(word, ROPE_X_OFF), fld(word, ROPE_X_LD), fld(word, ROPE_X_HS), fld(word, ROPE_X_COL0)
     o_ptr, o_ld, o_hs = A + off(word, ROPE_OUT_OFF), fld(word, ROPE_OUT_LD), fld(word, ROPE_OUT_HS)
     tab = A + off(word, ROPE_TAB_OFF)
@@ -119,7 +121,7 @@ def apply_body(word, A, I, C, BH: tl.constexpr):
         else:
             row_in = r >= 0
             c_row = cache
-        for hb in range(0, heads, HB):
+        for hb in range(h0, heads, HB):
             h = hb + tl.arange(0, HB)[:, None]
             for ib in range(0, half, BH):
                 i = ib + tl.arange(0, BH)[None, :]
