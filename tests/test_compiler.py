@@ -147,16 +147,33 @@ def test_a_plan_with_other_fusion_rules_cannot_share_the_arena():
         compile_step(cfg, StepShape(T=1, B=1, max_len=16), CompileOptions(workers=2, fusion_rules=("no_such",)))
 
 
+def _same_step(cfg, plans, seed: int, lens) -> None:
+    """Every plan's interpreter, from one random cache and the same tokens (T=2, B=2), writes the same
+    cache and logits, MTP logits included, bit for bit."""
+    import torch
+
+    from megakernel.interpreter import Interpreter
+    from model import init_weights
+    w = init_weights(cfg, seed=4)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 2), generator=gen)
+    prefix = torch.randn(Interpreter(plans[0], w).cache().shape, generator=gen)
+    outs = []
+    for p in plans:
+        interp = Interpreter(p, w)
+        interp.cache().copy_(prefix)
+        outs.append((interp.step(tokens, torch.tensor(lens)), interp.cache().clone()))
+    (a, cache_a), (b, cache_b) = outs
+    assert torch.equal(cache_a, cache_b) and torch.equal(a.logits, b.logits)
+    assert len(a.mtp_logits) == 2 and all(torch.equal(x, y) for x, y in zip(a.mtp_logits, b.mtp_logits))
+
+
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
 def test_rope_split_by_heads_writes_what_one_task_writes(name):
     """TilingOptions.rope_heads=1: each ROPE task rotates one head (a decode step's query rope is
     otherwise one task of every head on each layer's chain); the step writes the same cache and logits,
     bit for bit, as with one task per row."""
-    import torch
-
     from graph.compile import compile_options
-    from megakernel.interpreter import Interpreter
-    from model import init_weights
     cfg = preset(name)
     shape = StepShape(T=2, B=2, max_len=16, mtp_passes=2)
     whole = compile_step(cfg, shape, CompileOptions(workers=4))
@@ -164,17 +181,7 @@ def test_rope_split_by_heads_writes_what_one_task_writes(name):
     ropes = [split.task(i) for i in range(split.num_tasks) if split.task(i).op.name == "ROPE"]
     assert all(t["heads"] - t["h0"] == 1 for t in ropes) and any(t.has("CACHE") for t in ropes)
     assert len(ropes) > sum(whole.task(i).op.name == "ROPE" for i in range(whole.num_tasks))
-    w = init_weights(cfg, seed=4)
-    gen = torch.Generator().manual_seed(2)
-    tokens, lens = torch.randint(0, cfg.vocab_size, (2, 2), generator=gen), torch.tensor([3, 10])
-    prefix = torch.randn(Interpreter(whole, w).cache().shape, generator=gen)
-    outs = []
-    for p in (whole, split):
-        interp = Interpreter(p, w)
-        interp.cache().copy_(prefix)
-        outs.append((interp.step(tokens, lens), interp.cache().clone()))
-    (a, cache_a), (b, cache_b) = outs
-    assert torch.equal(cache_a, cache_b) and torch.equal(a.logits, b.logits)
+    _same_step(cfg, (whole, split), 2, [3, 10])
 
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
@@ -182,11 +189,7 @@ def test_rotated_keys_go_straight_into_the_cache(name):
     """rope_into_cache: every CACHE_WRITE of a ROPE's output becomes ROPE[CACHE] (GQA's k, MLA's k_pe, and
     the MTP layers'), and the step (T=2, B=2, two MTP passes) writes the same cache and logits, bit for bit,
     as the plan with the rule removed (compile_options' rope_into_cache=0)."""
-    import torch
-
     from graph.compile import compile_options
-    from megakernel.interpreter import Interpreter
-    from model import init_weights
     cfg = preset(name)
     shape = StepShape(T=2, B=2, max_len=16, mtp_passes=2)
     plan = compile_step(cfg, shape, CompileOptions(workers=4))
@@ -197,16 +200,4 @@ def test_rotated_keys_go_straight_into_the_cache(name):
     counts, before = plan.opcode_counts(), unfused.opcode_counts()
     assert before["CACHE_WRITE"] - counts.get("CACHE_WRITE", 0) == layers
     assert not any(unfused.task(i).has("CACHE") for i in range(unfused.num_tasks) if unfused.task(i).op.name == "ROPE")
-
-    w = init_weights(cfg, seed=4)
-    gen = torch.Generator().manual_seed(1)
-    tokens, lens = torch.randint(0, cfg.vocab_size, (2, 2), generator=gen), torch.tensor([2, 11])
-    prefix = torch.randn(Interpreter(plan, w).cache().shape, generator=gen)
-    outs = []
-    for p in (plan, unfused):
-        interp = Interpreter(p, w)
-        interp.cache().copy_(prefix)
-        outs.append((interp.step(tokens, lens), interp.cache().clone()))
-    (a, cache_a), (b, cache_b) = outs
-    assert torch.equal(cache_a, cache_b) and torch.equal(a.logits, b.logits)
-    assert len(a.mtp_logits) == 2 and all(torch.equal(x, y) for x, y in zip(a.mtp_logits, b.mtp_logits))
+    _same_step(cfg, (plan, unfused), 1, [2, 11])
