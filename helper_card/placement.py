@@ -19,7 +19,8 @@ from graph.isa import ON_HELPER as HELPER  # table value of an expert the helper
 
 @dataclass
 class Placement:
-    """tables[layer][expert] = main slot id (0 <= id < capacity) or HELPER."""
+    """tables[layer][expert] = main slot id (0 <= id < capacity) or HELPER.  The tables are the rows of
+    one array, `grid` (row[layer] its row): change entries in place, never rebind a layer's table."""
 
     capacity: int
     tables: dict[int, np.ndarray] = field(default_factory=dict)
