@@ -45,21 +45,24 @@ class CompileError(ValueError):
 
 
 def compile_options(spec: str, workers: int) -> tuple[CompileOptions, int]:
-    """'KEY=V,...' of TilingOptions fields, attn_split and fusion rules, removed from the default ones
-    (rope_into_cache=0) or put back (tools: bench, replay) -> (options, attn_split)."""
+    """'KEY=V,...' of TilingOptions fields, attn_split, workers (instead of `workers`) and fusion rules,
+    removed from the default ones (rope_into_cache=0) or put back (tools: bench, replay) -> (options,
+    attn_split)."""
     tiling, attn_split, rules = {}, 0, RULES
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
         if key == "attn_split":
             attn_split = int(value)
+        elif key == "workers":
+            workers = int(value)
         elif key in RULES:
             chosen = set(rules) | {key} if int(value) else set(rules) - {key}
             rules = tuple(r for r in RULES if r in chosen)  # in the order fuse() applies them
         elif key in {f.name for f in dataclasses.fields(TilingOptions)}:
             tiling[key] = int(value)
         else:
-            raise CompileError(f"plan options {spec!r}: unknown key {key!r} (TilingOptions fields, attn_split or "
-                               f"a fusion rule: {', '.join(RULES)})")
+            raise CompileError(f"plan options {spec!r}: unknown key {key!r} (TilingOptions fields, attn_split, "
+                               f"workers or a fusion rule: {', '.join(RULES)})")
     return CompileOptions(workers=workers, tiling=TilingOptions(**tiling), fusion_rules=rules), attn_split
 
 

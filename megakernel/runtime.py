@@ -353,7 +353,7 @@ class Megakernel(PlanRunner):
                                           num_warps=self.config.num_warps, num_stages=self.config.num_stages)
         self.compiled._init_handles()
         props = torch.cuda.get_device_properties(self.device)
-        regs = max(1, self.compiled.n_regs) * 32 * self.config.num_warps
+        regs = -(-max(1, self.compiled.n_regs) // 8) * 8 * 32 * self.config.num_warps  # allocated 8 a thread at a time
         per_sm = min(props.max_threads_per_multi_processor // (32 * self.config.num_warps),
                      props.regs_per_multiprocessor // regs,
                      props.shared_memory_per_multiprocessor // max(1, self.compiled.metadata.shared))

@@ -194,12 +194,18 @@ def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path,
         print(f"{name} T={T}: {row_key} {spec}: " + (f"{v['ms']:.3f} ms" if "ms" in v else v["error"][:80]), flush=True)
 
     def plan_variant(spec: str):
-        opts, split = compile_options(spec, workers)
+        """Compile options (compile_options' keys), with the launch's (num_warps, num_stages, block sizes:
+        upper-case keys) for that plan, e.g. workers=264,num_warps=4,KC=1024: two workers per SM."""
+        items = [item for item in spec.split(",") if item]
+        launch = [item for item in items if item.partition("=")[0] in ("num_warps", "num_stages")
+                  or item.partition("=")[0].isupper()]
+        opts, split = compile_options(",".join(i for i in items if i not in launch), workers)
         vplan = compile_step(cfg, StepShape(T=T, B=1, max_len=max_len, attn_split=split), opts)
+        config = launch_config(",".join(launch))
         if set(opts.fusion_rules) & set(WEIGHT_RULES) == set(plan.options["fusion_rules"]) & set(WEIGHT_RULES):
-            return Megakernel(vplan, None, "cuda", share=mk.mem)  # the same weight layout
+            return Megakernel(vplan, None, "cuda", share=mk.mem, config=config)  # the same weight layout
         # another choice of the rules that derive weights (norm_into_linear=0) packs its own arena; same cache
-        vk = Megakernel(vplan, weights, "cuda", dtype)
+        vk = Megakernel(vplan, weights, "cuda", dtype, config=config)
         vk.cache().copy_(cache.data)
         return vk
 

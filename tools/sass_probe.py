@@ -169,7 +169,8 @@ def probe_kernel(model: str, variants: list[str], lines: bool = False) -> None:
                      HELPER_NS=1_000_000_000, USE_TIMER=True,
                      PROFILE=False, **fitted)
         const.update(parse_variant(spec))
-        info, sass = compile_sass(megakernel, pointers, [], const)
+        num_warps = const.pop("num_warps", 8)  # a launch option, not a constant of the kernel
+        info, sass = compile_sass(megakernel, pointers, [], const, num_warps)
         print(f"kernel {model} {spec or 'fitted'}: {info}")
         if lines:
             print_spills(sass)
