@@ -160,7 +160,8 @@ def norm_scales(x_ptr, x_ld, xrows_ptr, xrows_div, n0, n_rows, K, eps, TB: tl.co
 @triton.jit
 def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, res_ptr, res_ld, use_res,
                   w_ptr, w2_ptr, two, r0, r1, K, w, norm, eps, BR: tl.constexpr, KC: tl.constexpr,
-                  ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr, BN: tl.constexpr):
+                  ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr, BN: tl.constexpr,
+                  ROWVEC: tl.constexpr = 0):
     """out[orow(n), r0:r1] = f(x[xrow(n)] @ W[r0:r1].T) for n < n_rows, f = identity, + residual, or
     SiLU(x@W.T) * (x@W2.T); with norm, each x@W.T scaled by x's rsqrt(mean(x²) + eps) first (the
     norm's weight is in W).  Rows come from a list (xrows_div > 0: row = list[n] // xrows_div, out row
@@ -172,6 +173,8 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     streams) and its load latency hides behind the arithmetic (waiting for each chunk cost 2x on
     the GPU: docs/PERF.md); the step counters advance by compares, not divisions.
     DEPTH 2 (a launch variant) keeps a second chunk in flight: step i+2's is requested in step i.
+    ROWVEC 1 (a launch variant, TB = 1): the rows are stored as a vector in the sums' own layout; the
+    [BR, TB] store converts the sums' layout through shared memory, with barriers, on every step.
     w: step 0's weight chunk, already requested (before the dependency wait)."""
     nsub = 1 + two.to(tl.int32)
     nk = tl.cdiv(K, KC)
@@ -220,8 +223,19 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
             y = acc
             if two:
                 y = silu(acc) * acc2
-            res = tl.load(res_ptr + orow * res_ld + rows, mask=mask & use_res, other=0.0)
-            tl.store(out_ptr + orow.to(tl.int64) * out_ld + rows, y + res, mask=mask)
+            if (TB == 1) and (ROWVEC == 1):
+                # one token: the rows as a vector in the sums' own layout, so neither the store nor the
+                # sums carried between steps go through shared memory (offline SASS: no BAR left in the
+                # loop; docs/PERF.md session 12)
+                rows1 = r0 + blk * BR + tl.arange(0, BR)
+                orow1 = list_rows(n0, True, xrows_ptr, xrows_div)[0]
+                m1 = rows1 < r1
+                y1 = tl.sum(y, axis=1)
+                res1 = tl.load(res_ptr + orow1 * res_ld + rows1, mask=m1 & use_res, other=0.0)
+                tl.store(out_ptr + orow1.to(tl.int64) * out_ld + rows1, y1 + res1, mask=m1)
+            else:
+                res = tl.load(res_ptr + orow * res_ld + rows, mask=mask & use_res, other=0.0)
+                tl.store(out_ptr + orow.to(tl.int64) * out_ld + rows, y + res, mask=mask)
             acc = tl.zeros((BR, TB), tl.float32)
             acc2 = tl.zeros((BR, TB), tl.float32)
             if norm:
@@ -277,11 +291,11 @@ def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
 
 @triton.jit
 def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
-         DEPTH: tl.constexpr, BN: tl.constexpr):
+         DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr = 0):
     flags = fld(word, LINEAR_FLAGS)
     stream_chunks(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
                   A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
                   fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), aligned_base(W, word, LINEAR_W_OFF, ALIGN),
                   aligned_base(W, word, LINEAR_W2_OFF, ALIGN), has(flags, FLAG_LINEAR_SILU_MUL), fld(word, LINEAR_R0),
                   fld(word, LINEAR_R1), fld(word, LINEAR_K), w, has(flags, FLAG_LINEAR_NORM), ffld(word, LINEAR_EPS),
-                  BR, KC, ALIGN, TB, DEPTH, BN)
+                  BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC)
