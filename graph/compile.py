@@ -45,7 +45,7 @@ class CompileError(ValueError):
 
 
 def compile_options(spec: str, workers: int) -> tuple[CompileOptions, int]:
-    """'KEY=V,...' of TilingOptions fields, attn_split, workers (instead of `workers`) and fusion rules,
+    """'KEY=V,...' of TilingOptions fields, attn_split, workers (overriding the argument) and fusion rules,
     removed from the default ones (rope_into_cache=0) or put back (tools: bench, replay) -> (options,
     attn_split)."""
     tiling, attn_split, rules = {}, 0, RULES
