@@ -202,8 +202,9 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # weight chunks in flight per warp: 2 is a launch variant (DEPTH=2 lost on the old,
                 # instruction-bound stream: docs/PERF.md run 13)
                 DEPTH=1,
-                # 1: a one-token row block stored as a vector in its sums' layout (no shared-memory
-                # conversion and barriers per step; a launch variant until a GPU times it, session 12)
+                # 1: a one-token row block's sums kept in one layout, stored as a vector; 2: also stored
+                # in place with inline PTX (no shared-memory conversion and barriers in the stream's
+                # loop: offline SASS, session 12); launch variants until a GPU times them
                 ROWVEC=0,
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2",
                 # attention compiled for the plan's one kind (MLA or GQA), else the flag read per task
@@ -237,8 +238,11 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
                               "(0 reads the flag per task)")
     if blocks["TB"] not in (1, 2, 4, 8, 16):
         raise MegakernelError(f"block override TB={blocks['TB']}: tokens per weight chunk are a power of two <= 16")
-    if blocks["ROWVEC"] not in (0, 1):
-        raise MegakernelError(f"block override ROWVEC={blocks['ROWVEC']}: 0 or 1 (a one-token store as a row vector)")
+    if blocks["ROWVEC"] not in (0, 1, 2):
+        raise MegakernelError(f"block override ROWVEC={blocks['ROWVEC']}: 0, 1 (a one-token store as a row vector) "
+                              "or 2 (stored in place, with inline PTX)")
+    if blocks["ROWVEC"] == 2 and INTERPRET:
+        raise MegakernelError("block override ROWVEC=2: the Triton interpreter runs no inline PTX")
     if blocks["DEPTH"] not in (1, 2):
         raise MegakernelError(f"block override DEPTH={blocks['DEPTH']}: 1 or 2 weight chunks in flight per warp")
     if blocks["PF"] not in (0, 1, 2):

@@ -82,7 +82,7 @@ from pathlib import Path
 sys.path.insert(0, "tools")
 import sass_probe as sp
 import ncu_lines as nl
-k = sp.compile_kernel(sp.stream_probe, *sp.STREAM_PROBE_ARGS, dict(BR=8, KC=2048, ALIGN=8, TB=1, DEPTH=1, ROWVEC=1))
+k = sp.compile_kernel(sp.stream_probe, *sp.STREAM_PROBE_ARGS, dict(BR=8, KC=2048, ALIGN=8, TB=1, DEPTH=1, ROWVEC=2))
 with tempfile.TemporaryDirectory() as d:
     cubin = Path(d) / "k.cubin"
     cubin.write_bytes(k.asm["cubin"])

@@ -216,7 +216,8 @@ def test_block_overrides_that_would_change_the_result_are_refused():
                ({"ATT_KIND": 2}, "ATT_KIND=2: this plan's attention tasks are all MLA"),
                ({"BI": 256, "BO": 256}, "BI=256, BO=256"), ({"XKEEP": 1}, "unknown block override XKEEP"),
                ({"TB": 3}, "TB=3: tokens per weight chunk"), ({"DEPTH": 3}, "DEPTH=3: 1 or 2"),
-               ({"PF": 3}, "PF=3: 0 .no L2 prefetch."),
+               ({"PF": 3}, "PF=3: 0 .no L2 prefetch."), ({"ROWVEC": 3}, "ROWVEC=3: 0, 1"),
+               ({"ROWVEC": 2}, "ROWVEC=2: the Triton interpreter runs no inline PTX"),
                ({"PF": 1}, "PF=1: the Triton interpreter runs no inline PTX")]  # this suite runs interpreted
     for override, why in refused:
         with pytest.raises(MegakernelError, match=why):

@@ -84,6 +84,16 @@ def test_weight_stream_irregular_shapes(device, tb, depth, rowvec, dtype, K, R, 
     assert out[untouched].isnan().all() and out[:, :r0].isnan().all()  # no other row or column written
 
 
+@pytest.mark.gpu
+def test_weight_stream_stores_one_token_in_place():
+    """ROWVEC 2 (inline PTX, GPU only): every shape's rows stored from the sums' own layout are the
+    ROWVEC 0 rows, bit for bit, and nothing else is written."""
+    for shape in SHAPES:
+        out0, rows, _ = _run("cuda", 1, torch.bfloat16, *shape)
+        out2, _, _ = _run("cuda", 1, torch.bfloat16, *shape, rowvec=2)
+        assert torch.equal(out0.nan_to_num(), out2.nan_to_num()) and torch.equal(out0.isnan(), out2.isnan()), shape
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_weight_stream_without_rows_writes_nothing(device):
     """An expert slot's row count can be zero at run time: no step runs, nothing is written."""

@@ -96,6 +96,17 @@ def chunk_dot(w, x, w_ptr, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constex
 
 
 @triton.jit
+def store_in_place(ptrs, values, mask):
+    """values[i] to ptrs[i] where mask[i], stored from the values' own layout by every thread holding one
+    (the copies a warp holds land on one address): tl.store would first convert a reduction's layout
+    to a coalesced one through shared memory.  Inline PTX: GPU only (ROWVEC 2 is refused under the
+    interpreter)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p st.global.f32 [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,f,r", [ptrs.to(tl.int64), values, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def advance(sub, kc, g, blk, nsub, nk, ngroups):
     """The step after (block blk, token group g, K chunk kc, gate|up sub), in loop order, without divisions."""
     sub += 1
@@ -173,8 +184,9 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     streams) and its load latency hides behind the arithmetic (waiting for each chunk cost 2x on
     the GPU: docs/PERF.md); the step counters advance by compares, not divisions.
     DEPTH 2 (a launch variant) keeps a second chunk in flight: step i+2's is requested in step i.
-    ROWVEC 1 (a launch variant, TB = 1): the rows are stored as a vector in the sums' own layout; the
-    [BR, TB] store converts the sums' layout through shared memory, with barriers, on every step.
+    ROWVEC 1 (a launch variant, TB = 1): the rows stored as a vector from the sums' own layout, the norm
+    scale a scalar (the [BR, TB] epilogue kept the sums in a second layout, converted through shared
+    memory with barriers on every step); ROWVEC 2 also stores without tl.store's conversion.
     w: step 0's weight chunk, already requested (before the dependency wait)."""
     nsub = 1 + two.to(tl.int32)
     nk = tl.cdiv(K, KC)
@@ -213,27 +225,33 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
                 xrow = list_rows(n0 + t, True, xrows_ptr, xrows_div)[1]
                 acc, acc2 = token_sums(w, x_ptr, xrow, x_ld, kc * KC, K, sub, t, acc, acc2, w_ptr, BR, KC, ALIGN, TB)
         if (kc == nk - 1) & (sub == nsub - 1):  # the group's rows are complete
-            rows = (r0 + blk * BR + tl.arange(0, BR))[:, None]
-            n = n0 + col
-            orow = list_rows(n, n < n_rows, xrows_ptr, xrows_div)[0]
-            mask = (rows < r1) & (n < n_rows)
-            if norm:
-                acc = acc * rs[None, :]
-                acc2 = acc2 * rs[None, :]
-            y = acc
-            if two:
-                y = silu(acc) * acc2
-            if (TB == 1) and (ROWVEC == 1):
-                # one token: the rows as a vector in the sums' own layout, so neither the store nor the
-                # sums carried between steps go through shared memory (offline SASS: no BAR left in the
-                # loop; docs/PERF.md session 12)
+            if (TB == 1) and (ROWVEC > 0):
+                # one token: its rows as a vector in the sums' own layout and its norm scale as a scalar,
+                # so the sums carried between steps need no second layout (a shared-memory conversion
+                # with barriers on every step); ROWVEC 2 also stores from that layout (docs/PERF.md s. 12)
                 rows1 = r0 + blk * BR + tl.arange(0, BR)
                 orow1 = list_rows(n0, True, xrows_ptr, xrows_div)[0]
                 m1 = rows1 < r1
-                y1 = tl.sum(y, axis=1)
-                res1 = tl.load(res_ptr + orow1 * res_ld + rows1, mask=m1 & use_res, other=0.0)
-                tl.store(out_ptr + orow1.to(tl.int64) * out_ld + rows1, y1 + res1, mask=m1)
+                scale = tl.sum(rs, axis=0)
+                y1 = tl.sum(acc, axis=1) * scale
+                if two:
+                    y1 = silu(y1) * (tl.sum(acc2, axis=1) * scale)
+                y1 += tl.load(res_ptr + orow1 * res_ld + rows1, mask=m1 & use_res, other=0.0)
+                if ROWVEC == 2:
+                    store_in_place(out_ptr + orow1.to(tl.int64) * out_ld + rows1, y1, m1)
+                else:
+                    tl.store(out_ptr + orow1.to(tl.int64) * out_ld + rows1, y1, mask=m1)
             else:
+                rows = (r0 + blk * BR + tl.arange(0, BR))[:, None]
+                n = n0 + col
+                orow = list_rows(n, n < n_rows, xrows_ptr, xrows_div)[0]
+                mask = (rows < r1) & (n < n_rows)
+                if norm:
+                    acc = acc * rs[None, :]
+                    acc2 = acc2 * rs[None, :]
+                y = acc
+                if two:
+                    y = silu(acc) * acc2
                 res = tl.load(res_ptr + orow * res_ld + rows, mask=mask & use_res, other=0.0)
                 tl.store(out_ptr + orow.to(tl.int64) * out_ld + rows, y + res, mask=mask)
             acc = tl.zeros((BR, TB), tl.float32)
