@@ -187,36 +187,34 @@ class CallAwarePolicy(MigrationPolicy):
 
 
 class _Arrays:
-    """A placement and its counts as [layers, experts] arrays, and what a plan may touch."""
+    """A placement and its counts as [layers, experts] arrays (the placement's grid and its row order),
+    and what a plan may touch: candidates, free slots and victims (main experts outside busy slots)."""
 
     def __init__(self, placement: Placement, counts, busy, moving):
-        layers = list(placement.tables)
-        self.empty = not layers
+        self.empty = not placement.row
         if self.empty:
             return
         self.T = placement.grid  # read only
-        self.C = np.stack([np.asarray(counts[layer], dtype=np.float64) for layer in layers])
-        self.layer_of = np.asarray(layers)
-        index = {layer: i for i, layer in enumerate(layers)}
-        self.arriving = [(index[layer], e) for layer, e in moving if layer in index]
+        self.C = np.stack([np.asarray(counts[layer], dtype=np.float64) for layer in placement.row])
+        self.layer_of = np.asarray(list(placement.row))
+        self.arriving = [(placement.row[layer], e) for layer, e in moving if layer in placement.row]
         # candidates: helper experts with rows and no copy in flight
         self.candidate = (self.T == HELPER) & (self.C > 0)
         for i, e in self.arriving:
             self.candidate[i, e] = False
-        self.capacity = placement.capacity
-        self.taken = np.zeros(placement.capacity, dtype=bool)  # busy slots, then every occupied one
-        self.taken[[s for s in busy if 0 <= s < placement.capacity]] = True  # others ignored
-        self._busy = self.taken.copy()
+        busy_slot = np.zeros(placement.capacity, dtype=bool)
+        busy_slot[[s for s in busy if 0 <= s < placement.capacity]] = True  # others ignored
         ml, me = np.nonzero(self.T != HELPER)
-        self.taken[self.T[ml, me]] = True
-        self.free = np.flatnonzero(~self.taken).tolist()
+        slots = self.T[ml, me]
+        taken = busy_slot.copy()
+        taken[slots] = True
+        self.free = np.flatnonzero(~taken).tolist()
+        keep = ~busy_slot[slots]
+        self._victims = ml[keep], me[keep], slots[keep]
 
     def victims(self):
         """Main experts outside busy slots: (layer rows, experts, slots)."""
-        ml, me = np.nonzero(self.T != HELPER)
-        slots = self.T[ml, me]
-        keep = ~self._busy[slots]
-        return ml[keep], me[keep], slots[keep]
+        return self._victims
 
 
 def apply_moves(placement: Placement, moves: list[Move]) -> Placement:

@@ -237,10 +237,11 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
                 if two:
                     y1 = silu(y1) * (tl.sum(acc2, axis=1) * scale)
                 y1 += tl.load(res_ptr + orow1 * res_ld + rows1, mask=m1 & use_res, other=0.0)
+                dst = out_ptr + orow1.to(tl.int64) * out_ld + rows1
                 if ROWVEC == 2:
-                    store_in_place(out_ptr + orow1.to(tl.int64) * out_ld + rows1, y1, m1)
+                    store_in_place(dst, y1, m1)
                 else:
-                    tl.store(out_ptr + orow1.to(tl.int64) * out_ld + rows1, y1, mask=m1)
+                    tl.store(dst, y1, mask=m1)
             else:
                 rows = (r0 + blk * BR + tl.arange(0, BR))[:, None]
                 n = n0 + col
@@ -309,7 +310,7 @@ def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
 
 @triton.jit
 def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
-         DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr = 0):
+         DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr):
     flags = fld(word, LINEAR_FLAGS)
     stream_chunks(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
                   A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
