@@ -206,6 +206,9 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # in place with inline PTX (no shared-memory conversion and barriers in the stream's
                 # loop: offline SASS, session 12); launch variants until a GPU times them
                 ROWVEC=0,
+                # dependency polls: 0 a scalar atomic shared through a barrier on every poll; 1 every
+                # thread's own acquire load, the CTA agreeing once per 2 us (inline PTX): a launch variant
+                POLL=0,
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2",
                 # attention compiled for the plan's one kind (MLA or GQA), else the flag read per task
                 ATT_KIND=att_kinds.pop() if len(att_kinds) == 1 else 0)
@@ -243,6 +246,11 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
                               "or 2 (stored in place, with inline PTX)")
     if blocks["ROWVEC"] == 2 and INTERPRET:
         raise MegakernelError("block override ROWVEC=2: the Triton interpreter runs no inline PTX")
+    if blocks["POLL"] not in (0, 1):
+        raise MegakernelError(f"block override POLL={blocks['POLL']}: 0 (a scalar atomic per poll) or 1 (every "
+                              "thread's acquire load, with inline PTX)")
+    if blocks["POLL"] == 1 and INTERPRET:
+        raise MegakernelError("block override POLL=1: the Triton interpreter runs no inline PTX")
     if blocks["DEPTH"] not in (1, 2):
         raise MegakernelError(f"block override DEPTH={blocks['DEPTH']}: 1 or 2 weight chunks in flight per warp")
     if blocks["PF"] not in (0, 1, 2):

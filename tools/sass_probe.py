@@ -3,7 +3,7 @@
     python tools/sass_probe.py kernel [--model dsv2-lite] [--lines] [KEY=V,...]...
         registers, spills and 16-byte loads of the whole persistent kernel, with the block sizes
         runtime.block_sizes() fits to the model's T=1 plan, then once per variant (block overrides);
-        --lines adds instructions and spill loads/stores per source file and the worst lines
+        --lines adds instructions, spill loads/stores and barriers per source file and the worst lines
     python tools/sass_probe.py stream [--lines] [KEY=V,...]...
         the weight stream alone (ops/linear.stream_chunks, bf16 weights): its hot loop's instructions
         by opcode, per variant (BR, KC, TB: tokens per weight chunk, DEPTH: chunks in flight); --lines adds them by source line
@@ -134,20 +134,22 @@ def probe_stream(variants: list[str], lines: bool) -> None:
 
 
 def print_spills(sass: str) -> None:
-    """Instructions and local-memory spill traffic (STL/LDL) per source file, then the worst lines."""
+    """Instructions, local-memory spill traffic (STL/LDL) and CTA barriers (BAR) per source file, then
+    the worst lines of each."""
     items = [(where, ins) for _, where, ins in sass_lines(sass)]
     per_file = collections.defaultdict(collections.Counter)
-    per_line = collections.Counter()
+    spills, bars = collections.Counter(), collections.Counter()
     for where, ins in items:
         op = opcode(ins)
         f = per_file[where.split(":")[0]]
         f["instr"] += 1
-        if op in ("STL", "LDL"):
+        if op in ("STL", "LDL", "BAR"):
             f[op] += 1
-            per_line[where] += 1
+            (bars if op == "BAR" else spills)[where] += 1
     for name, c in sorted(per_file.items(), key=lambda kv: -kv[1]["instr"]):
-        print(f"    {name:20s} {c['instr']:6d} instructions, STL {c['STL']:4d}, LDL {c['LDL']:4d}")
-    print("    spill traffic by line: " + ", ".join(f"{w} {n}" for w, n in per_line.most_common(12)))
+        print(f"    {name:20s} {c['instr']:6d} instructions, STL {c['STL']:4d}, LDL {c['LDL']:4d}, BAR {c['BAR']:3d}")
+    print("    spill traffic by line: " + ", ".join(f"{w} {n}" for w, n in spills.most_common(12)))
+    print("    barriers by line: " + ", ".join(f"{w} {n}" for w, n in bars.most_common(12)))
 
 
 def probe_kernel(model: str, variants: list[str], lines: bool = False) -> None:

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from graph.isa import box_layout
 
-from .common import ERR_HEADER, ERR_PER_WORKER, fence_sys, fld, load_acquire_sys, now_ns, off, store_release_sys
+from .common import ERR_HEADER, ERR_PER_WORKER, fence_sys, fld, load_acquire_sys, now_ns, off, past, store_release_sys
 from .fields import (BOX_ACK, BOX_HEADER, BOX_SEQ, BOX_WAIT_NS, HELPER_CALL_BOX_OFF, HELPER_CALL_K,
                      HELPER_CALL_MAIL_OFF, HELPER_CALL_MAP_OFF, HELPER_CALL_N, HELPER_CALL_S, HELPER_CALL_ST2_OFF,
                      HELPER_CALL_ST_OFF, HELPER_CALL_TOPK, HELPER_CALL_X_LD, HELPER_CALL_X_OFF, HELPER_WAIT_BOX_OFF,
@@ -164,7 +164,7 @@ def wait_body(word, t, A, I, HB, err, pid, TIMEOUT_NS: tl.constexpr, MAX_SPINS: 
                 if tl.atomic_add(err, 0, sem="acquire", scope="gpu") != 0:
                     reason = 2
                 elif COMPILED:
-                    if now_ns(COMPILED) - start > TIMEOUT_NS:
+                    if past(start, TIMEOUT_NS):
                         reason = HELPER_TIMEOUT
                 elif spins > MAX_SPINS:
                     reason = HELPER_TIMEOUT
