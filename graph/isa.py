@@ -39,12 +39,16 @@ class Buf(IntEnum):
 #   header  [BOX_SEQ] request sequence number (the step's epoch; written last, release, system scope)
 #           [BOX_ACK] answered sequence number (host, written after the answer)
 #           [BOX_WAIT_NS] how long HELPER_WAIT waited for it (device timer; 0 without one)
+#           a call's timeline, int64 %globaltimer stamps (nanoseconds; 0 without a timer), read at the step
+#           boundary: [BOX_T_PUB] HELPER_CALL published (main GPU), [BOX_T_ANSWER] a helper GPU
+#           published its rows (helper GPU), [BOX_T_ACKED] HELPER_WAIT saw the answer (main GPU)
 #   mask    P words: 1 where pair row p is the helper's (host)
 #   ans     P x K: the helper's rows (host)
 #   table   the routed slot table (ROUTE's st, 2S + S·P words), written every step (device): the host
 #           takes the helper's slots by its placement, and routing statistics from all of them
 #   x       N x K token rows (device)
 BOX_SEQ, BOX_ACK, BOX_WAIT_NS = 0, 1, 2
+BOX_T_PUB, BOX_T_ANSWER, BOX_T_ACKED = 4, 6, 8  # int64 stamps: even words of a 128-byte aligned header
 BOX_HEADER = 32  # one 128-byte line
 
 

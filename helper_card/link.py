@@ -40,6 +40,7 @@ class HelperMetrics:
     skipped: int = 0  # layers with no helper rows: no publish, no wait
     exposed_wait_s: float = 0.0  # main side blocked in HELPER_WAIT
     fallbacks: int = 0  # calls recomputed on the main side after a timeout
+    timeline: list | None = None  # a list: each megakernel call's mailbox.CallTimes, appended (helper_bench)
     totals: dict = field(default_factory=dict)
 
     def end_step(self) -> dict:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from graph.isa import BOX_ACK, BOX_SEQ, BOX_WAIT_NS, Buf, box_layout, decode
+from graph.isa import BOX_ACK, BOX_SEQ, BOX_T_ACKED, BOX_T_ANSWER, BOX_T_PUB, BOX_WAIT_NS, Buf, box_layout, decode
 
 from .kernel_helper import KernelHelper, helper_table
 from .link import HelperLink, HelperTimeout, WholeExpertRunner
@@ -60,6 +60,21 @@ def _hold_switch_interval(on: bool) -> None:
             _switch["services"] -= 1
             if _switch["services"] == 0:
                 sys.setswitchinterval(_switch["saved"])
+
+
+@dataclass(frozen=True)
+class CallTimes:
+    """One helper call's timeline, in nanoseconds: the main GPU's and the helper GPU's %globaltimer
+    stamps (0 without a timer) and the host's time.time_ns().  Comparable only where the clocks agree
+    (both GPUs' timers follow the host's clock; see tools/helper_bench.py's check of their order)."""
+
+    layer: int
+    published: int  # HELPER_CALL's rows and sequence number out (main GPU)
+    noticed: int  # the service thread began the answer (host)
+    handed: int  # ... and handed it over: the helper GPU's graph replayed, or the host's answer written (host)
+    answered: int  # the helper GPU's rows out (helper GPU; 0 when the host answered)
+    acked: int  # HELPER_WAIT saw the answer (main GPU)
+    wait_ns: int  # HELPER_WAIT's exposed wait
 
 
 @dataclass
@@ -124,6 +139,10 @@ class MailboxService:
                                   dtype=np.int64).reshape(-1, width)
         self.count_at = self.expert_at + np.array([[s.S] for s in self.sites], dtype=np.int64).reshape(-1, 1)
         self.wait_at = np.array([s.box + BOX_WAIT_NS for s in self.sites], dtype=np.int64)
+        # a call's timeline (HelperMetrics.timeline): the device stamps' words, and the host's own
+        self.stamps_at = np.array([[s.box + w for w in (BOX_T_PUB, BOX_T_ANSWER, BOX_T_ACKED)] for s in self.sites],
+                                  dtype=np.int64).reshape(-1, 3)
+        self.host_ns = np.zeros((len(self.sites), 2), dtype=np.int64)  # answer begun, answer handed over
         self.site_layers = [s.layer for s in self.sites]
         self.stat_rows = link.stats.rows_of(self.site_layers) if link.stats is not None else None
         self._rows: tuple = (None, None)  # (a placement's layer rows, each site's row in its grid)
@@ -205,6 +224,11 @@ class MailboxService:
         return table, chosen, None if x is None else torch.from_numpy(x).view(site.N, site.K)
 
     def _answer(self, i: int, site: CallSite, seq: int) -> None:
+        self.host_ns[i] = time.time_ns(), 0
+        self._answer_call(i, site, seq)
+        self.host_ns[i, 1] = time.time_ns()
+
+    def _answer_call(self, i: int, site: CallSite, seq: int) -> None:
         self.served[i] = seq
         request = self._request(site, seq)
         if request is None:
@@ -263,3 +287,10 @@ class MailboxService:
         metrics.calls += int(called.sum())
         metrics.rows += int(counts[site, slot][on_helper & called[site]].sum())
         metrics.exposed_wait_s += float(self.words[self.wait_at][called].astype(np.int64).sum()) * 1e-9
+        if metrics.timeline is not None and called.any():
+            lo, hi = self.words[self.stamps_at[called]].astype(np.int64), self.words[self.stamps_at[called] + 1]
+            pub, answer, acked = ((lo & 0xFFFFFFFF) | (hi.astype(np.int64) << 32)).T
+            for k, i in enumerate(np.flatnonzero(called).tolist()):
+                metrics.timeline.append(CallTimes(self.sites[i].layer, int(pub[k]), int(self.host_ns[i, 0]),
+                                                  int(self.host_ns[i, 1]), int(answer[k]), int(acked[k]),
+                                                  int(self.words[self.wait_at[i]])))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from graph.compile import CompileOptions, compile_step
-from graph.isa import Buf
+from graph.isa import BOX_ACK, BOX_HEADER, BOX_T_ANSWER, Buf
 from graph.lower import StepShape
 from helper_card.setup import Helper, HelperOptions
 from megakernel.interpreter import Interpreter
@@ -46,6 +46,18 @@ def _runners(name, device, opts, workers, T=2, B=2, passes=1, config=None):
     return cfg, helpers, interp, mk
 
 
+def _check_timeline(helper, calls, helper_gpu):
+    """The step's calls each left a timeline (HelperMetrics.timeline): the host's stamps in order, and
+    on a GPU the main GPU's (one clock: published before acked, at least the exposed wait apart)."""
+    timeline, helper.link.metrics.timeline = helper.link.metrics.timeline, []
+    assert len(timeline) == calls
+    for c in timeline:
+        assert 0 < c.noticed <= c.handed, c
+        if not INTERPRET:
+            assert 0 < c.published and c.acked - c.published >= c.wait_ns > 0, c
+        assert (c.answered > 0) == (helper_gpu and not INTERPRET), c
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
 def test_megakernel_with_a_helper_equals_the_interpreter_with_one(device, fraction):
@@ -56,6 +68,7 @@ def test_megakernel_with_a_helper_equals_the_interpreter_with_one(device, fracti
     if device == "cuda":
         mk.capture()
     gen = torch.Generator().manual_seed(1)
+    h_mk.link.metrics.timeline = []
     for step in range(2 if INTERPRET else 4):
         tokens = torch.randint(0, cfg.vocab_size, (2, 2), generator=gen)
         lens = torch.tensor([step, 5 + step])
@@ -65,6 +78,7 @@ def test_megakernel_with_a_helper_equals_the_interpreter_with_one(device, fracti
         a, b = h_interp.end_step(), h_mk.end_step()
         for key in ("calls", "skipped", "rows"):  # the mailboxes count what the interpreter's link counts
             assert a[key] == b[key], (step, key, a, b)
+        _check_timeline(h_mk, b["calls"], helper_gpu=False)
         if fraction == 1.0:
             assert b["skipped"] == 0 and b["rows"] == 2 * 2 * cfg.num_experts_per_tok * b["calls"]
         if not INTERPRET and b["calls"]:
@@ -120,6 +134,7 @@ def test_megakernel_with_a_second_gpu_as_helper_is_bit_exact_with_all_on_main():
     mk.capture()
     plain.capture()
     gen = torch.Generator().manual_seed(2)
+    h_mk.link.metrics.timeline = []
     for step in range(4):
         tokens = torch.randint(0, cfg.vocab_size, (2, 2), generator=gen)
         lens = torch.tensor([step, 3 + step])
@@ -129,6 +144,7 @@ def test_megakernel_with_a_second_gpu_as_helper_is_bit_exact_with_all_on_main():
         a, b = h_interp.end_step(), h_mk.end_step()
         assert (a["calls"], a["skipped"], a["rows"]) == (b["calls"], b["skipped"], b["rows"])
         assert b["calls"] > 0
+        _check_timeline(h_mk, b["calls"], helper_gpu=True)
     for h in (h_interp, h_mk):
         h.close()
 
@@ -201,12 +217,16 @@ def test_helper_gpu_copies_move_the_marked_rows_and_then_acknowledge(device):
     gate.fill_(6)  # the host staged the next call meanwhile: the acknowledgement still names call 5
     box = torch.zeros(3 * 20, device=device)
     mask = torch.tensor([1, 0, 1], dtype=torch.int32, device=device)
-    ack, err = (torch.zeros(1, dtype=torch.int32, device=device) for _ in range(2))
+    header, err = torch.zeros(BOX_HEADER, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int32, device=device)
+    ack = header[BOX_ACK:]  # the acknowledgement's word of a mailbox header, which also gets the answer's stamp
     publish_rows[(1,)](src, 40, box, mask, 3, 20, ack, gate, seq, err, compiled, BLOCK=8)
     rows = box.view(3, 20)
     assert torch.equal(rows[0], src[0, :20]) and torch.equal(rows[2], src[2, :20]) and not rows[1].any()
-    assert int(ack) == 5
+    assert int(header[BOX_ACK]) == 5
+    answered = int(header[BOX_T_ANSWER: BOX_T_ANSWER + 2].view(torch.int64))
+    assert (answered > 0) == compiled  # the helper GPU's timer when its rows went out (none interpreted)
+    assert not header[BOX_ACK + 1: BOX_T_ANSWER].any() and not header[BOX_T_ANSWER + 2:].any()
     # a site kernel stopped by its watchdog: no rows, no acknowledgement (main's bound reports the helper)
-    box.zero_(), ack.zero_(), err.fill_(1)
+    box.zero_(), header.zero_(), err.fill_(1)
     publish_rows[(1,)](src, 40, box, mask, 3, 20, ack, gate, seq, err, compiled, BLOCK=8)
-    assert not box.any() and int(ack) == 0
+    assert not box.any() and not header.any()

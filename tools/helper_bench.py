@@ -89,6 +89,8 @@ def run(engine, cfg, args, tokens=None, placements=None) -> dict:
 
     with GcClock() as gc_clock:
         for n in range(args.steps):
+            if n == args.warmup and helper is not None:
+                helper.link.metrics.timeline = []  # every call's timeline from here (call_phases)
             gc_before = gc_clock.total_s
             step(n)
             gc_ms.append((gc_clock.total_s - gc_before) * 1e3)
@@ -124,8 +126,35 @@ def run(engine, cfg, args, tokens=None, placements=None) -> dict:
         quarter = max(1, len(share) // 4)
         row["helper_row_share_first_last_quarter"] = [round(statistics.mean(share[:quarter]), 3),
                                                       round(statistics.mean(share[-quarter:]), 3)]
+        row["call_phases_us"] = call_phases(helper.link.metrics.timeline or [])
+        helper.link.metrics.timeline = None
         helper.close()
     return row
+
+
+def call_phases(timeline: list) -> dict:
+    """Where a helper call's time goes (issue 6: a call's cost is what the per-step bar turns on), from
+    each call's stamps (helper_card.mailbox.CallTimes): median and 90th percentile in microseconds of
+    - notice: the main GPU published -> the host's service thread began the answer;
+    - host: the service's own work (table, mask, graph replay on the helper GPU, or the host's answer);
+    - helper: that hand-over -> the helper GPU's rows out (its copies in, the site's kernel, rows out);
+    - back: the helper's rows out -> the main GPU saw the acknowledgement;
+    - total (published -> seen) and exposed (HELPER_WAIT's wait, the part of it the step pays).
+    The phases cross clocks (two GPUs' timers and the host's), so `in_order` says for what share of the
+    calls the stamps came in causal order: where it is low, only total and exposed mean anything."""
+    if not timeline:
+        return {}
+    def q(values: list[int]) -> list[float]:
+        values = sorted(values)
+        return [round(statistics.median(values) / 1e3, 1), round(values[int(0.9 * (len(values) - 1))] / 1e3, 1)]
+    out = {"calls": len(timeline), "total": q([c.acked - c.published for c in timeline]),
+           "exposed": q([c.wait_ns for c in timeline])}
+    if all(c.answered for c in timeline):  # a helper GPU answered (the host's own answer has no stamp)
+        order = [c.published <= c.noticed <= c.handed <= c.answered <= c.acked for c in timeline]
+        out.update(notice=q([c.noticed - c.published for c in timeline]), host=q([c.handed - c.noticed for c in timeline]),
+                   helper=q([c.answered - c.handed for c in timeline]), back=q([c.acked - c.answered for c in timeline]),
+                   in_order=round(sum(order) / len(order), 3))
+    return out
 
 
 def migration_costs(rows: list[dict], warmup: int) -> list[dict]:
@@ -262,6 +291,11 @@ def main() -> None:
               + (f"; against replay (same placements, nothing moving; {r['replay_runs']} run(s)) at most "
                  f"{r['max_step_ratio_vs_replay']:.3f}x (median {r['median_step_ratio_vs_replay']:.3f}x), "
                  f"{r['steps_over_1_05_vs_replay']} steps over 1.05x" if "max_step_ratio_vs_replay" in r else ""))
+    for r in rows:
+        if r.get("call_phases_us"):
+            print(f"{r['helper']} {r['fraction']:.2f} migrate {r['migrate']}: a call's phases, median/p90 us: "
+                  + ", ".join(f"{k} {v[0]}/{v[1]}" if isinstance(v, list) else f"{k} {v}"
+                              for k, v in r["call_phases_us"].items()))
     for r in rows:
         if "count_ms_median" in r:
             parts = ", ".join(f"{k} {v:.3f}" for k, v in r["migration_parts_ms_median"].items())

@@ -28,7 +28,7 @@ import triton.language as tl
 from graph.isa import box_layout
 
 from .common import ERR_HEADER, ERR_PER_WORKER, fence_sys, fld, load_acquire_sys, now_ns, off, past, store_release_sys
-from .fields import (BOX_ACK, BOX_HEADER, BOX_SEQ, BOX_WAIT_NS, HELPER_CALL_BOX_OFF, HELPER_CALL_K,
+from .fields import (BOX_ACK, BOX_HEADER, BOX_SEQ, BOX_T_ACKED, BOX_T_ANSWER, BOX_T_PUB, BOX_WAIT_NS, HELPER_CALL_BOX_OFF, HELPER_CALL_K,
                      HELPER_CALL_MAIL_OFF, HELPER_CALL_MAP_OFF, HELPER_CALL_N, HELPER_CALL_S, HELPER_CALL_ST2_OFF,
                      HELPER_CALL_ST_OFF, HELPER_CALL_TOPK, HELPER_CALL_X_LD, HELPER_CALL_X_OFF, HELPER_WAIT_BOX_OFF,
                      HELPER_WAIT_H, HELPER_WAIT_MAIL_OFF, HELPER_WAIT_N, HELPER_WAIT_OUT_OFF, HELPER_WAIT_TOPK,
@@ -97,6 +97,13 @@ def reference_wait(task, mem) -> None:
 
 # ---- GPU bodies ----------------------------------------------------------------------------
 @triton.jit
+def stamp(word, COMPILED: tl.constexpr):
+    """The device timer into the int64 at int32 pointer `word` (8-byte aligned): a call's timeline."""
+    if COMPILED:
+        tl.store(word.to(tl.pointer_type(tl.int64)), now_ns(COMPILED))
+
+
+@triton.jit
 def call_body(word, A, I, HB, epoch, COMPILED: tl.constexpr, BD: tl.constexpr):
     """Split the slot table; publish it (whole: routing statistics) and the token rows, with the step's
     epoch as sequence number, when a slot's expert is on the helper."""
@@ -132,6 +139,7 @@ def call_body(word, A, I, HB, epoch, COMPILED: tl.constexpr, BD: tl.constexpr):
                 c = c0 + tl.arange(0, BD)
                 v = tl.load(x + r * x_ld + c, mask=c < K, cache_modifier=".cg")
                 tl.store(rows + r * K + c, v.to(tl.int32, bitcast=True), mask=c < K)
+        stamp(box + BOX_T_PUB, COMPILED)
         fence_sys(COMPILED)  # this thread's rows reach host memory before the barrier...
         tl.debug_barrier()
         store_release_sys(box + BOX_SEQ, epoch, COMPILED)  # ...and the sequence number after all of them
@@ -179,7 +187,9 @@ def wait_body(word, t, A, I, HB, err, pid, TIMEOUT_NS: tl.constexpr, MAX_SPINS: 
             if reason == HELPER_TIMEOUT:
                 tl.atomic_xchg(err, 1, sem="release", scope="gpu")
         else:
-            tl.store(box + BOX_WAIT_NS, tl.minimum(now_ns(COMPILED) - start, 2147483647).to(tl.int32))
+            t_acked = now_ns(COMPILED)
+            tl.store(box + BOX_WAIT_NS, tl.minimum(t_acked - start, 2147483647).to(tl.int32))
+            tl.store((box + BOX_T_ACKED).to(tl.pointer_type(tl.int64)), t_acked)
     if ok == 1:
         mask, ans = box + BOX_HEADER, box + BOX_HEADER + (P + 31) // 32 * 32
         for p0 in range(0, P, BD):
@@ -234,6 +244,7 @@ def publish_rows(src, src_ld, dst, mask, rows, cols, ack, gate, seq, err, COMPIL
                 for c0 in range(0, cols, BLOCK):
                     c = c0 + tl.arange(0, BLOCK)
                     tl.store(dst + r * cols + c, tl.load(src + r * src_ld + c, mask=c < cols), mask=c < cols)
+        stamp(ack + (BOX_T_ANSWER - BOX_ACK), COMPILED)
         fence_sys(COMPILED)
         tl.debug_barrier()
         store_release_sys(ack, tl.load(seq), COMPILED)
