@@ -29,10 +29,10 @@ from .ops.fields import (OP_ACCEPT, OP_ARGMAX, OP_ATTENTION, OP_ATTN_COMBINE, OP
 @triton.jit
 def head_matmul_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr,
                      MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr,
-                     ALIGN: tl.constexpr, TRANS: tl.constexpr, TB: tl.constexpr, POLL: tl.constexpr):
+                     ALIGN: tl.constexpr, TRANS: tl.constexpr, TB: tl.constexpr):
     """A HEAD_MATMUL task as a LINEAR one runs: first weights requested, wait, body.  (ok, ready time)."""
     w = head_matmul.prefetch(word, W, BI, BO, ALIGN, TRANS)
-    ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL)
+    ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
     t_ready = now_ns(USE_TIMER)
     if ok == 1:
         head_matmul.body(word, W, A, w, BI, BO, ALIGN, TRANS, TB)
@@ -51,7 +51,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                BN: tl.constexpr, BK: tl.constexpr, CPF: tl.constexpr, BCW: tl.constexpr,
                SAMPLE: tl.constexpr, BV: tl.constexpr, TB: tl.constexpr, PF: tl.constexpr, DEPTH: tl.constexpr,
                ALIGN: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr, ATT_KIND: tl.constexpr,
-               ROWVEC: tl.constexpr, POLL: tl.constexpr):
+               ROWVEC: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
     end = tl.load(queue_ptr + pid + 1)
@@ -72,19 +72,19 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             if PF == 1 or (PF == 2 and t == start):
                 linear.prefetch_task(word, W, ALIGN)
             w = linear.prefetch(word, W, BR, KC, ALIGN)
-            ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL)
+            ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
             t_ready = now_ns(USE_TIMER)
             if ok == 1:
                 linear.body(word, W, A, w, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC)
         elif op == OP_HEAD_MATMUL:  # a copy per weight layout, so each vectorizes its loads
             if head_matmul.transposed(word):
                 ok, t_ready = head_matmul_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
-                                               MAX_SPINS, USE_TIMER, BIT, BOT, ALIGN, True, TB, POLL)
+                                               MAX_SPINS, USE_TIMER, BIT, BOT, ALIGN, True, TB)
             else:
                 ok, t_ready = head_matmul_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
-                                               MAX_SPINS, USE_TIMER, BI, BO, ALIGN, False, TB, POLL)
+                                               MAX_SPINS, USE_TIMER, BI, BO, ALIGN, False, TB)
         else:
-            ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL)
+            ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
             t_ready = now_ns(USE_TIMER)
             if ok == 1:  # the other opcodes' bodies
                 if op == OP_EXPERT_LINEAR:

@@ -204,11 +204,9 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 DEPTH=1,
                 # 1: a one-token row block's sums kept in one layout, stored as a vector; 2: also stored
                 # in place with inline PTX (no shared-memory conversion and barriers in the stream's
-                # loop: offline SASS, session 12); launch variants until a GPU times them
-                ROWVEC=0,
-                # dependency polls: 0 a scalar atomic shared through a barrier on every poll; 1 every
-                # thread's own acquire load, the CTA agreeing once per 2 us (inline PTX): a launch variant
-                POLL=0,
+                # loop): the same bits, -7.5% on dsv2-lite and -0.5% on llama-1b (docs/PERF.md s. 13).
+                # The interpreter runs no inline PTX: 0 there
+                ROWVEC=0 if INTERPRET else 2,
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2",
                 # attention compiled for the plan's one kind (MLA or GQA), else the flag read per task
                 ATT_KIND=att_kinds.pop() if len(att_kinds) == 1 else 0)
@@ -246,11 +244,6 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
                               "or 2 (stored in place, with inline PTX)")
     if blocks["ROWVEC"] == 2 and INTERPRET:
         raise MegakernelError("block override ROWVEC=2: the Triton interpreter runs no inline PTX")
-    if blocks["POLL"] not in (0, 1):
-        raise MegakernelError(f"block override POLL={blocks['POLL']}: 0 (a scalar atomic per poll) or 1 (every "
-                              "thread's acquire load, with inline PTX)")
-    if blocks["POLL"] == 1 and INTERPRET:
-        raise MegakernelError("block override POLL=1: the Triton interpreter runs no inline PTX")
     if blocks["DEPTH"] not in (1, 2):
         raise MegakernelError(f"block override DEPTH={blocks['DEPTH']}: 1 or 2 weight chunks in flight per warp")
     if blocks["PF"] not in (0, 1, 2):
@@ -296,6 +289,9 @@ def shared_blocks(floor: dict):
         SHARED_BLOCKS = saved
 
 
+MAX_WAIT_S = 4.0  # a bounded wait's limit: ops.common.elapsed_ns counts 32-bit nanoseconds (4.29 s)
+
+
 @dataclass
 class LaunchConfig:
     num_warps: int = 8
@@ -333,6 +329,9 @@ class Megakernel(PlanRunner):
         # bound must not fire before the helper's (which names the call)
         helper = any(t.op.name == "HELPER_WAIT" for t in tasks)
         self.wait_bound_s = self.config.timeout_s + (self.config.helper_timeout_s if helper else 0.0)
+        if self.device.type == "cuda" and not INTERPRET and self.wait_bound_s >= MAX_WAIT_S:
+            raise MegakernelError(f"LaunchConfig timeout_s + helper_timeout_s = {self.wait_bound_s} s: the wait loops "
+                                  f"time their bound on 32-bit timer words, so it must stay under {MAX_WAIT_S} s")
         self.epoch = 0
         fitted = block_sizes(tasks, self.mem.dtype)
         self.blocks = {**raised_to(fitted, SHARED_BLOCKS), **(self.config.blocks or {})}

@@ -20,7 +20,7 @@ const = dict(WORDS=WORDS, MAX_WAITS=MAX_WAITS, TIMEOUT_NS=250_000_000, MAX_SPINS
              USE_TIMER=True, PROFILE=True,
              BR=8, KC=2048, STAGES=2, BD=256, BH=32, BM=16, BJ=32, DMAX=512, RMAX=64, BI=64, BO=128, BIT=256, BOT=64,
              BE=256, BP=256, BW=32, BSC=16, BCW=64, BN=2048, BK=8, CPF=1, SAMPLE=1, BV=1024, TB=8, PF=2, DEPTH=2, ALIGN=8, BT=16, DOT_PREC="tf32",
-             ATT_KIND=0, ROWVEC=1, POLL=1)
+             ATT_KIND=0, ROWVEC=1)
 sig.update({k: "constexpr" for k in const})
 # pointers are 16-byte aligned, as Triton's JIT finds them at launch
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(12)}
@@ -28,8 +28,8 @@ k = triton.compile(ASTSource(fn=megakernel, signature=sig, constexprs=const, att
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 1})
 ptx = k.asm["ptx"]
 assert "atom.global.gpu.release" in ptx and "ld.global.gpu.acquire" in ptx
-# POLL=1: each thread polls a dependency counter with its own acquire load, in a loop of its own
-assert "ld.acquire.gpu.global.b32" in ptx and "%globaltimer" in ptx
+# the wait's bound: thread 0's timer reading, which every thread then reads (common.poll_stop)
+assert "ld.volatile.global.b32" in ptx and "%globaltimer" in ptx
 # weights and the cache stream as 16-byte vectors, not one load per element
 assert ptx.count("ld.global.v4") >= 64, ptx.count("ld.global.v4")
 # PF=2: weight slices asked of the L2 in bulk (a LINEAR task's, the next task's, an expert's)

@@ -10,7 +10,6 @@ from .fields import WORD_WAITS
 COUNTER_STRIDE = tl.constexpr(32)  # int32s between counters: one counter per 128-byte line
 ERR_HEADER = tl.constexpr(4)  # err[0]: the flag; then per worker: reason, task, counter, seen, target
 ERR_PER_WORKER = tl.constexpr(5)
-SPIN_NS = tl.constexpr(2000)  # POLL 1: how long a thread polls alone before the CTA compares what it saw
 
 
 @triton.jit
@@ -134,74 +133,65 @@ def sm_id(USE_TIMER: tl.constexpr):
 
 
 @triton.jit
-def past(start, bound_ns):
-    """Whether bound_ns have passed since start (a now_ns() read), decided alike in every thread.  Each
-    thread reads its own timer (inline PTX runs per thread, a scalar atomic on one thread), so threads
-    could disagree on the poll where the bound is crossed and leave a loop at different turns, their
-    barriers no longer paired: the CTA takes the largest elapsed time instead (one reduction)."""
-    now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r",
-                                    [tl.zeros([tl.extra.cuda.num_threads()], tl.int32)], dtype=tl.int64,
-                                    is_pure=False, pack=1)
-    return tl.max((now - start > bound_ns).to(tl.int32), axis=0) > 0
+def poll_stop(err, scratch, USE_TIMER: tl.constexpr):
+    """(another worker failed, the device timer's low 32 bits), the same in every thread of the CTA.
+    A thread's own %globaltimer read (inline PTX runs per thread) could differ from its neighbours' on
+    the poll where a bound is crossed; threads that then left a wait loop at different turns would no
+    longer pair their barriers.  So thread 0 stores its reading in `scratch` (a word of this worker's
+    watchdog state), the error flag's poll follows (a scalar atomic: thread 0's, shared through a
+    barrier, which also orders that store before the others' loads), and every thread reads it."""
+    if USE_TIMER:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 t; .reg .u64 g; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "mov.u64 g, %globaltimer; cvt.u32.u64 t, g; @p st.global.b32 [$1], t; mov.u32 $0, 0; }",
+            "=r,l", [scratch], dtype=tl.int32, is_pure=False, pack=1)
+    failed = tl.atomic_add(err, 0, sem="acquire", scope="gpu") != 0
+    now = tl.zeros((), tl.int32)
+    if USE_TIMER:
+        now = tl.inline_asm_elementwise("ld.volatile.global.b32 $0, [$1];", "=r,l", [scratch], dtype=tl.int32,
+                                        is_pure=False, pack=1)
+    return failed, now
 
 
 @triton.jit
-def spin_acquire(ptr, target, SPIN_NS: tl.constexpr):
-    """Every thread polls ptr with its own acquire load until it reads >= target or SPIN_NS pass, in
-    inline PTX with nothing shared between the polls; then the CTA's minimum of the last reads (one
-    reduction): >= target means every thread's own acquire saw it, and all leave the wait together."""
-    seen = tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .u64 t0, t1; mov.u64 t0, %globaltimer; "
-        "POLL: ld.acquire.gpu.global.b32 $0, [$1]; setp.ge.s32 p, $0, $2; @p bra DONE; "
-        "mov.u64 t1, %globaltimer; sub.u64 t1, t1, t0; setp.lt.u64 p, t1, $3; @p bra POLL; DONE: }",
-        "=r,l,r,l", [ptr + tl.zeros([tl.extra.cuda.num_threads()], tl.int32), target, SPIN_NS],
-        dtype=tl.int32, is_pure=False, pack=1)
-    return tl.min(seen, axis=0)
+def elapsed_ns(now, start):
+    """now - start of two poll_stop() timer words (32 bits: exact below 4.29 s, runtime.MAX_WAIT_S)."""
+    return (now.to(tl.int64) - start.to(tl.int64)) & 0xFFFFFFFF
 
 
 @triton.jit
 def wait_task(word, t, counters, epoch, err, pid, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr,
-              MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, POLL: tl.constexpr):
+              MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr):
     """1 when every wait of the task holds, 0 when this worker must stop (timeout, or another failed).
-    POLL 0 polls with a scalar atomic (one thread's, shared through a barrier on every poll); POLL 1 (a
-    launch variant, compiled only) with every thread's acquire load, the CTA agreeing once per
-    SPIN_NS of polls (spin_acquire)."""
+    A poll is a scalar atomic (one thread's, shared through a barrier: every thread leaves the loop at
+    the same turn); the bound is decided alike in every thread too (poll_stop), from the 32nd poll."""
     ok = 1
     for i in tl.static_range(MAX_WAITS):
         c = tl.load(word + WORD_WAITS + 2 * i)
         if (c >= 0) & (ok == 1):
             target = epoch * tl.load(word + WORD_WAITS + 2 * i + 1)
             ptr = counters + c.to(tl.int64) * COUNTER_STRIDE
+            state = err + ERR_HEADER + pid * ERR_PER_WORKER
+            seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+            start = tl.zeros((), tl.int32)
+            spins = 0
             reason = 0
-            if POLL == 1:
-                seen = spin_acquire(ptr, target, SPIN_NS)
-                turns = 0  # each unmet turn has a thread that polled SPIN_NS: the bound, counted alike everywhere
-                while (seen < target) & (reason == 0):
-                    turns += 1
-                    if tl.atomic_add(err, 0, sem="acquire", scope="gpu") != 0:
-                        reason = 2  # another worker failed
-                    elif turns * SPIN_NS > TIMEOUT_NS:
-                        reason = 1
-                    else:
-                        seen = spin_acquire(ptr, target, SPIN_NS)
-            else:
+            while (seen < target) & (reason == 0):
                 seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-                start = now_ns(USE_TIMER)
-                spins = 0
-                while (seen < target) & (reason == 0):
-                    seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-                    spins += 1
-                    if spins % 32 == 0:
-                        if tl.atomic_add(err, 0, sem="acquire", scope="gpu") != 0:
-                            reason = 2  # another worker failed
-                        elif USE_TIMER:
-                            if now_ns(USE_TIMER) - start > TIMEOUT_NS:  # per thread: see spin_acquire
-                                reason = 1
-                        elif spins > MAX_SPINS:
+                spins += 1
+                if spins % 32 == 0:
+                    failed, now = poll_stop(err, state + 3, USE_TIMER)
+                    if failed:
+                        reason = 2  # another worker failed
+                    elif USE_TIMER:
+                        if spins == 32:
+                            start = now
+                        elif elapsed_ns(now, start) > TIMEOUT_NS:
                             reason = 1
+                    elif spins > MAX_SPINS:
+                        reason = 1
             if reason != 0:
                 ok = 0
-                state = err + ERR_HEADER + pid * ERR_PER_WORKER
                 tl.store(state, reason)
                 tl.store(state + 1, t)
                 tl.store(state + 2, c)

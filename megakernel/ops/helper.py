@@ -27,7 +27,8 @@ import triton.language as tl
 
 from graph.isa import box_layout
 
-from .common import ERR_HEADER, ERR_PER_WORKER, fence_sys, fld, load_acquire_sys, now_ns, off, past, store_release_sys
+from .common import (ERR_HEADER, ERR_PER_WORKER, elapsed_ns, fence_sys, fld, load_acquire_sys, now_ns, off, poll_stop,
+                     store_release_sys)
 from .fields import (BOX_ACK, BOX_HEADER, BOX_SEQ, BOX_T_ACKED, BOX_T_ANSWER, BOX_T_PUB, BOX_WAIT_NS, HELPER_CALL_BOX_OFF, HELPER_CALL_K,
                      HELPER_CALL_MAIL_OFF, HELPER_CALL_MAP_OFF, HELPER_CALL_N, HELPER_CALL_S, HELPER_CALL_ST2_OFF,
                      HELPER_CALL_ST_OFF, HELPER_CALL_TOPK, HELPER_CALL_X_LD, HELPER_CALL_X_OFF, HELPER_WAIT_BOX_OFF,
@@ -161,24 +162,28 @@ def wait_body(word, t, A, I, HB, err, pid, TIMEOUT_NS: tl.constexpr, MAX_SPINS: 
     calls = tl.load(mail + 1, cache_modifier=".cg")
     ok = 1
     if calls > 0:
-        start = now_ns(COMPILED)
+        start = now_ns(COMPILED)  # this thread's: the wait it measures is a metric, not a decision
+        state = err + ERR_HEADER + pid * ERR_PER_WORKER
         seen = load_acquire_sys(box + BOX_ACK, COMPILED, BD)
         spins = 0
         reason = 0
+        first = tl.zeros((), tl.int32)
         while (seen < seq) & (reason == 0):
             seen = load_acquire_sys(box + BOX_ACK, COMPILED, BD)
             spins += 1
             if spins % 32 == 0:
-                if tl.atomic_add(err, 0, sem="acquire", scope="gpu") != 0:
+                failed, now = poll_stop(err, state + 3, COMPILED)  # the bound, decided alike in every thread
+                if failed:
                     reason = 2
                 elif COMPILED:
-                    if past(start, TIMEOUT_NS):
+                    if spins == 32:
+                        first = now
+                    elif elapsed_ns(now, first) > TIMEOUT_NS:
                         reason = HELPER_TIMEOUT
                 elif spins > MAX_SPINS:
                     reason = HELPER_TIMEOUT
         if reason != 0:
             ok = 0
-            state = err + ERR_HEADER + pid * ERR_PER_WORKER
             tl.store(state, reason)
             tl.store(state + 1, t)
             tl.store(state + 2, -1)
