@@ -134,7 +134,8 @@ def sm_id(USE_TIMER: tl.constexpr):
 
 @triton.jit
 def poll_stop(err, scratch, USE_TIMER: tl.constexpr):
-    """(another worker failed, the device timer's low 32 bits), the same in every thread of the CTA.
+    """(another worker failed, the device timer in ticks of 1024 ns, 32 bits: 73 minutes before it wraps),
+    the same in every thread of the CTA.
     A thread's own %globaltimer read (inline PTX runs per thread) could differ from its neighbours' on
     the poll where a bound is crossed; threads that then left a wait loop at different turns would no
     longer pair their barriers.  So thread 0 stores its reading in `scratch` (a word of this worker's
@@ -143,7 +144,7 @@ def poll_stop(err, scratch, USE_TIMER: tl.constexpr):
     if USE_TIMER:
         tl.inline_asm_elementwise(
             "{ .reg .pred p; .reg .u32 t; .reg .u64 g; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-            "mov.u64 g, %globaltimer; cvt.u32.u64 t, g; @p st.global.b32 [$1], t; mov.u32 $0, 0; }",
+            "mov.u64 g, %globaltimer; shr.u64 g, g, 10; cvt.u32.u64 t, g; @p st.global.b32 [$1], t; mov.u32 $0, 0; }",
             "=r,l", [scratch], dtype=tl.int32, is_pure=False, pack=1)
     failed = tl.atomic_add(err, 0, sem="acquire", scope="gpu") != 0
     now = tl.zeros((), tl.int32)
@@ -155,8 +156,8 @@ def poll_stop(err, scratch, USE_TIMER: tl.constexpr):
 
 @triton.jit
 def elapsed_ns(now, start):
-    """now - start of two poll_stop() timer words (32 bits: exact below 4.29 s, runtime.MAX_WAIT_S)."""
-    return (now.to(tl.int64) - start.to(tl.int64)) & 0xFFFFFFFF
+    """Nanoseconds from start to now, two poll_stop() timer words (to 1 us, modulo 73 minutes)."""
+    return ((now.to(tl.int64) - start.to(tl.int64)) & 0xFFFFFFFF) * 1024
 
 
 @triton.jit
