@@ -148,10 +148,10 @@ def call_phases(timeline: list) -> dict:
         values = sorted(values)
         return [round(statistics.median(values) / 1e3, 1), round(values[int(0.9 * (len(values) - 1))] / 1e3, 1)]
     out = {"calls": len(timeline), "total": q([c.acked - c.published for c in timeline]),
-           "exposed": q([c.wait_ns for c in timeline])}
+           "exposed": q([c.wait_ns for c in timeline]), "host": q([c.handed - c.noticed for c in timeline])}
     if all(c.answered for c in timeline):  # a helper GPU answered (the host's own answer has no stamp)
         order = [c.published <= c.noticed <= c.handed <= c.answered <= c.acked for c in timeline]
-        out.update(notice=q([c.noticed - c.published for c in timeline]), host=q([c.handed - c.noticed for c in timeline]),
+        out.update(notice=q([c.noticed - c.published for c in timeline]),
                    helper=q([c.answered - c.handed for c in timeline]), back=q([c.acked - c.answered for c in timeline]),
                    in_order=round(sum(order) / len(order), 3))
     return out
