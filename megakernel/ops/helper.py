@@ -29,11 +29,11 @@ from graph.isa import box_layout
 
 from .common import (ERR_HEADER, ERR_PER_WORKER, elapsed_ns, fence_sys, fld, load_acquire_sys, now_ns, off, poll_stop,
                      store_release_sys)
-from .fields import (BOX_ACK, BOX_HEADER, BOX_SEQ, BOX_T_ACKED, BOX_T_ANSWER, BOX_T_PUB, BOX_WAIT_NS, HELPER_CALL_BOX_OFF, HELPER_CALL_K,
-                     HELPER_CALL_MAIL_OFF, HELPER_CALL_MAP_OFF, HELPER_CALL_N, HELPER_CALL_S, HELPER_CALL_ST2_OFF,
-                     HELPER_CALL_ST_OFF, HELPER_CALL_TOPK, HELPER_CALL_X_LD, HELPER_CALL_X_OFF, HELPER_WAIT_BOX_OFF,
-                     HELPER_WAIT_H, HELPER_WAIT_MAIL_OFF, HELPER_WAIT_N, HELPER_WAIT_OUT_OFF, HELPER_WAIT_TOPK,
-                     HELPER_WAIT_Y_OFF, ON_HELPER)
+from .fields import (BOX_ACK, BOX_HEADER, BOX_SEQ, BOX_T_ACKED, BOX_T_ANSWER, BOX_T_PUB, BOX_WAIT_NS,
+                     HELPER_CALL_BOX_OFF, HELPER_CALL_K, HELPER_CALL_MAIL_OFF, HELPER_CALL_MAP_OFF, HELPER_CALL_N,
+                     HELPER_CALL_S, HELPER_CALL_ST2_OFF, HELPER_CALL_ST_OFF, HELPER_CALL_TOPK, HELPER_CALL_X_LD,
+                     HELPER_CALL_X_OFF, HELPER_WAIT_BOX_OFF, HELPER_WAIT_H, HELPER_WAIT_MAIL_OFF, HELPER_WAIT_N,
+                     HELPER_WAIT_OUT_OFF, HELPER_WAIT_TOPK, HELPER_WAIT_Y_OFF, ON_HELPER)
 from .moe import slot_pairs
 
 HELPER_TIMEOUT = tl.constexpr(3)  # the watchdog reason HELPER_WAIT records (1: a counter wait, 2: stopped by another)
