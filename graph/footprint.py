@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .isa import BOX_HEADER, BOX_WAIT_NS, Buf, Decoded, box_layout
+from .isa import BOX_HEADER, BOX_T_ACKED, BOX_WAIT_NS, Buf, Decoded, box_layout
 
 
 @dataclass(frozen=True)
@@ -263,7 +263,19 @@ def footprint(task: Decoded) -> list[Access]:
         out += _acc(task, "y", 0, P, 0, H, False, ld=H) + _flat(task, "mail", 0, 2, False)
         box = box_layout(0, P, f["N"], H)
         out += _flat(task, "box", 0, box["table"], False) + _flat(task, "box", BOX_WAIT_NS, BOX_WAIT_NS + 1, True)
-        out += _acc(task, "out", 0, P, 0, H, True, ld=H)
+        out += _flat(task, "box", BOX_T_ACKED, BOX_T_ACKED + 2, True) + _acc(task, "out", 0, P, 0, H, True, ld=H)
+    elif name == "HELPER_RECV":
+        N, K, S, P = f["N"], f["K"], f["S"], f["N"] * f["topk"]
+        box = box_layout(S, P, N, K)
+        out += _flat(task, "box", 0, BOX_HEADER, False) + _flat(task, "box", box["table"], box["size"], False)
+        out += _flat(task, "ctl", 0, 2, False) + _flat(task, "later", 0, f["nlater"], False)
+        out += _flat(task, "onh", 0, f["E"], False) + _flat(task, "st", 0, 2 * S + S * P, True)
+        out += _acc(task, "x", 0, N, 0, K, True) + _flat(task, "seqw", 0, 1, True)
+    elif name == "HELPER_SEND":
+        N, K, S, P = f["N"], f["K"], f["S"], f["N"] * f["topk"]
+        box = box_layout(S, P, N, K)
+        out += _acc(task, "y", 0, P, 0, K, False) + _flat(task, "st", 0, 2 * S + S * P, False)
+        out += _flat(task, "seqw", 0, 1, False) + _flat(task, "box", 0, box["table"], True)
     else:
         raise ValueError(f"no footprint for opcode {name}")
     return [a for a in out if not a.empty]

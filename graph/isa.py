@@ -42,6 +42,8 @@ class Buf(IntEnum):
 #           a call's timeline, int64 %globaltimer stamps (nanoseconds; 0 without a timer), read at the step
 #           boundary: [BOX_T_PUB] HELPER_CALL published (main GPU), [BOX_T_ANSWER] a helper GPU
 #           published its rows (helper GPU), [BOX_T_ACKED] HELPER_WAIT saw the answer (main GPU)
+#           a persistent helper kernel's control words (the plan's first mailbox only; host-written):
+#           [CTL_STEP] the main runner's epoch of the step now launched, [CTL_DONE] the last step over
 #   mask    P words: 1 where pair row p is the helper's (host)
 #   ans     P x K: the helper's rows (host)
 #   table   the routed slot table (ROUTE's st, 2S + S·P words), written every step (device): the host
@@ -49,6 +51,7 @@ class Buf(IntEnum):
 #   x       N x K token rows (device)
 BOX_SEQ, BOX_ACK, BOX_WAIT_NS = 0, 1, 2
 BOX_T_PUB, BOX_T_ANSWER, BOX_T_ACKED = 4, 6, 8  # int64 stamps: even words of a 128-byte aligned header
+CTL_STEP, CTL_DONE = 10, 11
 BOX_HEADER = 32  # one 128-byte line
 
 
@@ -157,6 +160,16 @@ _OPS = [
     Opcode("HELPER_CALL", 20, _f("st+ map+ x* st2+ mail+ box+ N K E topk S layer")),
     # out = y, then the helper's rows (acknowledged call mail[0], waited for with a bound) merged in
     Opcode("HELPER_WAIT", 21, _f("y+ mail+ box+ out+ N H topk layer")),
+    # A persistent helper kernel's side of a call (helper_card/persistent.py), in the helper's buffers.
+    # Waits (bounded) until the main step published mailbox `box` (its sequence word reaches ctl's
+    # CTL_STEP: a call) or passed it (a later site's sequence word does, or CTL_DONE: skipped), then
+    # st = the call's slot table with only the helper's slots (onh[expert] != 0) kept, x = its token
+    # rows, seqw[0] = its sequence number (0: skipped, and every slot empty).  `later`: nlater words,
+    # the H offsets of the later sites' sequence words
+    Opcode("HELPER_RECV", 22, _f("box+ ctl+ later+ nlater st+ onh+ x* seqw+ N K E topk S layer")),
+    # If seqw[0] != 0: the rows of st's slots' pairs from y into the mailbox's answer, its mask, then
+    # the acknowledgement seqw[0] (system-scope release); nothing for a skipped call
+    Opcode("HELPER_SEND", 23, _f("y* box+ st+ seqw+ N K S topk layer")),
 ]
 
 OPCODES: dict[str, Opcode] = {op.name: op for op in _OPS}

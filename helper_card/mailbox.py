@@ -32,6 +32,7 @@ from graph.isa import BOX_ACK, BOX_SEQ, BOX_T_ACKED, BOX_T_ANSWER, BOX_T_PUB, BO
 
 from .kernel_helper import KernelHelper, helper_table
 from .link import HelperLink, HelperTimeout, WholeExpertRunner
+from .persistent import PersistentHelper
 from .placement import HELPER
 
 IDLE_S = 0.05  # polling this long without a request (and no step in flight), the thread sleeps until a launch
@@ -107,7 +108,9 @@ def call_sites(plan) -> list[CallSite]:
 class MailboxService:
     """Serves one megakernel runner's helper calls from a thread.  `kick()` at every launch wakes it."""
 
-    def __init__(self, link: HelperLink, runner, helper_workers: int = 0):
+    def __init__(self, link: HelperLink, runner, helper_workers: int = 0, persistent: bool = False):
+        """persistent: a helper GPU answers with a persistent kernel per step (helper_card/persistent.py),
+        and no host thread serves the calls."""
         self.link, self.runner = link, runner
         self.sites = call_sites(runner.plan)
         box = runner.mem.bufs[Buf.H]
@@ -118,9 +121,16 @@ class MailboxService:
         # a GPU helper runs the plan's own tiles with the megakernel, one graph per site (bit-exact);
         # another computes whole experts (the main side's Triton tiles round differently anyway)
         self.kernel: KernelHelper | None = None
+        self.persistent: PersistentHelper | None = None
         self.program: WholeExpertRunner | None = None
         store = link.backend.store
-        if runner.device.type == "cuda" and store.device.type == "cuda":
+        if persistent and not (runner.device.type == "cuda" and store.device.type == "cuda"):
+            raise ValueError("a persistent helper kernel needs a CUDA main runner and a helper GPU (--helper cuda:N)")
+        if persistent:
+            workers = helper_workers or torch.cuda.get_device_properties(store.device).multi_processor_count
+            self.persistent = PersistentHelper(runner, store, link.layers, link.n_experts, workers)
+            self.persistent.capture()
+        elif runner.device.type == "cuda" and store.device.type == "cuda":
             workers = helper_workers or torch.cuda.get_device_properties(store.device).multi_processor_count
             self.kernel = KernelHelper(runner, store, link.layers, link.n_experts, workers)
             self.kernel.capture(box, {s.signal: {**s.parts, "box": s.box} for s in self.sites})
@@ -152,11 +162,18 @@ class MailboxService:
         self.wake = threading.Event()
         self.busy_until = 0.0
         self.closing = False
-        self.thread = threading.Thread(target=self._serve, name="helper-mailbox", daemon=True)
-        _hold_switch_interval(True)
-        self.thread.start()
+        self.thread = None
+        if self.persistent is None:  # the host answers: a thread polls the mailboxes
+            self.thread = threading.Thread(target=self._serve, name="helper-mailbox", daemon=True)
+            _hold_switch_interval(True)
+            self.thread.start()
 
     def kick(self) -> None:
+        """Before each launch of the runner: the persistent helper kernel of that step, or the thread's wake-up."""
+        if self.persistent is not None:
+            self.persistent.place(self.link.placement)  # what the step's maps route by (flips land between steps)
+            self.persistent.launch(self.runner.epoch + 1)
+            return
         self.busy_until = time.perf_counter() + BUSY_S  # before the wake-up, which the thread reads after
         self.wake.set()
 
@@ -167,12 +184,18 @@ class MailboxService:
             errors, self.errors = self.errors, []
             if self.kernel is not None:
                 errors += self.kernel.failures()
+            if self.persistent is not None:
+                errors += self.persistent.failures()
         return ("helper service: " + "; ".join(errors[-3:])) if errors else ""
 
     def close(self) -> None:
         if self.closing:
             return
         self.closing = True
+        if self.persistent is not None:  # a helper kernel still waiting on the last step's sites ends
+            self.persistent.finish(self.runner.epoch)
+            torch.cuda.synchronize(self.persistent.device)
+            return
         self.wake.set()
         self.thread.join(timeout=5)
         _hold_switch_interval(False)
@@ -267,6 +290,8 @@ class MailboxService:
         if errors:
             raise RuntimeError("helper service failed: " + "; ".join(errors))
         epoch = self.runner.epoch
+        if self.persistent is not None:
+            self.persistent.finish(epoch)  # the sites the step passed without a call end their wait
         if epoch == self.counted_epoch:
             return
         self.counted_epoch = epoch

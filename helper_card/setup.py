@@ -50,6 +50,9 @@ class HelperOptions:
     # a helper GPU's persistent kernel per call: 0 = one worker per SM of the helper GPU.  A call's tiles
     # stream its experts' weights (17 MB each on DeepSeek-V2-Lite), so fewer workers read them slower
     helper_workers: int = 0
+    # a helper GPU answers with one persistent kernel per step (helper_card/persistent.py), polling the
+    # mailboxes itself, instead of a host thread replaying a graph per call
+    persistent: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -141,7 +144,7 @@ class Helper:
         self.link.attach(runner, program=not megakernel)  # no tile program (and its buffers) for mailboxes
         self.runners.append(runner)
         if megakernel:  # its calls reach the helper through mailboxes
-            service = MailboxService(self.link, runner, self.opts.helper_workers)
+            service = MailboxService(self.link, runner, self.opts.helper_workers, self.opts.persistent)
             runner.launch_hooks.append(service.kick)
             runner.diagnostics.append(service.failures)
             self.services.append(service)

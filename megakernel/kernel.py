@@ -17,11 +17,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .ops import argmax, attention, elementwise, embed, head_matmul, helper, linear, mhc, moe, norm, rope, spec
+from .ops import (argmax, attention, elementwise, embed, head_matmul, helper, helper_side, linear, mhc, moe, norm, rope,
+                  spec)
 from .ops.common import COUNTER_STRIDE, now_ns, sm_id, wait_task
 from .ops.fields import (OP_ACCEPT, OP_ARGMAX, OP_ATTENTION, OP_ATTN_COMBINE, OP_CACHE_WRITE, OP_EMBED, OP_EWISE,
                          OP_EXPERT_LINEAR, OP_GATHER, OP_HC_COEFF, OP_HC_EXPAND, OP_HC_HEAD, OP_HEAD_MATMUL, OP_HELPER_CALL,
-                         OP_HELPER_WAIT, OP_LINEAR,
+                         OP_HELPER_RECV, OP_HELPER_SEND, OP_HELPER_WAIT, OP_LINEAR,
                          OP_MOE_COMBINE, OP_RMSNORM, OP_ROPE, OP_ROPE_TABLE, OP_ROUTE, WORD_SIGNAL)
 
 
@@ -51,7 +52,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                BN: tl.constexpr, BK: tl.constexpr, CPF: tl.constexpr, BCW: tl.constexpr,
                SAMPLE: tl.constexpr, BV: tl.constexpr, TB: tl.constexpr, PF: tl.constexpr, DEPTH: tl.constexpr,
                ALIGN: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr, ATT_KIND: tl.constexpr,
-               ROWVEC: tl.constexpr):
+               ROWVEC: tl.constexpr, HELPER_SIDE: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
     end = tl.load(queue_ptr + pid + 1)
@@ -125,6 +126,11 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                     helper.call_body(word, A, I, HB, epoch, USE_TIMER, BD)
                 elif op == OP_HELPER_WAIT:
                     ok = helper.wait_body(word, t, A, I, HB, err, pid, HELPER_NS, MAX_SPINS, USE_TIMER, BD)
+                elif HELPER_SIDE:  # a persistent helper kernel's plan (compiled out of every other)
+                    if op == OP_HELPER_RECV:
+                        ok = helper_side.recv_body(word, t, A, I, HB, err, pid, HELPER_NS, MAX_SPINS, USE_TIMER, BD)
+                    elif op == OP_HELPER_SEND:
+                        helper_side.send_body(word, A, I, HB, USE_TIMER, BD)
         if ok == 1:
             tl.debug_barrier()  # every thread's stores happen before the release below
             tl.atomic_add(counters + tl.load(word + WORD_SIGNAL).to(tl.int64) * COUNTER_STRIDE, 1, sem="release", scope="gpu")

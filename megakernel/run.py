@@ -88,6 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds the main side waits for a helper answer before the error (default 1)")
     p.add_argument("--helper-fallback", action="store_true",
                    help="on a helper timeout, recompute its experts on the main side instead of failing")
+    p.add_argument("--helper-persistent", action="store_true",
+                   help="with --helper cuda:N and the megakernel: GPU N answers the calls with one persistent kernel "
+                        "per step, polling the mailboxes itself (no host thread on a call's path; not yet timed)")
     p.add_argument("--json", metavar="PATH", help="also write machine-readable results to PATH")
     return p.parse_args(argv)
 
@@ -95,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def helper_options(args):
     from helper_card.setup import HelperOptions
     return HelperOptions(kind=args.helper, fraction=args.helper_fraction, migrate=args.migrate == "on",
-                         timeout_s=args.helper_timeout, fallback=args.helper_fallback)
+                         timeout_s=args.helper_timeout, fallback=args.helper_fallback, persistent=args.helper_persistent)
 
 
 def helper_report(backend) -> dict | None:

@@ -54,6 +54,8 @@ OPERAND_BUFFERS = {
     "GATHER": {"idx": Buf.I},  # src and out: A, or I with INT (checked below)
     "HELPER_CALL": {"st": Buf.I, "map": Buf.I, "x": Buf.A, "st2": Buf.I, "mail": Buf.I, "box": Buf.H},
     "HELPER_WAIT": {"y": Buf.A, "mail": Buf.I, "box": Buf.H, "out": Buf.A},
+    "HELPER_RECV": {"box": Buf.H, "ctl": Buf.H, "later": Buf.I, "st": Buf.I, "onh": Buf.I, "x": Buf.A, "seqw": Buf.I},
+    "HELPER_SEND": {"y": Buf.A, "box": Buf.H, "st": Buf.I, "seqw": Buf.I},
 }
 
 
@@ -208,6 +210,8 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # The interpreter runs no inline PTX: 0 there
                 ROWVEC=0 if INTERPRET else 2,
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2",
+                # a persistent helper kernel's plan: HELPER_RECV / HELPER_SEND compiled in (only there)
+                HELPER_SIDE=int(any(t.op.name == "HELPER_RECV" for t in tasks)),
                 # attention compiled for the plan's one kind (MLA or GQA), else the flag read per task
                 ATT_KIND=att_kinds.pop() if len(att_kinds) == 1 else 0)
 
@@ -254,6 +258,9 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
                f"bulk prefetches need 16-byte aligned slices, and ALIGN={blocks['ALIGN']} x {weight_bytes}-byte weights "
                "are not")
         raise MegakernelError(f"block override PF={blocks['PF']}: {why}")
+    if blocks["HELPER_SIDE"] < fitted["HELPER_SIDE"]:
+        raise MegakernelError("block override HELPER_SIDE=0: this plan has a persistent helper's HELPER_RECV and "
+                              "HELPER_SEND tasks")
     if blocks["BK"] < fitted["BK"]:
         raise MegakernelError(f"block override BK={blocks['BK']}: MOE_COMBINE reads all of a token's expert rows "
                               f"in one block of BK, this plan needs {fitted['BK']}")
@@ -324,7 +331,7 @@ class Megakernel(PlanRunner):
         self.expected = np.bincount(plan.words[:, 2], minlength=plan.num_counters).astype(np.int64)
         # a task after a HELPER_WAIT may wait for as long as the helper may take, and then some: its
         # bound must not fire before the helper's (which names the call)
-        helper = any(t.op.name == "HELPER_WAIT" for t in tasks)
+        helper = any(t.op.name in ("HELPER_WAIT", "HELPER_RECV") for t in tasks)
         self.wait_bound_s = self.config.timeout_s + (self.config.helper_timeout_s if helper else 0.0)
         self.epoch = 0
         fitted = block_sizes(tasks, self.mem.dtype)
@@ -448,6 +455,11 @@ class Megakernel(PlanRunner):
             if reason:
                 what = "timed out" if reason == 1 else "stopped"
                 label = self.plan.task_labels[task] if 0 <= task < self.plan.num_tasks else "?"
+                if reason == HELPER_TIMEOUT.value and label.endswith(".helper.recv"):  # a persistent helper's wait
+                    lines.append(f"worker {w} timed out at task {task} ({label}): the persistent helper saw neither "
+                                 f"call {target} of the main step nor a later site within "
+                                 f"{self.config.helper_timeout_s} s (last call seen: {seen})")
+                    continue
                 if reason == HELPER_TIMEOUT.value:
                     lines.append(f"worker {w} timed out at task {task} ({label}): the helper did not answer call "
                                  f"{target} within {self.config.helper_timeout_s} s (last answer: call {seen})")

@@ -46,13 +46,14 @@ def _runners(name, device, opts, workers, T=2, B=2, passes=1, config=None):
     return cfg, helpers, interp, mk
 
 
-def _check_timeline(helper, calls, helper_gpu):
-    """The step's calls each left a timeline (HelperMetrics.timeline): the host's stamps in order, and
-    on a GPU the main GPU's (one clock: published before acked, at least the exposed wait apart)."""
+def _check_timeline(helper, calls, helper_gpu, hosted=True):
+    """The step's calls each left a timeline (HelperMetrics.timeline): the host's stamps in order where a
+    host thread served them, and on a GPU the main GPU's (one clock: published before acked, at least
+    the exposed wait apart)."""
     timeline, helper.link.metrics.timeline = helper.link.metrics.timeline, []
     assert len(timeline) == calls
     for c in timeline:
-        assert 0 < c.noticed <= c.handed, c
+        assert (0 < c.noticed <= c.handed) if hosted else c.noticed == c.handed == 0, c
         if not INTERPRET:
             assert 0 < c.published and c.acked - c.published >= c.wait_ns > 0, c
         assert (c.answered > 0) == (helper_gpu and not INTERPRET), c
@@ -122,15 +123,18 @@ def test_megakernel_with_a_silent_helper_is_a_bounded_error_and_the_next_step_ru
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU for the helper")
-def test_megakernel_with_a_second_gpu_as_helper_is_bit_exact_with_all_on_main():
-    """cuda:1 runs each call's expert tiles with the megakernel (kernel_helper), so the output is the
-    all-on-main megakernel's bit for bit; calls and skips are the interpreter's."""
+@pytest.mark.parametrize("persistent", [False, True], ids=["host_paced", "persistent"])
+def test_megakernel_with_a_second_gpu_as_helper_is_bit_exact_with_all_on_main(persistent):
+    """cuda:1 runs each call's expert tiles with the megakernel (kernel_helper's graph per call, or one
+    persistent kernel per step: helper_card/persistent.py), so the output is the all-on-main
+    megakernel's bit for bit; calls and skips are the interpreter's."""
     from megakernel.runtime import Megakernel
-    opts = HelperOptions(kind="cuda:1", fraction=0.5, timeout_s=5.0)
+    opts = HelperOptions(kind="cuda:1", fraction=0.5, timeout_s=5.0, persistent=persistent)
     cfg, (h_interp, h_mk), interp, mk = _runners("tiny-moe", "cuda", opts, 16)
     shape = StepShape(T=2, B=2, max_len=16, mtp_passes=1 if cfg.num_nextn_predict_layers else 0, attn_split=4)
     plain = Megakernel(compile_step(cfg, shape, CompileOptions(workers=16)), init_weights(cfg, seed=3), "cuda")
-    assert h_mk.services[0].kernel is not None  # the helper GPU path, not the host's matmuls
+    service = h_mk.services[0]  # the helper GPU path, not the host's matmuls
+    assert (service.persistent if persistent else service.kernel) is not None
     mk.capture()
     plain.capture()
     gen = torch.Generator().manual_seed(2)
@@ -144,7 +148,7 @@ def test_megakernel_with_a_second_gpu_as_helper_is_bit_exact_with_all_on_main():
         a, b = h_interp.end_step(), h_mk.end_step()
         assert (a["calls"], a["skipped"], a["rows"]) == (b["calls"], b["skipped"], b["rows"])
         assert b["calls"] > 0
-        _check_timeline(h_mk, b["calls"], helper_gpu=True)
+        _check_timeline(h_mk, b["calls"], helper_gpu=True, hosted=not persistent)
     for h in (h_interp, h_mk):
         h.close()
 

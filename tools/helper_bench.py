@@ -137,7 +137,8 @@ def call_phases(timeline: list) -> dict:
     each call's stamps (helper_card.mailbox.CallTimes): median and 90th percentile in microseconds of
     - notice: the main GPU published -> the host's service thread began the answer;
     - host: the service's own work (table, mask, graph replay on the helper GPU, or the host's answer);
-    - helper: that hand-over -> the helper GPU's rows out (its copies in, the site's kernel, rows out);
+    - helper: that hand-over (with a persistent helper kernel: the publication) -> the helper GPU's rows
+      out (its copies in, the site's tiles, rows out);
     - back: the helper's rows out -> the main GPU saw the acknowledgement;
     - total (published -> seen) and exposed (HELPER_WAIT's wait, the part of it the step pays).
     The phases cross clocks (two GPUs' timers and the host's), so `in_order` says for what share of the
@@ -148,12 +149,19 @@ def call_phases(timeline: list) -> dict:
         values = sorted(values)
         return [round(statistics.median(values) / 1e3, 1), round(values[int(0.9 * (len(values) - 1))] / 1e3, 1)]
     out = {"calls": len(timeline), "total": q([c.acked - c.published for c in timeline]),
-           "exposed": q([c.wait_ns for c in timeline]), "host": q([c.handed - c.noticed for c in timeline])}
+           "exposed": q([c.wait_ns for c in timeline])}
+    hosted = all(c.noticed for c in timeline)  # a host thread served the calls (not a persistent helper kernel)
+    if hosted:
+        out["host"] = q([c.handed - c.noticed for c in timeline])
     if all(c.answered for c in timeline):  # a helper GPU answered (the host's own answer has no stamp)
-        order = [c.published <= c.noticed <= c.handed <= c.answered <= c.acked for c in timeline]
-        out.update(notice=q([c.noticed - c.published for c in timeline]),
-                   helper=q([c.answered - c.handed for c in timeline]), back=q([c.acked - c.answered for c in timeline]),
-                   in_order=round(sum(order) / len(order), 3))
+        if hosted:
+            order = [c.published <= c.noticed <= c.handed <= c.answered <= c.acked for c in timeline]
+            out.update(notice=q([c.noticed - c.published for c in timeline]),
+                       helper=q([c.answered - c.handed for c in timeline]))
+        else:  # published on the main GPU, answered on the helper GPU: two devices' timers
+            order = [c.published <= c.answered <= c.acked for c in timeline]
+            out.update(helper=q([c.answered - c.published for c in timeline]))
+        out.update(back=q([c.acked - c.answered for c in timeline]), in_order=round(sum(order) / len(order), 3))
     return out
 
 
@@ -218,6 +226,8 @@ def main() -> None:
     p.add_argument("--helper-workers", type=int, default=0,
                    help="a helper GPU's workers per call (0: one per SM, the default)")
     p.add_argument("--device", default="cuda", help="cuda, or cpu under TRITON_INTERPRET=1 (a tiny preset)")
+    p.add_argument("--persistent", action="store_true",
+                   help="a cuda:N helper answers with one persistent kernel per step (no host on a call's path)")
     p.add_argument("--out", default=".")
     args = p.parse_args()
     cfg = with_routing_bias(preset(args.model))
@@ -238,7 +248,7 @@ def main() -> None:
         for migrate in args.migrate if fraction > 0 else ["off"]:
             opts = HelperOptions(kind=args.helper, fraction=fraction, migrate=migrate in ("on", "sync"),
                                  overlap=migrate == "on", timeout_s=args.timeout, policy=policy,
-                                 helper_workers=args.helper_workers)
+                                 helper_workers=args.helper_workers, persistent=args.persistent)
             t0 = time.perf_counter()
             try:
                 if migrate == "replay" and recorded is None:

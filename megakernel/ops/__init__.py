@@ -3,7 +3,7 @@ interpreter, in PyTorch) beside its GPU body.  REFERENCE maps opcode names to th
 
 from __future__ import annotations
 
-from . import argmax, attention, elementwise, embed, head_matmul, helper, linear, mhc, moe, norm, rope, spec
+from . import argmax, attention, elementwise, embed, head_matmul, helper, helper_side, linear, mhc, moe, norm, rope, spec
 
 REFERENCE = {
     "EMBED": embed.reference,
@@ -27,4 +27,6 @@ REFERENCE = {
     "GATHER": spec.reference_gather,
     "HELPER_CALL": helper.reference_call,
     "HELPER_WAIT": helper.reference_wait,
+    "HELPER_RECV": helper_side.reference_recv,
+    "HELPER_SEND": helper_side.reference_send,
 }

@@ -1,0 +1,177 @@
+"""A persistent helper kernel: the helper GPU answers the main step's calls with no host on the call path.
+
+The host-paced helper GPU (kernel_helper.py) costs each call a host thread's notice, its Python and a
+graph replay on the helper GPU: 0.10-0.14 ms a call on dsv2-lite (docs/PERF.md, session 12), which is
+what the per-step bar of issue 6 turns on.  Here one megakernel on the helper GPU is launched per step,
+beside the main step (a launch hook of the main runner), and runs every call site in layer order:
+HELPER_RECV (wait for the site's call, or for the main step to pass it), the site's expert tiles (the
+main plan's own, as kernel_helper's site plans: bit for bit the all-on-main rows), HELPER_SEND (rows,
+mask, acknowledgement into the mailbox).  See megakernel/ops/helper_side.py for the two bodies.
+
+Each site's RECV waits for the previous site's SEND, so the sites run one after another on buffers
+shaped like main's (main's memory plan reuses places across layers), at no cost to a call: the main
+step publishes site s+1 only after it acquired site s's answer.  The host's part, per step: the
+placement's helper flags (`onh`, when the placement changed), CTL_STEP and the launch before the main
+step, CTL_DONE at the step boundary (which releases the sites the step skipped after its last call).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from graph.isa import CTL_DONE, CTL_STEP, MAX_WAITS, Buf, decode, encode
+from graph.plan import Plan
+from megakernel.runtime import INTERPRET, LaunchConfig, Megakernel
+
+from .kernel_helper import STREAM_BLOCKS, with_slack
+from .link import HelperMemory, LayerProgram, layer_programs
+from .placement import HELPER, Placement
+
+
+def persistent_plan(main: Plan, store_elems: int, n_experts: int, workers: int) -> tuple[Plan, dict]:
+    """Every call site of `main` as RECV, its expert tiles, SEND, in layer order, over the helper's
+    buffers (A like main's; I like main's, then per site its later sites' sequence words, its helper
+    flags per expert and its sequence word).  Returns the plan and, per site (keyed by the call's op
+    id), the I offsets the host writes: {"later", "onh", "layer"}."""
+    calls = {t.signal: t for t in map(decode, main.words) if t.op.name == "HELPER_CALL"}
+    progs: dict[int, LayerProgram] = layer_programs(main)
+    order = sorted(progs)  # op ids follow program order: the main step calls the sites in this order
+    if not order:
+        raise ValueError("the main plan has no HELPER_CALL: nothing for a persistent helper to answer")
+    i_end = main.buffers["I"]
+    ctl = calls[order[0]]["box.off"] + CTL_STEP
+    items, labels, sites = [], [], {}
+    counter = 0
+    last_send = None
+    for k, signal in enumerate(order):
+        prog, call = progs[signal], calls[signal]
+        later, onh, seqw = i_end, i_end + len(order) - k - 1, i_end + len(order) - k - 1 + n_experts
+        i_end = seqw + 1
+        sites[signal] = {"later": later, "onh": onh, "layer": prog.layer,
+                         "later_seq": [calls[s]["box.off"] for s in order[k + 1:]]}
+        N, K, S, topk = call["N"], call["K"], call["S"], call["topk"]
+        x_ld = next(t["x.ld"] for t in prog.tasks if t.op.name == "EXPERT_LINEAR" and t.has("GATHER"))
+        common = {"box.buf": Buf.H, "box.off": call["box.off"], "st.buf": Buf.I, "st.off": prog.st,
+                  "seqw.buf": Buf.I, "seqw.off": seqw, "N": N, "K": K, "S": S, "topk": topk, "layer": prog.layer}
+        recv = counter
+        counter += 1
+        items.append(("HELPER_RECV", recv, [] if last_send is None else [(last_send, 1)],
+                      {**common, "ctl.buf": Buf.H, "ctl.off": ctl, "later.buf": Buf.I, "later.off": later,
+                       "nlater": len(order) - k - 1, "onh.buf": Buf.I, "onh.off": onh, "x.buf": Buf.A,
+                       "x.off": prog.x[0], "x.ld": x_ld, "E": n_experts}, 0, 0))
+        labels.append(f"L{prog.layer}.helper.recv")
+        number = {}  # the site's counters, renumbered
+        for t in prog.tasks:
+            number.setdefault(t.signal, counter + len(number))
+        counter += len(number)
+        waited = {c for t in prog.tasks for c, _ in t.waits if c in number}
+        signalled: dict[int, int] = {}
+        for i, t in enumerate(prog.tasks):
+            waits = [(number[c], n) for c, n in t.waits if c in number] or [(recv, 1)]
+            items.append((t.op.name, number[t.signal], waits, t.fields, t.tile, t.flags))
+            labels.append(f"L{prog.layer}.helper.{t.op.name.lower()}[{i}]")
+            signalled[t.signal] = signalled.get(t.signal, 0) + 1
+        sinks = [(number[c], n) for c, n in signalled.items() if c not in waited]
+        if len(sinks) > MAX_WAITS:
+            raise ValueError(f"layer {prog.layer}: {len(sinks)} last ops in the site's tiles, a SEND waits on at most "
+                             f"{MAX_WAITS}")
+        last_send = counter
+        counter += 1
+        items.append(("HELPER_SEND", last_send, sinks,
+                      {**common, "y.buf": Buf.A, "y.off": prog.y[0], "y.ld": prog.y[1]}, 0, 0))
+        labels.append(f"L{prog.layer}.helper.send")
+    workers = max(1, min(workers, len(items)))
+    queues: list[list[int]] = [[] for _ in range(workers)]
+    for i in range(len(items)):  # program order within each queue: a task waits only on earlier ones
+        queues[i % workers].append(i)
+    words, task_labels = [], []
+    for q in queues:
+        for i in q:
+            op, signal, waits, fields, tile, flags = items[i]
+            words.append(encode(op, flags, signal, waits, tile, fields))
+            task_labels.append(labels[i])
+    plan = Plan(config=main.config, shape=dict(main.shape), workers=workers,
+                words=np.array(words, dtype=np.int32), queue_ptr=np.cumsum([0] + [len(q) for q in queues]).tolist(),
+                task_labels=task_labels, counter_labels=[f"helper counter {c}" for c in range(counter)],
+                buffers={"W": store_elems, "WF": 1, "A": main.buffers["A"], "I": i_end, "C": 1, "H": main.buffers["H"]},
+                weights=[], consts=[], io={}, passes=[], estimate={})
+    return plan, sites
+
+
+class PersistentHelper:
+    """The persistent helper kernel of one main runner (a helper plan's megakernel) on `store`'s device."""
+
+    def __init__(self, main, store: torch.Tensor, layers: list[int], n_experts: int, workers: int = 32):
+        self.main, self.device = main, store.device
+        flat = with_slack(store)
+        self.plan, self.sites = persistent_plan(main.plan, flat.numel(), n_experts, workers)
+        self.box = main.mem.bufs[Buf.H]  # the main runner's mailboxes, in host memory both GPUs reach
+        self.ctl = self.box.numpy()[self.plan.task(0)["ctl.off"]: self.plan.task(0)["ctl.off"] + 2]
+        mem = HelperMemory(self.plan, flat)
+        mem.bufs[Buf.W], mem.bufs[Buf.H] = flat, self.box
+        I = mem.bufs[Buf.I]
+        row_of = {layer: i * n_experts for i, layer in enumerate(layers)}
+        for signal, prog in layer_programs(main.plan).items():  # each layer's expert map -> its store rows
+            I[prog.map: prog.map + n_experts] = (torch.arange(n_experts, dtype=torch.int32) + row_of[prog.layer])
+            site = self.sites[signal]
+            later = torch.tensor(site["later_seq"], dtype=torch.int32)  # H offsets of later sites' sequence words
+            I[site["later"]: site["later"] + later.numel()] = later.to(self.device)
+        config = LaunchConfig(blocks={k: main.blocks[k] for k in STREAM_BLOCKS}, num_warps=main.config.num_warps,
+                              num_stages=main.config.num_stages, max_spins=main.config.max_spins,
+                              helper_timeout_s=main.config.helper_timeout_s)
+        self.mk = Megakernel(self.plan, None, self.device, store.dtype, config=config, mem=mem)
+        self.flags = np.zeros((len(self.sites), n_experts), dtype=np.int32)
+        self.placed: Placement | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def place(self, placement: Placement) -> None:
+        """Each site's helper flags from `placement` (the one the main step routes by): on the helper's
+        stream before the next launch, and only when they changed."""
+        flags = np.stack([placement.tables[s["layer"]] == HELPER for s in self.sites.values()]).astype(np.int32)
+        if self.placed is not None and np.array_equal(flags, self.flags):
+            return
+        self.flags, self.placed = flags, placement
+        I = self.mk.mem.bufs[Buf.I]
+        for k, site in enumerate(self.sites.values()):
+            I[site["onh"]: site["onh"] + flags.shape[1]].copy_(torch.from_numpy(flags[k]), non_blocking=True)
+
+    def capture(self) -> None:
+        """The helper kernel as a graph on its device: one replay per step, a few microseconds of the
+        host's time before the main step's launch.  Compiled and loaded first (warmup runs nothing: a
+        launch would wait for a main step)."""
+        if INTERPRET or self.device.type != "cuda":
+            return
+        with torch.cuda.device(self.device):
+            self.mk.compile()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.mk.kernel()
+
+    def launch(self, epoch: int) -> None:
+        """Answer step `epoch` of the main runner (call before the main step's launch)."""
+        # a helper kernel still waiting on the last step stops (CTL_DONE only grows)
+        self.ctl[CTL_DONE - CTL_STEP] = max(int(self.ctl[CTL_DONE - CTL_STEP]), epoch - 1)
+        self.ctl[0] = epoch
+        if self.graph is not None:
+            with torch.cuda.device(self.device):
+                self.graph.replay()
+            self.mk.epoch += 1
+        else:
+            self.mk.launch()
+
+    def finish(self, epoch: int) -> None:
+        """The main step `epoch` is over: sites it passed without a call end their wait."""
+        self.ctl[CTL_DONE - CTL_STEP] = epoch
+
+    def failures(self) -> list[str]:
+        """The helper kernel's watchdog error, if it stopped (its counters then repaired for the next step)."""
+        from megakernel.runtime import WatchdogError
+        self.finish(self.main.epoch)  # a kernel still waiting for a failed step's sites ends first
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        try:
+            self.mk.check_error()
+        except WatchdogError as e:
+            return [f"persistent helper: {e}"]
+        return []

@@ -1,0 +1,200 @@
+"""HELPER_RECV / HELPER_SEND: a persistent helper kernel's side of a helper call (helper_card/persistent.py).
+
+The helper GPU of helper_card/kernel_helper.py is host-paced: a host thread notices each call in the
+mailbox, writes the helper's slot table and replays a graph on the helper GPU.  A persistent helper
+kernel takes the host out of the call: launched once per step beside the main step, per call site it runs
+- HELPER_RECV: wait (bounded) until the main step publishes the site's mailbox (its sequence word
+  reaches the step's epoch, CTL_STEP) or passes it without a call (a later site's sequence word does,
+  or the host's CTL_DONE at the step boundary), then write the helper's slot table (the routed table
+  with only the slots whose expert is the helper's, `onh`: the host's placement for the step, as the
+  host-paced helper chooses them) and copy the token rows in;
+- the site's expert tiles (the main plan's own, as kernel_helper's site plans run them: bit for bit);
+- HELPER_SEND: the helper's rows, their mask and the acknowledgement into the mailbox, as
+  ops.helper.publish_rows does for the host-paced helper.
+A skipped site's table is empty, so its tiles and its SEND do nothing.  The main side (HELPER_CALL,
+HELPER_WAIT) does not change.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from graph import isa
+from graph.isa import Buf, box_layout
+
+from .common import (ERR_HEADER, ERR_PER_WORKER, elapsed_ns, fence_sys, fld, load_acquire_sys, off, poll_stop,
+                     store_release_sys)
+from .fields import (BOX_ACK, BOX_HEADER, BOX_SEQ, BOX_T_ANSWER, CTL_DONE, CTL_STEP, HELPER_RECV_BOX_OFF,
+                     HELPER_RECV_CTL_OFF, HELPER_RECV_K, HELPER_RECV_LATER_OFF, HELPER_RECV_N, HELPER_RECV_NLATER,
+                     HELPER_RECV_ONH_OFF, HELPER_RECV_S, HELPER_RECV_SEQW_OFF, HELPER_RECV_ST_OFF, HELPER_RECV_TOPK,
+                     HELPER_RECV_X_LD, HELPER_RECV_X_OFF, HELPER_SEND_BOX_OFF, HELPER_SEND_K, HELPER_SEND_N,
+                     HELPER_SEND_S, HELPER_SEND_SEQW_OFF, HELPER_SEND_ST_OFF, HELPER_SEND_TOPK, HELPER_SEND_Y_LD,
+                     HELPER_SEND_Y_OFF)
+from .helper import HELPER_TIMEOUT, stamp
+
+
+# ---- reference semantics (the plan interpreter cannot wait: the mailbox must already say) ----------
+def reference_recv(task, mem) -> None:
+    S, N, K, P = task["S"], task["N"], task["K"], task["N"] * task["topk"]
+    target, done = (int(v) for v in mem.flat(task, "ctl", 0, 2))  # CTL_STEP, CTL_DONE
+    seq = int(mem.flat(task, "box", isa.BOX_SEQ, 1)[0])
+    later = [int(mem.bufs[Buf.H][int(o)]) for o in mem.flat(task, "later", 0, task["nlater"]).cpu()]
+    if seq < target and max([done] + later) < target:
+        raise RuntimeError(f"layer {task['layer']}: HELPER_RECV found neither a call of step {target} nor a later "
+                           "site past it (the interpreter cannot wait for the main step)")
+    st = mem.flat(task, "st", 0, 2 * S + S * P)
+    if seq < target:  # skipped: every slot empty
+        st[:S], st[S: 2 * S] = -1, 0
+        mem.flat(task, "seqw", 0, 1).fill_(0)
+        return
+    box = box_layout(S, P, N, K)
+    table = mem.flat(task, "box", box["table"], 2 * S + S * P).to(st.device)
+    experts = table[:S].long()
+    onh = mem.flat(task, "onh", 0, task["E"]).to(st.device)
+    mine = (experts >= 0) & (onh[experts.clamp(min=0)] != 0)
+    st.copy_(table)
+    st[:S] = torch.where(mine, table[:S], -1)
+    st[S: 2 * S] = torch.where(mine, table[S: 2 * S], 0)
+    rows = mem.flat(task, "box", box["x"], N * K).view(torch.float32).view(N, K)
+    mem.mat(task, "x", N, K).copy_(rows)
+    mem.flat(task, "seqw", 0, 1).fill_(seq)
+
+
+def reference_send(task, mem) -> None:
+    S, N, K, P = task["S"], task["N"], task["K"], task["N"] * task["topk"]
+    seq = int(mem.flat(task, "seqw", 0, 1)[0])
+    if seq == 0:
+        return
+    st = mem.flat(task, "st", 0, 2 * S + S * P).long().cpu()
+    mask = torch.zeros(P, dtype=torch.bool)
+    for s in range(S):
+        if st[s] >= 0:
+            mask[st[2 * S + s * P: 2 * S + s * P + st[S + s]]] = True
+    box = box_layout(S, P, N, K)
+    ans = mem.flat(task, "box", box["ans"], P * K).view(torch.float32).view(P, K)
+    ans[mask.to(ans.device)] = mem.mat(task, "y", P, K)[mask.to(mem.bufs[Buf.A].device)].to(ans.device)
+    mem.flat(task, "box", box["mask"], P).copy_(mask.to(torch.int32))
+    mem.flat(task, "box", isa.BOX_ACK, 1).fill_(seq)
+
+
+# ---- GPU bodies -------------------------------------------------------------------------------
+@triton.jit
+def furthest(HB, later, nlater, ctl, COMPILED: tl.constexpr, BD: tl.constexpr):
+    """How far the main step got: the largest of CTL_DONE and the later sites' sequence words (their H
+    offsets in `later`), each read with a system-scope acquire, the same in every thread."""
+    far = load_acquire_sys(ctl + (CTL_DONE - CTL_STEP), COMPILED, BD)
+    for j0 in range(0, nlater, BD):
+        j = j0 + tl.arange(0, BD)
+        m = j < nlater
+        ptrs = HB + tl.load(later + j, mask=m, other=0)  # masked lanes read word 0: a valid address
+        if COMPILED:
+            seen = tl.inline_asm_elementwise("ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [ptrs],
+                                             dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            seen = tl.atomic_add(ptrs, 0, mask=m, sem="acquire", scope="sys")
+        far = tl.maximum(far, tl.max(tl.where(m, seen, -1), axis=0))
+    return far
+
+
+@triton.jit
+def recv_body(word, t, A, I, HB, err, pid, TIMEOUT_NS: tl.constexpr, MAX_SPINS: tl.constexpr,
+              COMPILED: tl.constexpr, BD: tl.constexpr):
+    """The site's call in (or an empty table when the main step passed the site without one); 0 when this
+    worker must stop (no word from the main step within the bound, or another worker failed)."""
+    S, N, K = fld(word, HELPER_RECV_S), fld(word, HELPER_RECV_N), fld(word, HELPER_RECV_K)
+    P = N * fld(word, HELPER_RECV_TOPK)
+    box, ctl = HB + off(word, HELPER_RECV_BOX_OFF), HB + off(word, HELPER_RECV_CTL_OFF)
+    later, nlater = I + off(word, HELPER_RECV_LATER_OFF), fld(word, HELPER_RECV_NLATER)
+    st, onh = I + off(word, HELPER_RECV_ST_OFF), I + off(word, HELPER_RECV_ONH_OFF)
+    seqw = I + off(word, HELPER_RECV_SEQW_OFF)
+    target = load_acquire_sys(ctl, COMPILED, BD)  # CTL_STEP, written by the host before the launch
+    state = err + ERR_HEADER + pid * ERR_PER_WORKER
+    seq = load_acquire_sys(box + BOX_SEQ, COMPILED, BD)
+    far = furthest(HB, later, nlater, ctl, COMPILED, BD)
+    spins = 0
+    reason = 0
+    first = tl.zeros((), tl.int32)
+    while (seq < target) & (far < target) & (reason == 0):
+        seq = load_acquire_sys(box + BOX_SEQ, COMPILED, BD)
+        far = furthest(HB, later, nlater, ctl, COMPILED, BD)
+        spins += 1
+        if spins % 32 == 0:
+            failed, now = poll_stop(err, state + 3, COMPILED)  # the bound, decided alike in every thread
+            if failed:
+                reason = 2
+            elif COMPILED:
+                if spins == 32:
+                    first = now
+                elif elapsed_ns(now, first) > TIMEOUT_NS:
+                    reason = HELPER_TIMEOUT
+            elif spins > MAX_SPINS:
+                reason = HELPER_TIMEOUT
+    ok = 1
+    if reason != 0:
+        ok = 0
+        tl.store(state, reason)
+        tl.store(state + 1, t)
+        tl.store(state + 2, -1)
+        tl.store(state + 3, seq)
+        tl.store(state + 4, target)
+        if reason == HELPER_TIMEOUT:
+            tl.atomic_xchg(err, 1, sem="release", scope="gpu")
+    else:
+        called = seq >= target
+        table = box + BOX_HEADER + (P + 31) // 32 * 32 + P * K  # box_layout's "table"
+        for s0 in range(0, S, BD):
+            s = s0 + tl.arange(0, BD)
+            m = s < S
+            expert = tl.load(table + s, mask=m & called, other=-1)
+            count = tl.load(table + S + s, mask=m & called, other=0)
+            mine = (expert >= 0) & (tl.load(onh + tl.maximum(expert, 0), mask=m & (expert >= 0), other=0) != 0)
+            tl.store(st + s, tl.where(mine, expert, -1), mask=m)
+            tl.store(st + S + s, tl.where(mine, count, 0), mask=m)
+        if called:
+            for i0 in range(0, S * P, BD):  # pair ids (read only where a slot is set)
+                i = i0 + tl.arange(0, BD)
+                tl.store(st + 2 * S + i, tl.load(table + 2 * S + i, mask=i < S * P), mask=i < S * P)
+            x, x_ld = A + off(word, HELPER_RECV_X_OFF), fld(word, HELPER_RECV_X_LD)
+            rows = table + (2 * S + S * P + 31) // 32 * 32  # box_layout's "x"
+            for r in range(N):
+                for c0 in range(0, K, BD):
+                    c = c0 + tl.arange(0, BD)
+                    v = tl.load(rows + r * K + c, mask=c < K)
+                    tl.store(x + r * x_ld + c, v.to(tl.float32, bitcast=True), mask=c < K)
+            tl.store(seqw, seq)
+        else:
+            tl.store(seqw, 0)
+    return ok
+
+
+@triton.jit
+def send_body(word, A, I, HB, COMPILED: tl.constexpr, BD: tl.constexpr):
+    """The helper's rows of a call out, their mask, then its acknowledgement (nothing for a skipped site)."""
+    S, N, K = fld(word, HELPER_SEND_S), fld(word, HELPER_SEND_N), fld(word, HELPER_SEND_K)
+    P = N * fld(word, HELPER_SEND_TOPK)
+    st, seqw = I + off(word, HELPER_SEND_ST_OFF), I + off(word, HELPER_SEND_SEQW_OFF)
+    seq = tl.load(seqw, cache_modifier=".cg")
+    if seq != 0:
+        box = HB + off(word, HELPER_SEND_BOX_OFF)
+        y, y_ld = A + off(word, HELPER_SEND_Y_OFF), fld(word, HELPER_SEND_Y_LD)
+        mask, ans = box + BOX_HEADER, box + BOX_HEADER + (P + 31) // 32 * 32
+        for p0 in range(0, P, BD):
+            p = p0 + tl.arange(0, BD)
+            tl.store(mask + p, tl.zeros([BD], tl.int32), mask=p < P)
+        tl.debug_barrier()  # every zero before any mark below (another thread may store it)
+        for s in range(S):
+            expert = tl.load(st + s, cache_modifier=".cg")
+            if expert >= 0:
+                for j in range(tl.load(st + S + s, cache_modifier=".cg")):
+                    p = tl.load(st + 2 * S + s * P + j, cache_modifier=".cg")
+                    for c0 in range(0, K, BD):
+                        c = c0 + tl.arange(0, BD)
+                        v = tl.load(y + p * y_ld + c, mask=c < K, cache_modifier=".cg")
+                        tl.store(ans + p * K + c, v.to(tl.int32, bitcast=True), mask=c < K)
+                    tl.store(mask + p, 1)
+        stamp(box + BOX_T_ANSWER, COMPILED)
+        fence_sys(COMPILED)  # this thread's rows and marks reach host memory before the barrier...
+        tl.debug_barrier()
+        store_release_sys(box + BOX_ACK, seq, COMPILED)  # ...and the acknowledgement after all of them
