@@ -33,7 +33,8 @@ def persistent_plan(main: Plan, store_elems: int, n_experts: int, workers: int) 
     """Every call site of `main` as RECV, its expert tiles, SEND, in layer order, over the helper's
     buffers (A like main's; I like main's, then per site its later sites' sequence words, its helper
     flags per expert and its sequence word).  Returns the plan and, per site (keyed by the call's op
-    id), the I offsets the host writes: {"later", "onh", "layer"}."""
+    id), what the host writes there: {"later": I offset, "later_seq": the later sites' H offsets of
+    their sequence words, "onh": I offset of the helper flags, "layer"}."""
     calls = {t.signal: t for t in map(decode, main.words) if t.op.name == "HELPER_CALL"}
     progs: dict[int, LayerProgram] = layer_programs(main)
     order = sorted(progs)  # op ids follow program order: the main step calls the sites in this order
