@@ -161,6 +161,40 @@ def elapsed_ns(now, start):
 
 
 @triton.jit
+def past_bound(err, state, spins, first, TIMEOUT_NS: tl.constexpr, MAX_SPINS: tl.constexpr,
+               USE_TIMER: tl.constexpr, TIMEOUT_REASON: tl.constexpr):
+    """A bounded wait's check, on every 32nd poll: (why it must stop: 2 when another worker failed,
+    TIMEOUT_REASON when it outlived TIMEOUT_NS since the 32nd poll, or MAX_SPINS polls without a timer;
+    else 0, the timer word at the 32nd poll), alike in every thread (poll_stop)."""
+    reason = 0
+    if spins % 32 == 0:
+        failed, now = poll_stop(err, state + 3, USE_TIMER)
+        if failed:
+            reason = 2
+        elif USE_TIMER:
+            if spins == 32:
+                first = now
+            elif elapsed_ns(now, first) > TIMEOUT_NS:
+                reason = TIMEOUT_REASON
+        elif spins > MAX_SPINS:
+            reason = TIMEOUT_REASON
+    return reason, first
+
+
+@triton.jit
+def record_stop(err, state, reason, t, counter, seen, target, TIMEOUT_REASON: tl.constexpr):
+    """This worker's watchdog state (why, task, counter or -1, value seen, target), and the error flag
+    raised when it timed out itself (2: another worker had)."""
+    tl.store(state, reason)
+    tl.store(state + 1, t)
+    tl.store(state + 2, counter)
+    tl.store(state + 3, seen)
+    tl.store(state + 4, target)
+    if reason == TIMEOUT_REASON:
+        tl.atomic_xchg(err, 1, sem="release", scope="gpu")
+
+
+@triton.jit
 def wait_task(word, t, counters, epoch, err, pid, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr,
               MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr):
     """1 when every wait of the task holds, 0 when this worker must stop (timeout, or another failed).
@@ -180,24 +214,8 @@ def wait_task(word, t, counters, epoch, err, pid, MAX_WAITS: tl.constexpr, TIMEO
             while (seen < target) & (reason == 0):
                 seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
                 spins += 1
-                if spins % 32 == 0:
-                    failed, now = poll_stop(err, state + 3, USE_TIMER)
-                    if failed:
-                        reason = 2  # another worker failed
-                    elif USE_TIMER:
-                        if spins == 32:
-                            start = now
-                        elif elapsed_ns(now, start) > TIMEOUT_NS:
-                            reason = 1
-                    elif spins > MAX_SPINS:
-                        reason = 1
+                reason, start = past_bound(err, state, spins, start, TIMEOUT_NS, MAX_SPINS, USE_TIMER, 1)
             if reason != 0:
                 ok = 0
-                tl.store(state, reason)
-                tl.store(state + 1, t)
-                tl.store(state + 2, c)
-                tl.store(state + 3, seen)
-                tl.store(state + 4, target)
-                if reason == 1:
-                    tl.atomic_xchg(err, 1, sem="release", scope="gpu")
+                record_stop(err, state, reason, t, c, seen, target, 1)
     return ok

@@ -27,8 +27,8 @@ import triton.language as tl
 
 from graph.isa import box_layout
 
-from .common import (ERR_HEADER, ERR_PER_WORKER, elapsed_ns, fence_sys, fld, load_acquire_sys, now_ns, off, poll_stop,
-                     store_release_sys)
+from .common import (ERR_HEADER, ERR_PER_WORKER, fence_sys, fld, load_acquire_sys, now_ns, off, past_bound,
+                     record_stop, store_release_sys)
 from .fields import (BOX_ACK, BOX_HEADER, BOX_SEQ, BOX_T_ACKED, BOX_T_ANSWER, BOX_T_PUB, BOX_WAIT_NS,
                      HELPER_CALL_BOX_OFF, HELPER_CALL_K, HELPER_CALL_MAIL_OFF, HELPER_CALL_MAP_OFF, HELPER_CALL_N,
                      HELPER_CALL_S, HELPER_CALL_ST2_OFF, HELPER_CALL_ST_OFF, HELPER_CALL_TOPK, HELPER_CALL_X_LD,
@@ -171,26 +171,10 @@ def wait_body(word, t, A, I, HB, err, pid, TIMEOUT_NS: tl.constexpr, MAX_SPINS: 
         while (seen < seq) & (reason == 0):
             seen = load_acquire_sys(box + BOX_ACK, COMPILED, BD)
             spins += 1
-            if spins % 32 == 0:
-                failed, now = poll_stop(err, state + 3, COMPILED)  # the bound, decided alike in every thread
-                if failed:
-                    reason = 2
-                elif COMPILED:
-                    if spins == 32:
-                        first = now
-                    elif elapsed_ns(now, first) > TIMEOUT_NS:
-                        reason = HELPER_TIMEOUT
-                elif spins > MAX_SPINS:
-                    reason = HELPER_TIMEOUT
+            reason, first = past_bound(err, state, spins, first, TIMEOUT_NS, MAX_SPINS, COMPILED, HELPER_TIMEOUT)
         if reason != 0:
             ok = 0
-            tl.store(state, reason)
-            tl.store(state + 1, t)
-            tl.store(state + 2, -1)
-            tl.store(state + 3, seen)
-            tl.store(state + 4, seq)
-            if reason == HELPER_TIMEOUT:
-                tl.atomic_xchg(err, 1, sem="release", scope="gpu")
+            record_stop(err, state, reason, t, -1, seen, seq, HELPER_TIMEOUT)
         else:
             t_acked = now_ns(COMPILED)
             tl.store(box + BOX_WAIT_NS, tl.minimum(t_acked - start, 2147483647).to(tl.int32))

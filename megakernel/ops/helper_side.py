@@ -24,7 +24,7 @@ import triton.language as tl
 from graph import isa
 from graph.isa import Buf, box_layout
 
-from .common import (ERR_HEADER, ERR_PER_WORKER, elapsed_ns, fence_sys, fld, load_acquire_sys, off, poll_stop,
+from .common import (ERR_HEADER, ERR_PER_WORKER, fence_sys, fld, load_acquire_sys, off, past_bound, record_stop,
                      store_release_sys)
 from .fields import (BOX_ACK, BOX_HEADER, BOX_SEQ, BOX_T_ANSWER, CTL_DONE, CTL_STEP, HELPER_RECV_BOX_OFF,
                      HELPER_RECV_CTL_OFF, HELPER_RECV_K, HELPER_RECV_LATER_OFF, HELPER_RECV_N, HELPER_RECV_NLATER,
@@ -120,27 +120,11 @@ def recv_body(word, t, A, I, HB, err, pid, TIMEOUT_NS: tl.constexpr, MAX_SPINS: 
         seq = load_acquire_sys(box + BOX_SEQ, COMPILED, BD)
         far = furthest(HB, later, nlater, ctl, COMPILED, BD)
         spins += 1
-        if spins % 32 == 0:
-            failed, now = poll_stop(err, state + 3, COMPILED)  # the bound, decided alike in every thread
-            if failed:
-                reason = 2
-            elif COMPILED:
-                if spins == 32:
-                    first = now
-                elif elapsed_ns(now, first) > TIMEOUT_NS:
-                    reason = HELPER_TIMEOUT
-            elif spins > MAX_SPINS:
-                reason = HELPER_TIMEOUT
+        reason, first = past_bound(err, state, spins, first, TIMEOUT_NS, MAX_SPINS, COMPILED, HELPER_TIMEOUT)
     ok = 1
     if reason != 0:
         ok = 0
-        tl.store(state, reason)
-        tl.store(state + 1, t)
-        tl.store(state + 2, -1)
-        tl.store(state + 3, seq)
-        tl.store(state + 4, target)
-        if reason == HELPER_TIMEOUT:
-            tl.atomic_xchg(err, 1, sem="release", scope="gpu")
+        record_stop(err, state, reason, t, -1, seq, target, HELPER_TIMEOUT)
     else:
         called = seq >= target
         table = box + BOX_HEADER + (P + 31) // 32 * 32 + P * K  # box_layout's "table"
