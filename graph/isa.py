@@ -42,8 +42,8 @@ class Buf(IntEnum):
 #           a call's timeline, int64 %globaltimer stamps (nanoseconds; 0 without a timer), read at the step
 #           boundary: [BOX_T_PUB] HELPER_CALL published (main GPU), [BOX_T_ANSWER] a helper GPU
 #           published its rows (helper GPU), [BOX_T_ACKED] HELPER_WAIT saw the answer (main GPU)
-#           a persistent helper kernel's control words (the plan's first mailbox only; host-written):
-#           [CTL_STEP] the main runner's epoch of the step now launched, [CTL_DONE] the last step over
+#           [CTL_DONE] (the plan's first mailbox only) the last step of the main runner known to be
+#           over, for a persistent helper kernel (host-written; it only grows)
 #   mask    P words: 1 where pair row p is the helper's (host)
 #   ans     P x K: the helper's rows (host)
 #   table   the routed slot table (ROUTE's st, 2S + S·P words), written every step (device): the host
@@ -51,7 +51,7 @@ class Buf(IntEnum):
 #   x       N x K token rows (device)
 BOX_SEQ, BOX_ACK, BOX_WAIT_NS = 0, 1, 2
 BOX_T_PUB, BOX_T_ANSWER, BOX_T_ACKED = 4, 6, 8  # int64 stamps: even words of a 128-byte aligned header
-CTL_STEP, CTL_DONE = 10, 11
+CTL_DONE = 10
 BOX_HEADER = 32  # one 128-byte line
 
 
@@ -161,12 +161,13 @@ _OPS = [
     # out = y, then the helper's rows (acknowledged call mail[0], waited for with a bound) merged in
     Opcode("HELPER_WAIT", 21, _f("y+ mail+ box+ out+ N H topk layer")),
     # A persistent helper kernel's side of a call (helper_card/persistent.py), in the helper's buffers.
-    # Waits (bounded) until the main step published mailbox `box` (its sequence word reaches ctl's
-    # CTL_STEP: a call) or passed it (a later site's sequence word does, or CTL_DONE: skipped), then
-    # st = the call's slot table with only the helper's slots (onh[expert] != 0) kept, x = its token
-    # rows, seqw[0] = its sequence number (0: skipped, and every slot empty).  `later`: nlater words,
-    # the H offsets of the later sites' sequence words
-    Opcode("HELPER_RECV", 22, _f("box+ ctl+ later+ nlater st+ onh+ x* seqw+ N K E topk S layer")),
+    # The main step it answers is its own launch's epoch + epoch0.  Waits (bounded) until that step
+    # published mailbox `box` (its sequence word equals the step: a call) or passed it (a later site's
+    # sequence word or `done`, CTL_DONE, reaches it; or the wait outlived its bound: then gaveup[0] =
+    # the step, and the kernel's later sites pass at once), then st = the call's slot table with only
+    # the helper's slots (onh[expert] != 0) kept, x = its token rows, seqw[0] = its sequence number (0:
+    # passed, every slot empty).  `later`: nlater words, the H offsets of the later sites' sequence words
+    Opcode("HELPER_RECV", 22, _f("box+ done+ later+ nlater st+ onh+ x* seqw+ gaveup+ epoch0 N K E topk S layer")),
     # If seqw[0] != 0: the rows of st's slots' pairs from y into the mailbox's answer, its mask, then
     # the acknowledgement seqw[0] (system-scope release); nothing for a skipped call
     Opcode("HELPER_SEND", 23, _f("y* box+ st+ seqw+ N K S topk layer")),

@@ -171,6 +171,7 @@ class MailboxService:
     def kick(self) -> None:
         """Before each launch of the runner: the persistent helper kernel of that step, or the thread's wake-up."""
         if self.persistent is not None:
+            self.persistent.release(self.runner.epoch)  # the last step is over: its kernel (if waiting) ends
             self.persistent.place(self.link.placement)  # what the step's maps route by (flips land between steps)
             self.persistent.launch(self.runner.epoch + 1)
             return
@@ -193,8 +194,7 @@ class MailboxService:
             return
         self.closing = True
         if self.persistent is not None:  # a helper kernel still waiting on the last step's sites ends
-            self.persistent.finish(self.runner.epoch)
-            torch.cuda.synchronize(self.persistent.device)
+            self.persistent.close()
             return
         self.wake.set()
         self.thread.join(timeout=5)
@@ -291,7 +291,7 @@ class MailboxService:
             raise RuntimeError("helper service failed: " + "; ".join(errors))
         epoch = self.runner.epoch
         if self.persistent is not None:
-            self.persistent.finish(epoch)  # the sites the step passed without a call end their wait
+            self.persistent.release(epoch)  # the sites the step passed without a call end their wait
         if epoch == self.counted_epoch:
             return
         self.counted_epoch = epoch

@@ -10,17 +10,23 @@ mask, acknowledgement into the mailbox).  See megakernel/ops/helper_side.py for 
 
 Each site's RECV waits for the previous site's SEND, so the sites run one after another on buffers
 shaped like main's (main's memory plan reuses places across layers), at no cost to a call: the main
-step publishes site s+1 only after it acquired site s's answer.  The host's part, per step: the
-placement's helper flags (`onh`, when the placement changed), CTL_STEP and the launch before the main
-step, CTL_DONE at the step boundary (which releases the sites the step skipped after its last call).
+step publishes site s+1 only after it acquired site s's answer.  The step a launch answers is fixed on
+the device (the kernel's own launch count + epoch0), so a late kernel never takes a newer step's call.
+The host's part, per step: CTL_DONE for the last step (so a kernel still waiting on it ends), the
+placement's helper flags (`onh`, when the placement changed) and the launch, before the main step's
+launch; CTL_DONE again at the step boundary (the sites after the step's last call end their wait).  A
+RECV that outlives its bound passes its site (the main runner may be idle between steps): no error,
+and a main step that does call later reports its own bounded error.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
-from graph.isa import CTL_DONE, CTL_STEP, MAX_WAITS, Buf, decode, encode
+from graph.isa import BOX_SEQ, CTL_DONE, MAX_WAITS, Buf, decode, encode
 from graph.plan import Plan
 from megakernel.runtime import INTERPRET, LaunchConfig, Megakernel
 
@@ -29,19 +35,21 @@ from .link import HelperMemory, LayerProgram, layer_programs
 from .placement import HELPER, Placement
 
 
-def persistent_plan(main: Plan, store_elems: int, n_experts: int, workers: int) -> tuple[Plan, dict]:
+def persistent_plan(main: Plan, store_elems: int, n_experts: int, workers: int, epoch0: int = 0) -> tuple[Plan, dict]:
     """Every call site of `main` as RECV, its expert tiles, SEND, in layer order, over the helper's
-    buffers (A like main's; I like main's, then per site its later sites' sequence words, its helper
-    flags per expert and its sequence word).  Returns the plan and, per site (keyed by the call's op
-    id), what the host writes there: {"later": I offset, "later_seq": the later sites' H offsets of
-    their sequence words, "onh": I offset of the helper flags, "layer"}."""
+    buffers (A like main's; I like main's, then the kernel's gave-up word, then per site its later
+    sites' sequence words, its helper flags per expert and its sequence word).  The kernel's n-th
+    launch answers the main runner's step n + epoch0.  Returns the plan and, per site (keyed by the
+    call's op id), what the host writes there: {"later": I offset, "later_seq": the later sites' H
+    offsets of their sequence words, "onh": I offset of the helper flags, "layer"}."""
     calls = {t.signal: t for t in map(decode, main.words) if t.op.name == "HELPER_CALL"}
     progs: dict[int, LayerProgram] = layer_programs(main)
     order = sorted(progs)  # op ids follow program order: the main step calls the sites in this order
     if not order:
         raise ValueError("the main plan has no HELPER_CALL: nothing for a persistent helper to answer")
-    i_end = main.buffers["I"]
-    ctl = calls[order[0]]["box.off"] + CTL_STEP
+    gaveup = main.buffers["I"]
+    i_end = gaveup + 1
+    done = calls[order[0]]["box.off"] + CTL_DONE
     items, labels, sites = [], [], {}
     counter = 0
     last_send = None
@@ -50,7 +58,7 @@ def persistent_plan(main: Plan, store_elems: int, n_experts: int, workers: int) 
         later, onh, seqw = i_end, i_end + len(order) - k - 1, i_end + len(order) - k - 1 + n_experts
         i_end = seqw + 1
         sites[signal] = {"later": later, "onh": onh, "layer": prog.layer,
-                         "later_seq": [calls[s]["box.off"] for s in order[k + 1:]]}
+                         "later_seq": [calls[s]["box.off"] + BOX_SEQ for s in order[k + 1:]]}
         N, K, S, topk = call["N"], call["K"], call["S"], call["topk"]
         x_ld = next(t["x.ld"] for t in prog.tasks if t.op.name == "EXPERT_LINEAR" and t.has("GATHER"))
         common = {"box.buf": Buf.H, "box.off": call["box.off"], "st.buf": Buf.I, "st.off": prog.st,
@@ -58,9 +66,10 @@ def persistent_plan(main: Plan, store_elems: int, n_experts: int, workers: int) 
         recv = counter
         counter += 1
         items.append(("HELPER_RECV", recv, [] if last_send is None else [(last_send, 1)],
-                      {**common, "ctl.buf": Buf.H, "ctl.off": ctl, "later.buf": Buf.I, "later.off": later,
+                      {**common, "done.buf": Buf.H, "done.off": done, "later.buf": Buf.I, "later.off": later,
                        "nlater": len(order) - k - 1, "onh.buf": Buf.I, "onh.off": onh, "x.buf": Buf.A,
-                       "x.off": prog.x[0], "x.ld": x_ld, "E": n_experts}, 0, 0))
+                       "x.off": prog.x[0], "x.ld": x_ld, "gaveup.buf": Buf.I, "gaveup.off": gaveup,
+                       "epoch0": epoch0, "E": n_experts}, 0, 0))
         labels.append(f"L{prog.layer}.helper.recv")
         number = {}  # the site's counters, renumbered
         for t in prog.tasks:
@@ -101,14 +110,18 @@ def persistent_plan(main: Plan, store_elems: int, n_experts: int, workers: int) 
 
 
 class PersistentHelper:
-    """The persistent helper kernel of one main runner (a helper plan's megakernel) on `store`'s device."""
+    """The persistent helper kernel of one main runner (a helper plan's megakernel) on `store`'s device.
+    Its n-th launch answers the runner's step n + epoch0: the runner must launch it before each of its
+    own launches (MailboxService.kick, a launch hook), which `launch` checks."""
 
     def __init__(self, main, store: torch.Tensor, layers: list[int], n_experts: int, workers: int = 32):
         self.main, self.device = main, store.device
         flat = with_slack(store)
-        self.plan, self.sites = persistent_plan(main.plan, flat.numel(), n_experts, workers)
+        self.epoch0 = main.epoch  # the helper kernel has not run yet (its epoch is 0)
+        self.plan, self.sites = persistent_plan(main.plan, flat.numel(), n_experts, workers, self.epoch0)
         self.box = main.mem.bufs[Buf.H]  # the main runner's mailboxes, in host memory both GPUs reach
-        self.ctl = self.box.numpy()[self.plan.task(0)["ctl.off"]: self.plan.task(0)["ctl.off"] + 2]
+        done = self.plan.task(0)["done.off"]
+        self.done = self.box.numpy()[done: done + 1]  # CTL_DONE
         mem = HelperMemory(self.plan, flat)
         mem.bufs[Buf.W], mem.bufs[Buf.H] = flat, self.box
         I = mem.bufs[Buf.I]
@@ -119,23 +132,33 @@ class PersistentHelper:
             later = torch.tensor(site["later_seq"], dtype=torch.int32)  # H offsets of later sites' sequence words
             I[site["later"]: site["later"] + later.numel()] = later.to(self.device)
         config = LaunchConfig(blocks={k: main.blocks[k] for k in STREAM_BLOCKS}, num_warps=main.config.num_warps,
-                              num_stages=main.config.num_stages, max_spins=main.config.max_spins,
-                              helper_timeout_s=main.config.helper_timeout_s)
+                              num_stages=main.config.num_stages, timeout_s=main.config.timeout_s,
+                              max_spins=main.config.max_spins, helper_timeout_s=main.config.helper_timeout_s)
         self.mk = Megakernel(self.plan, None, self.device, store.dtype, config=config, mem=mem)
-        self.flags = np.zeros((len(self.sites), n_experts), dtype=np.int32)
-        self.placed: Placement | None = None
+        cuda = self.device.type == "cuda"
+        # the placement's helper flags, staged in pinned memory for a copy on the helper's stream that
+        # never holds up the host; an event says when the staging may be written again
+        self.flags = torch.zeros((len(self.sites), n_experts), dtype=torch.int32, pin_memory=cuda)
+        self.flags_read = torch.cuda.Event() if cuda else None
+        self.placed: np.ndarray | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def place(self, placement: Placement) -> None:
-        """Each site's helper flags from `placement` (the one the main step routes by): on the helper's
-        stream before the next launch, and only when they changed."""
+        """Each site's helper flags from `placement` (the one the main step routes by), copied on the
+        helper's stream before the next launch when they changed."""
         flags = np.stack([placement.tables[s["layer"]] == HELPER for s in self.sites.values()]).astype(np.int32)
-        if self.placed is not None and np.array_equal(flags, self.flags):
+        if self.placed is not None and np.array_equal(flags, self.placed):
             return
-        self.flags, self.placed = flags, placement
+        if self.flags_read is not None:
+            self.flags_read.synchronize()  # the last copy out of the staging has run (long since, as a rule)
+        self.placed = flags
+        self.flags.numpy()[:] = flags
         I = self.mk.mem.bufs[Buf.I]
-        for k, site in enumerate(self.sites.values()):
-            I[site["onh"]: site["onh"] + flags.shape[1]].copy_(torch.from_numpy(flags[k]), non_blocking=True)
+        with torch.cuda.device(self.device) if self.flags_read is not None else contextlib.nullcontext():
+            for k, site in enumerate(self.sites.values()):
+                I[site["onh"]: site["onh"] + flags.shape[1]].copy_(self.flags[k], non_blocking=True)
+            if self.flags_read is not None:
+                self.flags_read.record()
 
     def capture(self) -> None:
         """The helper kernel as a graph on its device: one replay per step, a few microseconds of the
@@ -149,11 +172,15 @@ class PersistentHelper:
             with torch.cuda.graph(self.graph):
                 self.mk.kernel()
 
+    def release(self, epoch: int) -> None:
+        """CTL_DONE up to `epoch` (it only grows): a helper kernel still waiting on that step ends."""
+        self.done[0] = max(int(self.done[0]), epoch)
+
     def launch(self, epoch: int) -> None:
-        """Answer step `epoch` of the main runner (call before the main step's launch)."""
-        # a helper kernel still waiting on the last step stops (CTL_DONE only grows)
-        self.ctl[CTL_DONE - CTL_STEP] = max(int(self.ctl[CTL_DONE - CTL_STEP]), epoch - 1)
-        self.ctl[0] = epoch
+        """Answer step `epoch` of the main runner (call before the main step's launch, after `place`)."""
+        if epoch != self.mk.epoch + 1 + self.epoch0:
+            raise RuntimeError(f"persistent helper: the main runner launches step {epoch}, but the helper's next "
+                               f"launch answers step {self.mk.epoch + 1 + self.epoch0} (a main launch without it)")
         if self.graph is not None:
             with torch.cuda.device(self.device):
                 self.graph.replay()
@@ -161,14 +188,16 @@ class PersistentHelper:
         else:
             self.mk.launch()
 
-    def finish(self, epoch: int) -> None:
-        """The main step `epoch` is over: sites it passed without a call end their wait."""
-        self.ctl[CTL_DONE - CTL_STEP] = epoch
+    def close(self) -> None:
+        self.release(self.main.epoch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.graph = None
 
     def failures(self) -> list[str]:
         """The helper kernel's watchdog error, if it stopped (its counters then repaired for the next step)."""
         from megakernel.runtime import WatchdogError
-        self.finish(self.main.epoch)  # a kernel still waiting for a failed step's sites ends first
+        self.release(self.main.epoch)  # a kernel still waiting for a failed step's sites ends first
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         try:
@@ -176,3 +205,4 @@ class PersistentHelper:
         except WatchdogError as e:
             return [f"persistent helper: {e}"]
         return []
+

@@ -128,7 +128,8 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                     ok = helper.wait_body(word, t, A, I, HB, err, pid, HELPER_NS, MAX_SPINS, USE_TIMER, BD)
                 elif HELPER_SIDE:  # a persistent helper kernel's plan (compiled out of every other)
                     if op == OP_HELPER_RECV:
-                        ok = helper_side.recv_body(word, t, A, I, HB, err, pid, HELPER_NS, MAX_SPINS, USE_TIMER, BD)
+                        ok = helper_side.recv_body(word, t, epoch, A, I, HB, err, pid, HELPER_NS, MAX_SPINS, USE_TIMER,
+                                                   BD)
                     elif op == OP_HELPER_SEND:
                         helper_side.send_body(word, A, I, HB, USE_TIMER, BD)
         if ok == 1:

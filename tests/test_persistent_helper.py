@@ -23,61 +23,42 @@ pytestmark = [pytest.mark.usefixtures("one_kernel_for_tiny_models"),
               pytest.mark.skipif(not INTERPRET, reason="CPU Triton interpreter only (the GPU case needs two GPUs)")]
 
 
-def _main_step(fraction=0.5, seed=5):
-    """A tiny-moe megakernel with a host-paced CPU helper, after one step: its mailboxes hold the calls."""
+def _main_step(steps=1, seed=5):
+    """A tiny-moe megakernel with a host-paced CPU helper and, built before its first step, a persistent
+    helper kernel (not launched by it), after `steps` steps: its mailboxes hold the last step's calls."""
+    from helper_card.backends import on_device
+    from helper_card.persistent import PersistentHelper
     from megakernel.runtime import LaunchConfig, Megakernel
     cfg = preset("tiny-moe")
     w = init_weights(cfg, seed=3)
-    helper = Helper(cfg, w, HelperOptions(kind="cpu", fraction=fraction, timeout_s=60), "cpu", torch.float32)
+    helper = Helper(cfg, w, HelperOptions(kind="cpu", fraction=0.5, timeout_s=60), "cpu", torch.float32)
     plan = compile_step(cfg, StepShape(T=2, B=2, max_len=16, attn_split=4, helper_slots=helper.capacity),
                         CompileOptions(workers=1))
     mk = Megakernel(plan, w, "cpu", config=LaunchConfig(max_spins=2000, helper_timeout_s=60))
     helper.attach(mk)
-    mk.step(torch.randint(0, cfg.vocab_size, (2, 2), generator=torch.Generator().manual_seed(seed)),
-            torch.tensor([2, 6]))
-    return cfg, helper, plan, mk
-
-
-def test_persistent_plan_runs_each_site_after_the_last():
-    from helper_card.persistent import persistent_plan
-    cfg, helper, plan, mk = _main_step()
-    hplan, sites = persistent_plan(plan, helper.store.numel(), cfg.n_routed_experts, workers=3)
-    verify_plan(hplan)  # counts, bounds, and no two unordered tasks touching one place
-    tasks = [decode(w) for w in hplan.words]
-    recv = sorted((t for t in tasks if t.op.name == "HELPER_RECV"), key=lambda t: t.signal)
-    send = sorted((t for t in tasks if t.op.name == "HELPER_SEND"), key=lambda t: t.signal)
-    assert len(recv) == len(send) == len(sites) >= 2
-    assert recv[0].waits == () and all(r.waits == ((s.signal, 1),) for r, s in zip(recv[1:], send))
-    assert [r["nlater"] for r in recv] == list(range(len(sites) - 1, -1, -1))
-    helper.close()
-
-
-def test_persistent_helper_answers_each_call_like_the_helper_gpu():
-    from helper_card.backends import on_device
-    from helper_card.kernel_helper import KernelHelper, helper_table
-    from helper_card.mailbox import call_sites
-    from helper_card.persistent import PersistentHelper
-    cfg, helper, plan, mk = _main_step()
-    E, epoch = cfg.n_routed_experts, mk.epoch
     store = on_device(helper.store, "cpu")
-    box = mk.mem.bufs[Buf.H].numpy()
-    sites = call_sites(plan)
-    called = [s for s in sites if box[s.box + BOX_SEQ] == epoch]
-    assert 0 < len(called) < len(sites)  # some layers called the helper, some skipped it
-    for s in sites:  # forget the host-paced helper's answers: what is left is the persistent kernel's
-        parts = s.parts
+    persistent = PersistentHelper(mk, store, helper.layers, cfg.n_routed_experts, workers=1)
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        mk.step(torch.randint(0, cfg.vocab_size, (2, 2), generator=gen), torch.tensor([2 + step, 6 + step]))
+    return cfg, helper, plan, mk, persistent, store
+
+
+def _forget_answers(box, sites):
+    """Wipe the host-paced helper's acknowledgements, masks and rows: what is left is the kernel's."""
+    for s in sites:
         box[s.box + BOX_ACK] = 0
-        box[parts["mask"]: parts["table"]] = 0
-    persistent = PersistentHelper(mk, store, helper.layers, E, workers=1)
-    persistent.place(helper.placement)
-    persistent.finish(epoch)  # the step is over: the sites it skipped end their wait at once
-    persistent.launch(epoch)
-    persistent.mk.check_error()
-    reference = KernelHelper(mk, store, helper.layers, E, workers=1)
+        box[s.parts["mask"]: s.parts["table"]] = 0
+
+
+def _check_answers(box, sites, epoch, helper, reference):
+    """Each call of step `epoch` answered as the helper GPU's site kernels answer it (bit for bit); no
+    answer for a site the step skipped."""
+    from helper_card.kernel_helper import helper_table
     for s in sites:
         P, K, at = s.P, s.K, s.parts
-        if s not in called:
-            assert box[s.box + BOX_ACK] == 0 and not box[at["mask"]: at["table"]].any()
+        if box[s.box + BOX_SEQ] != epoch:
+            assert box[s.box + BOX_ACK] == 0 and not box[at["mask"]: at["table"]].any(), s.layer
             continue
         assert box[s.box + BOX_ACK] == epoch
         table = box[at["table"]: at["table"] + 2 * s.S + s.S * P].copy()
@@ -91,22 +72,78 @@ def test_persistent_helper_answers_each_call_like_the_helper_gpu():
         got = torch.from_numpy(box[at["ans"]: at["ans"] + P * K].view(np.float32).reshape(P, K).copy())
         rows = torch.from_numpy(want_mask.astype(bool))
         assert torch.equal(got[rows], want[rows]), s.layer  # the same tiles: bit for bit
+
+
+def test_persistent_plan_runs_each_site_after_the_last():
+    cfg, helper, plan, mk, persistent, _ = _main_step(steps=0)
+    hplan = persistent.plan
+    verify_plan(hplan)  # counts, bounds, and no two unordered tasks touching one place
+    tasks = [decode(w) for w in hplan.words]
+    recv = sorted((t for t in tasks if t.op.name == "HELPER_RECV"), key=lambda t: t.signal)
+    send = sorted((t for t in tasks if t.op.name == "HELPER_SEND"), key=lambda t: t.signal)
+    assert len(recv) == len(send) == len(persistent.sites) >= 2
+    assert recv[0].waits == () and all(r.waits == ((s.signal, 1),) for r, s in zip(recv[1:], send))
+    assert [r["nlater"] for r in recv] == list(range(len(recv) - 1, -1, -1))
+    assert {r["epoch0"] for r in recv} == {0}  # built before the runner's first step
     helper.close()
 
 
-def test_persistent_helper_without_a_main_step_stops_on_its_bound():
-    """Launched for a step the main runner never runs, the first site's wait ends on its bound with the
-    watchdog's error naming it (not a hang); CTL_DONE then lets the next launch through."""
-    from helper_card.backends import on_device
-    from helper_card.persistent import PersistentHelper
-    from megakernel.runtime import WatchdogError
-    cfg, helper, plan, mk = _main_step()
-    persistent = PersistentHelper(mk, on_device(helper.store, "cpu"), helper.layers, cfg.n_routed_experts, workers=1)
+@pytest.mark.parametrize("released", [True, False], ids=["step_over", "later_sites"])
+def test_persistent_helper_answers_each_call_like_the_helper_gpu(released):
+    """Every call answered bit for bit as kernel_helper's graphs answer it.  A skipped site learns it was
+    passed from CTL_DONE (the step is over) or, before that, from a later site's call; the sites after
+    the last call, with no CTL_DONE, wait out their bound and pass (no error: the runner may be idle)."""
+    from helper_card.kernel_helper import KernelHelper
+    from helper_card.mailbox import call_sites
+    cfg, helper, plan, mk, persistent, store = _main_step()
+    box = mk.mem.bufs[Buf.H].numpy()
+    sites = call_sites(plan)
+    called = [i for i, s in enumerate(sites) if box[s.box + BOX_SEQ] == mk.epoch]
+    assert 0 < len(called) < len(sites) and min(called) > 0  # a skipped site comes before a call
+    _forget_answers(box, sites)
     persistent.place(helper.placement)
-    persistent.launch(mk.epoch + 1)
-    with pytest.raises(WatchdogError, match=r"helper\.recv.*persistent helper saw neither call"):
-        persistent.mk.check_error()
-    persistent.finish(mk.epoch + 1)  # as the step boundary would: every site passed
-    persistent.launch(mk.epoch + 1)
+    if released:
+        persistent.release(mk.epoch)
+    persistent.launch(mk.epoch)
     persistent.mk.check_error()
+    _check_answers(box, sites, mk.epoch, helper, KernelHelper(mk, store, helper.layers, cfg.n_routed_experts, 1))
+    helper.close()
+
+
+def test_persistent_helper_answers_only_its_own_step():
+    """A launch answers the step its launch count names, even when the mailboxes already hold a later
+    step's calls (a kernel that starts late); one launch per main step, which `launch` checks."""
+    from helper_card.mailbox import call_sites
+    cfg, helper, plan, mk, persistent, _ = _main_step(steps=2)
+    box = mk.mem.bufs[Buf.H].numpy()
+    sites = call_sites(plan)
+    _forget_answers(box, sites)
+    persistent.place(helper.placement)
+    persistent.release(mk.epoch)
+    persistent.launch(1)  # step 1's kernel, late: the mailboxes hold step 2's calls (sequence 2)
+    persistent.mk.check_error()
+    assert not any(box[s.box + BOX_ACK] == 2 for s in sites)  # none of step 2's calls taken by step 1's kernel
+    with pytest.raises(RuntimeError, match="launches step 3, but the helper's next launch answers step 2"):
+        persistent.launch(3)
+    persistent.launch(2)
+    assert any(box[s.box + BOX_ACK] == 2 for s in sites)
+    helper.close()
+
+
+def test_persistent_helper_waits_out_a_step_that_never_comes():
+    """Launched for a step the runner never runs (an idle runner, or one the host has not yet marked
+    over), the first site waits out its bound and passes, and the kernel's later sites pass at once:
+    no answer, no error, and the next launch answers its own step."""
+    from helper_card.mailbox import call_sites
+    cfg, helper, plan, mk, persistent, _ = _main_step()
+    box = mk.mem.bufs[Buf.H].numpy()
+    sites = call_sites(plan)
+    _forget_answers(box, sites)
+    persistent.place(helper.placement)
+    persistent.launch(1)  # answers step 1 (already run: it acknowledges step 1's calls) ...
+    persistent.launch(2)  # ... and step 2, which never comes
+    persistent.mk.check_error()
+    assert all(box[s.box + BOX_ACK] in (0, 1) for s in sites)
+    gaveup = persistent.plan.task(0)["gaveup.off"]
+    assert int(persistent.mk.mem.bufs[Buf.I][gaveup]) == 2  # the first site's bound passed step 2's sites
     helper.close()

@@ -151,6 +151,7 @@ def poll_stop(err, scratch, USE_TIMER: tl.constexpr):
     if USE_TIMER:
         now = tl.inline_asm_elementwise("ld.volatile.global.b32 $0, [$1];", "=r,l", [scratch], dtype=tl.int32,
                                         is_pure=False, pack=1)
+        tl.debug_barrier()  # every thread has read it before thread 0's next reading (a loop may have no barrier)
     return failed, now
 
 

@@ -22,9 +22,9 @@ BOX_SEQ, BOX_ACK, BOX_WAIT_NS = tl.constexpr(isa.BOX_SEQ), tl.constexpr(isa.BOX_
 BOX_HEADER, ON_HELPER = tl.constexpr(isa.BOX_HEADER), tl.constexpr(isa.ON_HELPER)
 BOX_T_PUB, BOX_T_ANSWER = tl.constexpr(isa.BOX_T_PUB), tl.constexpr(isa.BOX_T_ANSWER)
 BOX_T_ACKED = tl.constexpr(isa.BOX_T_ACKED)
-CTL_STEP, CTL_DONE = tl.constexpr(isa.CTL_STEP), tl.constexpr(isa.CTL_DONE)
+CTL_DONE = tl.constexpr(isa.CTL_DONE)
 __all__ = ["WORD_OPCODE", "WORD_FLAGS", "WORD_SIGNAL", "WORD_WAITS", "WORD_TILE", "BOX_SEQ", "BOX_ACK", "BOX_WAIT_NS",
-           "BOX_HEADER", "ON_HELPER", "BOX_T_PUB", "BOX_T_ANSWER", "BOX_T_ACKED", "CTL_STEP", "CTL_DONE"]
+           "BOX_HEADER", "ON_HELPER", "BOX_T_PUB", "BOX_T_ANSWER", "BOX_T_ACKED", "CTL_DONE"]
 for _name, _op in OPCODES.items():
     globals()[f"OP_{_name}"] = tl.constexpr(_op.code)
     globals()[f"{_name}_FLAGS"] = tl.constexpr(1)

@@ -2,17 +2,21 @@
 
 The helper GPU of helper_card/kernel_helper.py is host-paced: a host thread notices each call in the
 mailbox, writes the helper's slot table and replays a graph on the helper GPU.  A persistent helper
-kernel takes the host out of the call: launched once per step beside the main step, per call site it runs
+kernel takes the host out of the call: launched once per main step, beside it, per call site it runs
 - HELPER_RECV: wait (bounded) until the main step publishes the site's mailbox (its sequence word
-  reaches the step's epoch, CTL_STEP) or passes it without a call (a later site's sequence word does,
-  or the host's CTL_DONE at the step boundary), then write the helper's slot table (the routed table
-  with only the slots whose expert is the helper's, `onh`: the host's placement for the step, as the
-  host-paced helper chooses them) and copy the token rows in;
+  equals the step's epoch: the kernel's own launch count plus a fixed offset, epoch0) or passes it
+  without a call (a later site's sequence word reaches the step, or the host's CTL_DONE does at the
+  step boundary), then write the helper's slot table (the routed table with only the slots whose
+  expert is the helper's, `onh`: the host's placement for the step, as the host-paced helper chooses
+  them) and copy the token rows in;
 - the site's expert tiles (the main plan's own, as kernel_helper's site plans run them: bit for bit);
 - HELPER_SEND: the helper's rows, their mask and the acknowledgement into the mailbox, as
   ops.helper.publish_rows does for the host-paced helper.
-A skipped site's table is empty, so its tiles and its SEND do nothing.  The main side (HELPER_CALL,
-HELPER_WAIT) does not change.
+A passed site's table is empty, so its tiles and its SEND do nothing.  A RECV whose wait outlives its
+bound passes its site too (and marks `gaveup`, so the kernel's later sites pass at once) instead of
+raising the error flag: the main runner may simply be idle (the host has not marked the step's end),
+and a main step that does publish later gets no answer and reports its own bounded error.  The main
+side (HELPER_CALL, HELPER_WAIT) does not change.
 """
 
 from __future__ import annotations
@@ -26,26 +30,30 @@ from graph.isa import Buf, box_layout
 
 from .common import (ERR_HEADER, ERR_PER_WORKER, fence_sys, fld, load_acquire_sys, off, past_bound, record_stop,
                      store_release_sys)
-from .fields import (BOX_ACK, BOX_HEADER, BOX_SEQ, BOX_T_ANSWER, CTL_DONE, CTL_STEP, HELPER_RECV_BOX_OFF,
-                     HELPER_RECV_CTL_OFF, HELPER_RECV_K, HELPER_RECV_LATER_OFF, HELPER_RECV_N, HELPER_RECV_NLATER,
-                     HELPER_RECV_ONH_OFF, HELPER_RECV_S, HELPER_RECV_SEQW_OFF, HELPER_RECV_ST_OFF, HELPER_RECV_TOPK,
-                     HELPER_RECV_X_LD, HELPER_RECV_X_OFF, HELPER_SEND_BOX_OFF, HELPER_SEND_K, HELPER_SEND_N,
-                     HELPER_SEND_S, HELPER_SEND_SEQW_OFF, HELPER_SEND_ST_OFF, HELPER_SEND_TOPK, HELPER_SEND_Y_LD,
-                     HELPER_SEND_Y_OFF)
-from .helper import HELPER_TIMEOUT, stamp
+
+GAVE_UP = tl.constexpr(4)  # past_bound's reason for a RECV that outlived its bound: not an error
+from .fields import (BOX_ACK, BOX_HEADER, BOX_SEQ, BOX_T_ANSWER, HELPER_RECV_BOX_OFF, HELPER_RECV_DONE_OFF,
+                     HELPER_RECV_EPOCH0, HELPER_RECV_GAVEUP_OFF, HELPER_RECV_K, HELPER_RECV_LATER_OFF, HELPER_RECV_N,
+                     HELPER_RECV_NLATER, HELPER_RECV_ONH_OFF, HELPER_RECV_S, HELPER_RECV_SEQW_OFF, HELPER_RECV_ST_OFF,
+                     HELPER_RECV_TOPK, HELPER_RECV_X_LD, HELPER_RECV_X_OFF, HELPER_SEND_BOX_OFF, HELPER_SEND_K,
+                     HELPER_SEND_N, HELPER_SEND_S, HELPER_SEND_SEQW_OFF, HELPER_SEND_ST_OFF, HELPER_SEND_TOPK,
+                     HELPER_SEND_Y_LD, HELPER_SEND_Y_OFF)
+from .helper import stamp
 
 
 # ---- reference semantics (the plan interpreter cannot wait: the mailbox must already say) ----------
 def reference_recv(task, mem) -> None:
+    """mem.epoch: the helper kernel's launch number (the Triton kernel's own epoch) that runs the task."""
     S, N, K, P = task["S"], task["N"], task["K"], task["N"] * task["topk"]
-    target, done = (int(v) for v in mem.flat(task, "ctl", 0, 2))  # CTL_STEP, CTL_DONE
+    target = mem.epoch + task["epoch0"]
     seq = int(mem.flat(task, "box", isa.BOX_SEQ, 1)[0])
     later = [int(mem.bufs[Buf.H][int(o)]) for o in mem.flat(task, "later", 0, task["nlater"]).cpu()]
-    if seq < target and max([done] + later) < target:
+    far = max([int(mem.flat(task, "done", 0, 1)[0]), int(mem.flat(task, "gaveup", 0, 1)[0])] + later)
+    if seq < target and far < target:
         raise RuntimeError(f"layer {task['layer']}: HELPER_RECV found neither a call of step {target} nor a later "
                            "site past it (the interpreter cannot wait for the main step)")
     st = mem.flat(task, "st", 0, 2 * S + S * P)
-    if seq < target:  # skipped: every slot empty
+    if seq != target:  # passed (or a later step's call: that step's kernel answers it)
         st[:S], st[S: 2 * S] = -1, 0
         mem.flat(task, "seqw", 0, 1).fill_(0)
         return
@@ -81,10 +89,11 @@ def reference_send(task, mem) -> None:
 
 # ---- GPU bodies -------------------------------------------------------------------------------
 @triton.jit
-def furthest(HB, later, nlater, ctl, COMPILED: tl.constexpr, BD: tl.constexpr):
-    """How far the main step got: the largest of CTL_DONE and the later sites' sequence words (their H
-    offsets in `later`), each read with a system-scope acquire, the same in every thread."""
-    far = load_acquire_sys(ctl + (CTL_DONE - CTL_STEP), COMPILED, BD)
+def furthest(HB, later, nlater, done, gaveup, COMPILED: tl.constexpr, BD: tl.constexpr):
+    """How far the main step got, as far as this kernel knows: the largest of CTL_DONE, the kernel's
+    gave-up mark and the later sites' sequence words (their H offsets in `later`), each host word read
+    with a system-scope acquire, the same in every thread."""
+    far = tl.maximum(load_acquire_sys(done, COMPILED, BD), tl.load(gaveup, cache_modifier=".cg"))
     for j0 in range(0, nlater, BD):
         j = j0 + tl.arange(0, BD)
         m = j < nlater
@@ -99,34 +108,38 @@ def furthest(HB, later, nlater, ctl, COMPILED: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
-def recv_body(word, t, A, I, HB, err, pid, TIMEOUT_NS: tl.constexpr, MAX_SPINS: tl.constexpr,
+def recv_body(word, t, epoch, A, I, HB, err, pid, TIMEOUT_NS: tl.constexpr, MAX_SPINS: tl.constexpr,
               COMPILED: tl.constexpr, BD: tl.constexpr):
-    """The site's call in (or an empty table when the main step passed the site without one); 0 when this
-    worker must stop (no word from the main step within the bound, or another worker failed)."""
+    """The site's call of the step this launch answers in, or an empty table when the step passed the
+    site without one; 0 when this worker must stop (another worker failed)."""
     S, N, K = fld(word, HELPER_RECV_S), fld(word, HELPER_RECV_N), fld(word, HELPER_RECV_K)
     P = N * fld(word, HELPER_RECV_TOPK)
-    box, ctl = HB + off(word, HELPER_RECV_BOX_OFF), HB + off(word, HELPER_RECV_CTL_OFF)
+    box, done = HB + off(word, HELPER_RECV_BOX_OFF), HB + off(word, HELPER_RECV_DONE_OFF)
     later, nlater = I + off(word, HELPER_RECV_LATER_OFF), fld(word, HELPER_RECV_NLATER)
     st, onh = I + off(word, HELPER_RECV_ST_OFF), I + off(word, HELPER_RECV_ONH_OFF)
-    seqw = I + off(word, HELPER_RECV_SEQW_OFF)
-    target = load_acquire_sys(ctl, COMPILED, BD)  # CTL_STEP, written by the host before the launch
+    seqw, gaveup = I + off(word, HELPER_RECV_SEQW_OFF), I + off(word, HELPER_RECV_GAVEUP_OFF)
+    target = epoch + fld(word, HELPER_RECV_EPOCH0)  # fixed by the launch: no host word to race with
     state = err + ERR_HEADER + pid * ERR_PER_WORKER
+    # the later sites first: the main step published them after this one, so once a later word is
+    # acquired, this site's word read after it is its final one for the step
+    far = furthest(HB, later, nlater, done, gaveup, COMPILED, BD)
     seq = load_acquire_sys(box + BOX_SEQ, COMPILED, BD)
-    far = furthest(HB, later, nlater, ctl, COMPILED, BD)
     spins = 0
     reason = 0
     first = tl.zeros((), tl.int32)
     while (seq < target) & (far < target) & (reason == 0):
+        far = furthest(HB, later, nlater, done, gaveup, COMPILED, BD)
         seq = load_acquire_sys(box + BOX_SEQ, COMPILED, BD)
-        far = furthest(HB, later, nlater, ctl, COMPILED, BD)
         spins += 1
-        reason, first = past_bound(err, state, spins, first, TIMEOUT_NS, MAX_SPINS, COMPILED, HELPER_TIMEOUT)
+        reason, first = past_bound(err, state, spins, first, TIMEOUT_NS, MAX_SPINS, COMPILED, GAVE_UP)
     ok = 1
-    if reason != 0:
+    if reason == 2:  # another worker failed
         ok = 0
-        record_stop(err, state, reason, t, -1, seq, target, HELPER_TIMEOUT)
+        record_stop(err, state, reason, t, -1, seq, target, GAVE_UP)
     else:
-        called = seq >= target
+        if reason == GAVE_UP:
+            tl.store(gaveup, target)  # the kernel's later sites pass at once (read after this task's release)
+        called = seq == target  # (a later step's call is that step's kernel's to answer)
         table = box + BOX_HEADER + (P + 31) // 32 * 32 + P * K  # box_layout's "table"
         for s0 in range(0, S, BD):
             s = s0 + tl.arange(0, BD)
