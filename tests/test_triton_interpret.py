@@ -218,13 +218,14 @@ def test_block_overrides_that_would_change_the_result_are_refused():
                ({"TB": 3}, "TB=3: tokens per weight chunk"), ({"DEPTH": 3}, "DEPTH=3: 1 or 2"),
                ({"PF": 3}, "PF=3: 0 .no L2 prefetch."), ({"ROWVEC": 3}, "ROWVEC=3: 0, 1"),
                ({"ROWVEC": 2}, "ROWVEC=2: the Triton interpreter runs no inline PTX"),
-
                ({"PF": 1}, "PF=1: the Triton interpreter runs no inline PTX")]  # this suite runs interpreted
     for override, why in refused:
         with pytest.raises(MegakernelError, match=why):
             check_block_overrides({**fitted, **override}, fitted)
     with pytest.raises(MegakernelError, match="SAMPLE=0"):
         check_block_overrides({**fitted, "SAMPLE": 0}, {**fitted, "SAMPLE": 1})
+    with pytest.raises(MegakernelError, match="HELPER_SIDE=0: this plan has a persistent helper"):
+        check_block_overrides({**fitted, "HELPER_SIDE": 0}, {**fitted, "HELPER_SIDE": 1})
 
 
 def test_block_sizes_fit_the_step():
