@@ -136,6 +136,9 @@ class Helper:
         elif arena.data_ptr() != self.arena_ptr:
             raise ValueError("every plan of one engine must share the weight arena (Memory share=...)")
         megakernel = not isinstance(runner, Interpreter)
+        if self.opts.persistent and not megakernel:
+            raise ValueError("a persistent helper kernel (--helper-persistent) answers the megakernel's mailboxes: "
+                             "the plan interpreter calls its helper directly")
         if self.overlap is None:
             self.overlap = self.opts.migrate and self.opts.overlap
         if self.overlap:
