@@ -39,17 +39,20 @@ class Buf(IntEnum):
 #   header  [BOX_SEQ] request sequence number (the step's epoch; written last, release, system scope)
 #           [BOX_ACK] answered sequence number (host, written after the answer)
 #           [BOX_WAIT_NS] how long HELPER_WAIT waited for it (device timer; 0 without one)
+#           [BOX_PASSED] the step's epoch, when the step passed the site without a call (one word, no
+#           wait: a persistent helper kernel learns from it that the site has nothing for it)
 #           a call's timeline, int64 %globaltimer stamps (nanoseconds; 0 without a timer), read at the step
 #           boundary: [BOX_T_PUB] HELPER_CALL published (main GPU), [BOX_T_ANSWER] a helper GPU
 #           published its rows (helper GPU), [BOX_T_ACKED] HELPER_WAIT saw the answer (main GPU)
 #           [CTL_DONE] (the plan's first mailbox only) the last step of the main runner known to be
-#           over, for a persistent helper kernel (host-written; it only grows)
+#           over (host-written when a step failed, or at close; it only grows): a persistent helper
+#           kernel's sites still waiting on it end
 #   mask    P words: 1 where pair row p is the helper's (host)
 #   ans     P x K: the helper's rows (host)
 #   table   the routed slot table (ROUTE's st, 2S + S·P words), written every step (device): the host
 #           takes the helper's slots by its placement, and routing statistics from all of them
 #   x       N x K token rows (device)
-BOX_SEQ, BOX_ACK, BOX_WAIT_NS = 0, 1, 2
+BOX_SEQ, BOX_ACK, BOX_WAIT_NS, BOX_PASSED = 0, 1, 2, 3
 BOX_T_PUB, BOX_T_ANSWER, BOX_T_ACKED = 4, 6, 8  # int64 stamps: even words of a 128-byte aligned header
 CTL_DONE = 10
 BOX_HEADER = 32  # one 128-byte line
@@ -162,12 +165,12 @@ _OPS = [
     Opcode("HELPER_WAIT", 21, _f("y+ mail+ box+ out+ N H topk layer")),
     # A persistent helper kernel's side of a call (helper_card/persistent.py), in the helper's buffers.
     # The main step it answers is its own launch's epoch + epoch0.  Waits (bounded) until that step
-    # published mailbox `box` (its sequence word equals the step: a call) or passed it (a later site's
-    # sequence word or `done`, CTL_DONE, reaches it; or the wait outlived its bound: then gaveup[0] =
-    # the step, and the kernel's later sites pass at once), then st = the call's slot table with only
-    # the helper's slots (onh[expert] != 0) kept, x = its token rows, seqw[0] = its sequence number (0:
-    # passed, every slot empty).  `later`: nlater words, the H offsets of the later sites' sequence words
-    Opcode("HELPER_RECV", 22, _f("box+ done+ later+ nlater st+ onh+ x* seqw+ gaveup+ epoch0 N K E topk S layer")),
+    # published mailbox `box` (its sequence word equals the step: a call) or passed it (the box's
+    # BOX_PASSED word or `done`, CTL_DONE, reaches the step, or a later step called it; or the wait
+    # outlived its bound: then gaveup[0] = the step, and the kernel's later sites pass at once), then
+    # st = the call's slot table with only the helper's slots (onh[expert] != 0) kept, x = its token
+    # rows, seqw[0] = its sequence number (0: passed, every slot empty)
+    Opcode("HELPER_RECV", 22, _f("box+ done+ st+ onh+ x* seqw+ gaveup+ epoch0 N K E topk S layer")),
     # If seqw[0] != 0: the rows of st's slots' pairs from y into the mailbox's answer, its mask, then
     # the acknowledgement seqw[0] (system-scope release); nothing for a skipped call
     Opcode("HELPER_SEND", 23, _f("y* box+ st+ seqw+ N K S topk layer")),

@@ -171,7 +171,6 @@ class MailboxService:
     def kick(self) -> None:
         """Before each launch of the runner: the persistent helper kernel of that step, or the thread's wake-up."""
         if self.persistent is not None:
-            self.persistent.release(self.runner.epoch)  # the last step is over: its kernel (if waiting) ends
             self.persistent.place(self.link.placement)  # what the step's maps route by (flips land between steps)
             self.persistent.launch(self.runner.epoch + 1)
             return
@@ -290,8 +289,6 @@ class MailboxService:
         if errors:
             raise RuntimeError("helper service failed: " + "; ".join(errors))
         epoch = self.runner.epoch
-        if self.persistent is not None:
-            self.persistent.release(epoch)  # the sites the step passed without a call end their wait
         if epoch == self.counted_epoch:
             return
         self.counted_epoch = epoch

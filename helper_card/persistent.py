@@ -12,11 +12,12 @@ Each site's RECV waits for the previous site's SEND, so the sites run one after 
 shaped like main's (main's memory plan reuses places across layers), at no cost to a call: the main
 step publishes site s+1 only after it acquired site s's answer.  The step a launch answers is fixed on
 the device (the kernel's own launch count + epoch0), so a late kernel never takes a newer step's call.
-The host's part, per step: CTL_DONE for the last step (so a kernel still waiting on it ends), the
-placement's helper flags (`onh`, when the placement changed) and the launch, before the main step's
-launch; CTL_DONE again at the step boundary (the sites after the step's last call end their wait).  A
-RECV that outlives its bound passes its site (the main runner may be idle between steps): no error,
-and a main step that does call later reports its own bounded error.
+A site the step passes without a call says so itself (HELPER_CALL writes the step into the mailbox's
+BOX_PASSED word), so a kernel ends with its main step, with nothing from the host: the host's part per
+step is the placement's helper flags (`onh`, when the placement changed) and the launch, before the
+main step's launch.  After a failed main step the host writes CTL_DONE, so the sites the step never
+reached end their wait; a RECV that outlives its bound passes its site too, without an error (a main
+step that does call later reports its own bounded error).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import contextlib
 import numpy as np
 import torch
 
-from graph.isa import BOX_SEQ, CTL_DONE, MAX_WAITS, Buf, decode, encode
+from graph.isa import CTL_DONE, MAX_WAITS, Buf, decode, encode
 from graph.plan import Plan
 from megakernel.runtime import INTERPRET, LaunchConfig, Megakernel
 
@@ -37,11 +38,10 @@ from .placement import HELPER, Placement
 
 def persistent_plan(main: Plan, store_elems: int, n_experts: int, workers: int, epoch0: int = 0) -> tuple[Plan, dict]:
     """Every call site of `main` as RECV, its expert tiles, SEND, in layer order, over the helper's
-    buffers (A like main's; I like main's, then the kernel's gave-up word, then per site its later
-    sites' sequence words, its helper flags per expert and its sequence word).  The kernel's n-th
-    launch answers the main runner's step n + epoch0.  Returns the plan and, per site (keyed by the
-    call's op id), what the host writes there: {"later": I offset, "later_seq": the later sites' H
-    offsets of their sequence words, "onh": I offset of the helper flags, "layer"}."""
+    buffers (A like main's; I like main's, then the kernel's gave-up word, then per site its helper
+    flags per expert and its sequence word).  The kernel's n-th launch answers the main runner's step
+    n + epoch0.  Returns the plan and, per site (keyed by the call's op id), {"onh": the I offset of
+    the helper flags the host writes, "layer"}."""
     calls = {t.signal: t for t in map(decode, main.words) if t.op.name == "HELPER_CALL"}
     progs: dict[int, LayerProgram] = layer_programs(main)
     order = sorted(progs)  # op ids follow program order: the main step calls the sites in this order
@@ -55,10 +55,9 @@ def persistent_plan(main: Plan, store_elems: int, n_experts: int, workers: int, 
     last_send = None
     for k, signal in enumerate(order):
         prog, call = progs[signal], calls[signal]
-        later, onh, seqw = i_end, i_end + len(order) - k - 1, i_end + len(order) - k - 1 + n_experts
+        onh, seqw = i_end, i_end + n_experts
         i_end = seqw + 1
-        sites[signal] = {"later": later, "onh": onh, "layer": prog.layer,
-                         "later_seq": [calls[s]["box.off"] + BOX_SEQ for s in order[k + 1:]]}
+        sites[signal] = {"onh": onh, "layer": prog.layer}
         N, K, S, topk = call["N"], call["K"], call["S"], call["topk"]
         x_ld = next(t["x.ld"] for t in prog.tasks if t.op.name == "EXPERT_LINEAR" and t.has("GATHER"))
         common = {"box.buf": Buf.H, "box.off": call["box.off"], "st.buf": Buf.I, "st.off": prog.st,
@@ -66,8 +65,7 @@ def persistent_plan(main: Plan, store_elems: int, n_experts: int, workers: int, 
         recv = counter
         counter += 1
         items.append(("HELPER_RECV", recv, [] if last_send is None else [(last_send, 1)],
-                      {**common, "done.buf": Buf.H, "done.off": done, "later.buf": Buf.I, "later.off": later,
-                       "nlater": len(order) - k - 1, "onh.buf": Buf.I, "onh.off": onh, "x.buf": Buf.A,
+                      {**common, "done.buf": Buf.H, "done.off": done, "onh.buf": Buf.I, "onh.off": onh, "x.buf": Buf.A,
                        "x.off": prog.x[0], "x.ld": x_ld, "gaveup.buf": Buf.I, "gaveup.off": gaveup,
                        "epoch0": epoch0, "E": n_experts}, 0, 0))
         labels.append(f"L{prog.layer}.helper.recv")
@@ -126,11 +124,8 @@ class PersistentHelper:
         mem.bufs[Buf.W], mem.bufs[Buf.H] = flat, self.box
         I = mem.bufs[Buf.I]
         row_of = {layer: i * n_experts for i, layer in enumerate(layers)}
-        for signal, prog in layer_programs(main.plan).items():  # each layer's expert map -> its store rows
+        for prog in layer_programs(main.plan).values():  # each layer's expert map -> its store rows
             I[prog.map: prog.map + n_experts] = (torch.arange(n_experts, dtype=torch.int32) + row_of[prog.layer])
-            site = self.sites[signal]
-            later = torch.tensor(site["later_seq"], dtype=torch.int32)  # H offsets of later sites' sequence words
-            I[site["later"]: site["later"] + later.numel()] = later.to(self.device)
         config = LaunchConfig(blocks={k: main.blocks[k] for k in STREAM_BLOCKS}, num_warps=main.config.num_warps,
                               num_stages=main.config.num_stages, timeout_s=main.config.timeout_s,
                               max_spins=main.config.max_spins, helper_timeout_s=main.config.helper_timeout_s)
@@ -173,7 +168,9 @@ class PersistentHelper:
                 self.mk.kernel()
 
     def release(self, epoch: int) -> None:
-        """CTL_DONE up to `epoch` (it only grows): a helper kernel still waiting on that step ends."""
+        """CTL_DONE up to `epoch` (it only grows): a helper kernel still waiting on that step ends.  Only
+        for a step known to be over (failed, or the last before close): a running step's sites still to
+        come would pass unanswered."""
         self.done[0] = max(int(self.done[0]), epoch)
 
     def launch(self, epoch: int) -> None:

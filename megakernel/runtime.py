@@ -54,8 +54,7 @@ OPERAND_BUFFERS = {
     "GATHER": {"idx": Buf.I},  # src and out: A, or I with INT (checked below)
     "HELPER_CALL": {"st": Buf.I, "map": Buf.I, "x": Buf.A, "st2": Buf.I, "mail": Buf.I, "box": Buf.H},
     "HELPER_WAIT": {"y": Buf.A, "mail": Buf.I, "box": Buf.H, "out": Buf.A},
-    "HELPER_RECV": {"box": Buf.H, "done": Buf.H, "later": Buf.I, "st": Buf.I, "onh": Buf.I, "x": Buf.A, "seqw": Buf.I,
-                    "gaveup": Buf.I},
+    "HELPER_RECV": {"box": Buf.H, "done": Buf.H, "st": Buf.I, "onh": Buf.I, "x": Buf.A, "seqw": Buf.I, "gaveup": Buf.I},
     "HELPER_SEND": {"y": Buf.A, "box": Buf.H, "st": Buf.I, "seqw": Buf.I},
 }
 

@@ -7,8 +7,10 @@ main table, so the main expert tasks skip them.  The helper computes those
 experts' rows (the same tiles, in the same order) into `hy`.  HELPER_WAIT runs
 after the main experts: it waits, bounded, for the helper's acknowledgement of
 that sequence number and merges the helper rows into the expert output.  A
-layer none of whose tokens route to the helper publishes nothing and waits for
-nothing.
+layer none of whose tokens route to the helper publishes no request and waits for
+nothing (the megakernel writes the step into one word of the mailbox, BOX_PASSED,
+with no fence or wait: a persistent helper kernel reads there that the site has
+nothing for it).
 
 Two runners, one contract (graph.isa.box_layout):
 - the plan interpreter calls the link attached to the plan's Memory
@@ -29,7 +31,7 @@ from graph.isa import box_layout
 
 from .common import (ERR_HEADER, ERR_PER_WORKER, fence_sys, fld, load_acquire_sys, now_ns, off, past_bound,
                      record_stop, store_release_sys)
-from .fields import (BOX_ACK, BOX_HEADER, BOX_SEQ, BOX_T_ACKED, BOX_T_ANSWER, BOX_T_PUB, BOX_WAIT_NS,
+from .fields import (BOX_ACK, BOX_HEADER, BOX_PASSED, BOX_SEQ, BOX_T_ACKED, BOX_T_ANSWER, BOX_T_PUB, BOX_WAIT_NS,
                      HELPER_CALL_BOX_OFF, HELPER_CALL_K, HELPER_CALL_MAIL_OFF, HELPER_CALL_MAP_OFF, HELPER_CALL_N,
                      HELPER_CALL_S, HELPER_CALL_ST2_OFF, HELPER_CALL_ST_OFF, HELPER_CALL_TOPK, HELPER_CALL_X_LD,
                      HELPER_CALL_X_OFF, HELPER_WAIT_BOX_OFF, HELPER_WAIT_H, HELPER_WAIT_MAIL_OFF, HELPER_WAIT_N,
@@ -146,6 +148,7 @@ def call_body(word, A, I, HB, epoch, COMPILED: tl.constexpr, BD: tl.constexpr):
         store_release_sys(box + BOX_SEQ, epoch, COMPILED)  # ...and the sequence number after all of them
         tl.store(mail, epoch)
     else:
+        tl.store(box + BOX_PASSED, epoch)  # no request: only this word, for a persistent helper kernel
         tl.store(mail, 0)
     tl.store(mail + 1, remote)
 

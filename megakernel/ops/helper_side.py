@@ -5,17 +5,17 @@ mailbox, writes the helper's slot table and replays a graph on the helper GPU.  
 kernel takes the host out of the call: launched once per main step, beside it, per call site it runs
 - HELPER_RECV: wait (bounded) until the main step publishes the site's mailbox (its sequence word
   equals the step's epoch: the kernel's own launch count plus a fixed offset, epoch0) or passes it
-  without a call (a later site's sequence word reaches the step, or the host's CTL_DONE does at the
-  step boundary), then write the helper's slot table (the routed table with only the slots whose
-  expert is the helper's, `onh`: the host's placement for the step, as the host-paced helper chooses
-  them) and copy the token rows in;
+  without a call (its BOX_PASSED word, which HELPER_CALL writes instead, reaches the step; or the
+  host's CTL_DONE does, after a failed step), then write the helper's slot table (the routed table
+  with only the slots whose expert is the helper's, `onh`: the host's placement for the step, as the
+  host-paced helper chooses them) and copy the token rows in;
 - the site's expert tiles (the main plan's own, as kernel_helper's site plans run them: bit for bit);
 - HELPER_SEND: the helper's rows, their mask and the acknowledgement into the mailbox, as
   ops.helper.publish_rows does for the host-paced helper.
 A passed site's table is empty, so its tiles and its SEND do nothing.  A RECV whose wait outlives its
 bound passes its site too (and marks `gaveup`, so the kernel's later sites pass at once) instead of
-raising the error flag: the main runner may simply be idle (the host has not marked the step's end),
-and a main step that does publish later gets no answer and reports its own bounded error.  The main
+raising the error flag: the main step may have failed before the site, and a main step that does
+publish later gets no answer and reports its own bounded error.  The main
 side (HELPER_CALL, HELPER_WAIT) does not change.
 """
 
@@ -32,9 +32,9 @@ from .common import (ERR_HEADER, ERR_PER_WORKER, fence_sys, fld, load_acquire_sy
                      store_release_sys)
 
 GAVE_UP = tl.constexpr(4)  # past_bound's reason for a RECV that outlived its bound: not an error
-from .fields import (BOX_ACK, BOX_HEADER, BOX_SEQ, BOX_T_ANSWER, HELPER_RECV_BOX_OFF, HELPER_RECV_DONE_OFF,
-                     HELPER_RECV_EPOCH0, HELPER_RECV_GAVEUP_OFF, HELPER_RECV_K, HELPER_RECV_LATER_OFF, HELPER_RECV_N,
-                     HELPER_RECV_NLATER, HELPER_RECV_ONH_OFF, HELPER_RECV_S, HELPER_RECV_SEQW_OFF, HELPER_RECV_ST_OFF,
+from .fields import (BOX_ACK, BOX_HEADER, BOX_PASSED, BOX_SEQ, BOX_T_ANSWER, HELPER_RECV_BOX_OFF,
+                     HELPER_RECV_DONE_OFF, HELPER_RECV_EPOCH0, HELPER_RECV_GAVEUP_OFF, HELPER_RECV_K, HELPER_RECV_N,
+                     HELPER_RECV_ONH_OFF, HELPER_RECV_S, HELPER_RECV_SEQW_OFF, HELPER_RECV_ST_OFF,
                      HELPER_RECV_TOPK, HELPER_RECV_X_LD, HELPER_RECV_X_OFF, HELPER_SEND_BOX_OFF, HELPER_SEND_K,
                      HELPER_SEND_N, HELPER_SEND_S, HELPER_SEND_SEQW_OFF, HELPER_SEND_ST_OFF, HELPER_SEND_TOPK,
                      HELPER_SEND_Y_LD, HELPER_SEND_Y_OFF)
@@ -47,11 +47,11 @@ def reference_recv(task, mem) -> None:
     S, N, K, P = task["S"], task["N"], task["K"], task["N"] * task["topk"]
     target = mem.epoch + task["epoch0"]
     seq = int(mem.flat(task, "box", isa.BOX_SEQ, 1)[0])
-    later = [int(mem.bufs[Buf.H][int(o)]) for o in mem.flat(task, "later", 0, task["nlater"]).cpu()]
-    far = max([int(mem.flat(task, "done", 0, 1)[0]), int(mem.flat(task, "gaveup", 0, 1)[0])] + later)
+    far = max(int(mem.flat(task, "box", isa.BOX_PASSED, 1)[0]), int(mem.flat(task, "done", 0, 1)[0]),
+              int(mem.flat(task, "gaveup", 0, 1)[0]))
     if seq < target and far < target:
-        raise RuntimeError(f"layer {task['layer']}: HELPER_RECV found neither a call of step {target} nor a later "
-                           "site past it (the interpreter cannot wait for the main step)")
+        raise RuntimeError(f"layer {task['layer']}: HELPER_RECV found neither a call of step {target} nor the step "
+                           "past it (the interpreter cannot wait for the main step)")
     st = mem.flat(task, "st", 0, 2 * S + S * P)
     if seq != target:  # passed (or a later step's call: that step's kernel answers it)
         st[:S], st[S: 2 * S] = -1, 0
@@ -89,22 +89,11 @@ def reference_send(task, mem) -> None:
 
 # ---- GPU bodies -------------------------------------------------------------------------------
 @triton.jit
-def furthest(HB, later, nlater, done, gaveup, COMPILED: tl.constexpr, BD: tl.constexpr):
-    """How far the main step got, as far as this kernel knows: the largest of CTL_DONE, the kernel's
-    gave-up mark and the later sites' sequence words (their H offsets in `later`), each host word read
-    with a system-scope acquire, the same in every thread."""
-    far = tl.maximum(load_acquire_sys(done, COMPILED, BD), tl.load(gaveup, cache_modifier=".cg"))
-    for j0 in range(0, nlater, BD):
-        j = j0 + tl.arange(0, BD)
-        m = j < nlater
-        ptrs = HB + tl.load(later + j, mask=m, other=0)  # masked lanes read word 0: a valid address
-        if COMPILED:
-            seen = tl.inline_asm_elementwise("ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [ptrs],
-                                             dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            seen = tl.atomic_add(ptrs, 0, mask=m, sem="acquire", scope="sys")
-        far = tl.maximum(far, tl.max(tl.where(m, seen, -1), axis=0))
-    return far
+def passed(box, done, gaveup, COMPILED: tl.constexpr, BD: tl.constexpr):
+    """The latest step known to have passed the site without a call: the box's BOX_PASSED word, CTL_DONE
+    (both read with a system-scope acquire) and the kernel's gave-up mark, the same in every thread."""
+    far = tl.maximum(load_acquire_sys(box + BOX_PASSED, COMPILED, BD), load_acquire_sys(done, COMPILED, BD))
+    return tl.maximum(far, tl.load(gaveup, cache_modifier=".cg"))
 
 
 @triton.jit
@@ -115,20 +104,17 @@ def recv_body(word, t, epoch, A, I, HB, err, pid, TIMEOUT_NS: tl.constexpr, MAX_
     S, N, K = fld(word, HELPER_RECV_S), fld(word, HELPER_RECV_N), fld(word, HELPER_RECV_K)
     P = N * fld(word, HELPER_RECV_TOPK)
     box, done = HB + off(word, HELPER_RECV_BOX_OFF), HB + off(word, HELPER_RECV_DONE_OFF)
-    later, nlater = I + off(word, HELPER_RECV_LATER_OFF), fld(word, HELPER_RECV_NLATER)
     st, onh = I + off(word, HELPER_RECV_ST_OFF), I + off(word, HELPER_RECV_ONH_OFF)
     seqw, gaveup = I + off(word, HELPER_RECV_SEQW_OFF), I + off(word, HELPER_RECV_GAVEUP_OFF)
     target = epoch + fld(word, HELPER_RECV_EPOCH0)  # fixed by the launch: no host word to race with
     state = err + ERR_HEADER + pid * ERR_PER_WORKER
-    # the later sites first: the main step published them after this one, so once a later word is
-    # acquired, this site's word read after it is its final one for the step
-    far = furthest(HB, later, nlater, done, gaveup, COMPILED, BD)
+    far = passed(box, done, gaveup, COMPILED, BD)
     seq = load_acquire_sys(box + BOX_SEQ, COMPILED, BD)
     spins = 0
     reason = 0
     first = tl.zeros((), tl.int32)
     while (seq < target) & (far < target) & (reason == 0):
-        far = furthest(HB, later, nlater, done, gaveup, COMPILED, BD)
+        far = passed(box, done, gaveup, COMPILED, BD)
         seq = load_acquire_sys(box + BOX_SEQ, COMPILED, BD)
         spins += 1
         reason, first = past_bound(err, state, spins, first, TIMEOUT_NS, MAX_SPINS, COMPILED, GAVE_UP)
@@ -139,7 +125,7 @@ def recv_body(word, t, epoch, A, I, HB, err, pid, TIMEOUT_NS: tl.constexpr, MAX_
     else:
         if reason == GAVE_UP:
             tl.store(gaveup, target)  # the kernel's later sites pass at once (read after this task's release)
-        called = seq == target  # (a later step's call is that step's kernel's to answer)
+        called = seq == target  # (a later step's call, or pass, is that step's kernel's to answer)
         table = box + BOX_HEADER + (P + 31) // 32 * 32 + P * K  # box_layout's "table"
         for s0 in range(0, S, BD):
             s = s0 + tl.arange(0, BD)
