@@ -126,8 +126,11 @@ class PersistentHelper:
         row_of = {layer: i * n_experts for i, layer in enumerate(layers)}
         for prog in layer_programs(main.plan).values():  # each layer's expert map -> its store rows
             I[prog.map: prog.map + n_experts] = (torch.arange(n_experts, dtype=torch.int32) + row_of[prog.layer])
+        # a tile may wait on its site's RECV from the kernel's start: its bound outlasts a RECV's (which
+        # passes its site, no error), so a give-up never turns into a counter timeout
         config = LaunchConfig(blocks={k: main.blocks[k] for k in STREAM_BLOCKS}, num_warps=main.config.num_warps,
-                              num_stages=main.config.num_stages, timeout_s=main.config.timeout_s,
+                              num_stages=main.config.num_stages,
+                              timeout_s=main.config.timeout_s + main.config.helper_timeout_s,
                               max_spins=main.config.max_spins, helper_timeout_s=main.config.helper_timeout_s)
         self.mk = Megakernel(self.plan, None, self.device, store.dtype, config=config, mem=mem)
         cuda = self.device.type == "cuda"
@@ -197,9 +200,14 @@ class PersistentHelper:
         self.release(self.main.epoch)  # a kernel still waiting for a failed step's sites ends first
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        out = []
         try:
             self.mk.check_error()
         except WatchdogError as e:
-            return [f"persistent helper: {e}"]
-        return []
+            out.append(f"persistent helper: {e}")
+        gaveup = int(self.mk.mem.bufs[Buf.I][self.plan.task(0)["gaveup.off"]])
+        if gaveup == self.main.epoch:
+            out.append(f"persistent helper: a site waited out its bound ({self.mk.config.helper_timeout_s} s) in "
+                       f"step {gaveup}, and the step's later sites went unanswered")
+        return out
 

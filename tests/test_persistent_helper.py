@@ -114,21 +114,24 @@ def test_persistent_helper_answers_each_call_like_the_helper_gpu(released):
 
 def test_persistent_helper_answers_only_its_own_step():
     """A launch answers the step its launch count names, even when the mailboxes already hold a later
-    step's calls (a kernel that starts late); one launch per main step, which `launch` checks."""
+    step's calls and passes (a kernel that starts late); one launch per main step, which `launch` checks."""
+    from helper_card.kernel_helper import KernelHelper
     from helper_card.mailbox import call_sites
-    cfg, helper, plan, mk, persistent, _ = _main_step(steps=2)
+    cfg, helper, plan, mk, persistent, store = _main_step(steps=2)
     box = mk.mem.bufs[Buf.H].numpy()
     sites = call_sites(plan)
+    assert any(box[s.box + BOX_SEQ] == 2 for s in sites)
     _forget_answers(box, sites)
     persistent.place(helper.placement)
-    persistent.release(mk.epoch)
-    persistent.launch(1)  # step 1's kernel, late: the mailboxes hold step 2's calls (sequence 2)
+    persistent.launch(1)  # step 1's kernel, late: every site already holds step 2's call or pass
     persistent.mk.check_error()
     assert not any(box[s.box + BOX_ACK] == 2 for s in sites)  # none of step 2's calls taken by step 1's kernel
     with pytest.raises(RuntimeError, match="launches step 3, but the helper's next launch answers step 2"):
         persistent.launch(3)
+    _forget_answers(box, sites)
     persistent.launch(2)
-    assert any(box[s.box + BOX_ACK] == 2 for s in sites)
+    persistent.mk.check_error()
+    _check_answers(box, sites, 2, helper, KernelHelper(mk, store, helper.layers, cfg.n_routed_experts, 1))
     helper.close()
 
 
@@ -143,9 +146,11 @@ def test_persistent_helper_waits_out_a_step_that_never_comes():
     _forget_answers(box, sites)
     persistent.place(helper.placement)
     persistent.launch(1)  # answers step 1 (already run: it acknowledges step 1's calls) ...
+    assert not persistent.failures()
     persistent.launch(2)  # ... and step 2, which never comes
     persistent.mk.check_error()
-    assert all(box[s.box + BOX_ACK] in (0, 1) for s in sites)
     gaveup = persistent.plan.task(0)["gaveup.off"]
     assert int(persistent.mk.mem.bufs[Buf.I][gaveup]) == 2  # the first site's bound passed step 2's sites
+    mk.epoch = 2  # as if the main step had run and failed: the watchdog's diagnostics name the give-up
+    assert any("waited out its bound" in f and "step 2" in f for f in persistent.failures())
     helper.close()

@@ -64,8 +64,8 @@ def reference_call(task, mem) -> None:
         table[S + slot] = 0
     mem.flat(task, "st2", 0, size).copy_(table)
     box = box_layout(S, P, N, K)
-    if mem.present(task, "box"):  # the request as the megakernel's body writes it
-        mem.flat(task, "box", box["table"], size).copy_(routed)
+    if mem.present(task, "box"):  # the request as the megakernel's body writes it (not BOX_PASSED: the
+        mem.flat(task, "box", box["table"], size).copy_(routed)  # link numbers calls per layer, not by step)
     link = getattr(mem, "helper", None)
     if link is not None:  # routing statistics for the migration policy
         link.routed(task["layer"], routed[:S], routed[S: 2 * S])
@@ -148,7 +148,8 @@ def call_body(word, A, I, HB, epoch, COMPILED: tl.constexpr, BD: tl.constexpr):
         store_release_sys(box + BOX_SEQ, epoch, COMPILED)  # ...and the sequence number after all of them
         tl.store(mail, epoch)
     else:
-        tl.store(box + BOX_PASSED, epoch)  # no request: only this word, for a persistent helper kernel
+        # no request: only this word, for a persistent helper kernel (a system-scope store: seen in time)
+        store_release_sys(box + BOX_PASSED, epoch, COMPILED)
         tl.store(mail, 0)
     tl.store(mail + 1, remote)
 
