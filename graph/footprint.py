@@ -268,8 +268,9 @@ def footprint(task: Decoded) -> list[Access]:
         N, K, S, P = f["N"], f["K"], f["S"], f["N"] * f["topk"]
         box = box_layout(S, P, N, K)
         out += _flat(task, "box", 0, BOX_HEADER, False) + _flat(task, "box", box["table"], box["size"], False)
-        out += _flat(task, "done", 0, 1, False) + _flat(task, "onh", 0, f["E"], False) + _flat(task, "st", 0, 2 * S + S * P, True)
-        out += _acc(task, "x", 0, N, 0, K, True) + _flat(task, "seqw", 0, 1, True) + _flat(task, "gaveup", 0, 1, True)
+        out += _flat(task, "done", 0, 1, False) + _flat(task, "onh", 0, f["E"], False)
+        out += _flat(task, "st", 0, 2 * S + S * P, True) + _acc(task, "x", 0, N, 0, K, True)
+        out += _flat(task, "seqw", 0, 1, True) + _flat(task, "gaveup", 0, 1, True)
     elif name == "HELPER_SEND":
         N, K, S, P = f["N"], f["K"], f["S"], f["N"] * f["topk"]
         box = box_layout(S, P, N, K)

@@ -455,11 +455,6 @@ class Megakernel(PlanRunner):
             if reason:
                 what = "timed out" if reason == 1 else "stopped"
                 label = self.plan.task_labels[task] if 0 <= task < self.plan.num_tasks else "?"
-                if reason == HELPER_TIMEOUT.value and label.endswith(".helper.recv"):  # a persistent helper's wait
-                    lines.append(f"worker {w} timed out at task {task} ({label}): the persistent helper saw neither "
-                                 f"call {target} of the main step nor a later site within "
-                                 f"{self.config.helper_timeout_s} s (last call seen: {seen})")
-                    continue
                 if reason == HELPER_TIMEOUT.value:
                     lines.append(f"worker {w} timed out at task {task} ({label}): the helper did not answer call "
                                  f"{target} within {self.config.helper_timeout_s} s (last answer: call {seen})")

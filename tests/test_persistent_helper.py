@@ -109,7 +109,29 @@ def test_persistent_helper_answers_each_call_like_the_helper_gpu(released):
     persistent.launch(mk.epoch)
     persistent.mk.check_error()
     _check_answers(box, sites, mk.epoch, helper, KernelHelper(mk, store, helper.layers, cfg.n_routed_experts, 1))
+    if not released:  # the plan again through its reference semantics (ops.REFERENCE), as the interpreter would
+        kernel_answers = box.copy()
+        _forget_answers(box, sites)
+        _run_references(persistent, launch=1)
+        for s in sites:
+            head, at = slice(s.box + BOX_ACK, s.box + BOX_ACK + 1), slice(s.parts["mask"], s.parts["ans"])
+            assert (box[head] == kernel_answers[head]).all() and (box[at] == kernel_answers[at]).all(), s.layer
+            ans = slice(s.parts["ans"], s.parts["table"])
+            assert np.allclose(box[ans].view(np.float32), kernel_answers[ans].view(np.float32), rtol=1e-5,
+                               atol=1e-6), s.layer
     helper.close()
+
+
+def _run_references(persistent, launch):
+    """The helper plan's tasks in queue order (one worker) through ops.REFERENCE, as the kernel's
+    `launch`-th launch: HELPER_RECV/SEND's reference semantics beside the bodies the kernel ran."""
+    from megakernel.ops import REFERENCE
+    assert persistent.plan.workers == 1
+    mem = persistent.mk.mem
+    mem.epoch = launch  # the launch count reference_recv adds epoch0 to
+    for word in persistent.plan.words:
+        task = decode(word)
+        REFERENCE[task.op.name](task, mem)
 
 
 def test_persistent_helper_answers_only_its_own_step():

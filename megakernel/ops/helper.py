@@ -9,8 +9,8 @@ after the main experts: it waits, bounded, for the helper's acknowledgement of
 that sequence number and merges the helper rows into the expert output.  A
 layer none of whose tokens route to the helper publishes no request and waits for
 nothing (the megakernel writes the step into one word of the mailbox, BOX_PASSED,
-with no fence or wait: a persistent helper kernel reads there that the site has
-nothing for it).
+a system-scope store nothing waits on: a persistent helper kernel reads there that
+the site has nothing for it).
 
 Two runners, one contract (graph.isa.box_layout):
 - the plan interpreter calls the link attached to the plan's Memory
@@ -64,8 +64,10 @@ def reference_call(task, mem) -> None:
         table[S + slot] = 0
     mem.flat(task, "st2", 0, size).copy_(table)
     box = box_layout(S, P, N, K)
-    if mem.present(task, "box"):  # the request as the megakernel's body writes it (not BOX_PASSED: the
-        mem.flat(task, "box", box["table"], size).copy_(routed)  # link numbers calls per layer, not by step)
+    # the request as the megakernel's body writes it; not BOX_PASSED (the link numbers calls per layer,
+    # not by step, and no persistent helper reads an interpreted step's mailboxes)
+    if mem.present(task, "box"):
+        mem.flat(task, "box", box["table"], size).copy_(routed)
     link = getattr(mem, "helper", None)
     if link is not None:  # routing statistics for the migration policy
         link.routed(task["layer"], routed[:S], routed[S: 2 * S])

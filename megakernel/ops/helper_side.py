@@ -15,8 +15,8 @@ kernel takes the host out of the call: launched once per main step, beside it, p
 A passed site's table is empty, so its tiles and its SEND do nothing.  A RECV whose wait outlives its
 bound passes its site too (and marks `gaveup`, so the kernel's later sites pass at once) instead of
 raising the error flag: the main step may have failed before the site, and a main step that does
-publish later gets no answer and reports its own bounded error.  The main
-side (HELPER_CALL, HELPER_WAIT) does not change.
+publish later gets no answer and reports its own bounded error.  On the main side only HELPER_CALL's
+skip changed: it writes BOX_PASSED.
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ from graph.isa import Buf, box_layout
 
 from .common import (ERR_HEADER, ERR_PER_WORKER, fence_sys, fld, load_acquire_sys, off, past_bound, record_stop,
                      store_release_sys)
-
-GAVE_UP = tl.constexpr(4)  # past_bound's reason for a RECV that outlived its bound: not an error
 from .fields import (BOX_ACK, BOX_HEADER, BOX_PASSED, BOX_SEQ, BOX_T_ANSWER, HELPER_RECV_BOX_OFF,
                      HELPER_RECV_DONE_OFF, HELPER_RECV_EPOCH0, HELPER_RECV_GAVEUP_OFF, HELPER_RECV_K, HELPER_RECV_N,
                      HELPER_RECV_ONH_OFF, HELPER_RECV_S, HELPER_RECV_SEQW_OFF, HELPER_RECV_ST_OFF,
@@ -39,6 +37,8 @@ from .fields import (BOX_ACK, BOX_HEADER, BOX_PASSED, BOX_SEQ, BOX_T_ANSWER, HEL
                      HELPER_SEND_N, HELPER_SEND_S, HELPER_SEND_SEQW_OFF, HELPER_SEND_ST_OFF, HELPER_SEND_TOPK,
                      HELPER_SEND_Y_LD, HELPER_SEND_Y_OFF)
 from .helper import stamp
+
+GAVE_UP = tl.constexpr(4)  # past_bound's reason for a RECV that outlived its bound: not an error
 
 
 # ---- reference semantics (the plan interpreter cannot wait: the mailbox must already say) ----------
