@@ -26,6 +26,12 @@ class TilingOptions:
     # each: such ops sit on the step's dependency chain, where only their slowest task counts
     spread: int = -1  # -1: the plan's worker count; 0: off
     min_tile_bytes: int = 16 * 1024
+    # with spread: rows per task chosen so that the op's rounds over `spread` workers take the fewest
+    # rows (tasks up to balance_bytes each).  Without it, a 2048-row expert slice in tasks of 80 rows
+    # made 156 tasks for 132 workers: 24 of them ran two, a phase of 160 rows where 96 would do
+    balance: int = 0
+    balance_bytes: int = 384 * 1024
+    task_overhead_bytes: int = 32 * 1024  # a task's fixed cost as weight bytes (~1 us of a worker's stream)
 
 
 @dataclass
@@ -70,7 +76,26 @@ class Tiler:
         if n >= rows:
             return rows
         align = self.opts.row_align
-        return max(align, n // align * align) if rows > align else rows
+        per = max(align, n // align * align) if rows > align else rows
+        if self.opts.balance and self.opts.spread > 0 and rows > align:
+            per = self.balanced_rows(per, rows, copies, bytes_per_row)
+        return per
+
+    def balanced_rows(self, per: int, rows: int, copies: int, bytes_per_row: int) -> int:
+        """Rows per task whose phase (rounds of tasks over `spread` workers x a task's bytes and fixed
+        cost) is the shortest, keeping `per` unless another is strictly shorter; ties go to fewer,
+        larger tasks."""
+        align, spread = self.opts.row_align, self.opts.spread
+
+        def phase(p: int) -> int:
+            return -(-copies * -(-rows // p) // spread) * (p * bytes_per_row + self.opts.task_overhead_bytes)
+
+        most = max(per, self.opts.balance_bytes // max(1, bytes_per_row) // align * align)
+        best = per
+        for p in range(align, min(most, rows) + 1, align):
+            if phase(p) < phase(best) or (phase(p) == phase(best) and best != per and p > best):
+                best = p
+        return best
 
     # ---- per opcode ----------------------------------------------------------
     def tiles(self, op: Op) -> list[Tile]:

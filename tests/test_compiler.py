@@ -2,11 +2,14 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from graph.compile import CompileOptions, compile_step
 from graph.isa import decode
 from graph.lower import StepShape
 from graph.plan import Plan
+from graph.tiling import Tiler, TilingOptions
 from model import preset
 
 
@@ -201,3 +204,31 @@ def test_rotated_keys_go_straight_into_the_cache(name):
     assert before["CACHE_WRITE"] - counts.get("CACHE_WRITE", 0) == layers
     assert not any(unfused.task(i).has("CACHE") for i in range(unfused.num_tasks) if unfused.task(i).op.name == "ROPE")
     _same_step(cfg, (plan, unfused), 1, [2, 11])
+
+
+def _phase(rows: int, per: int, copies: int, spread: int, bytes_per_row: int, overhead: int) -> int:
+    """Rounds of an op's tasks over `spread` workers times one task's bytes and fixed cost."""
+    return -(-copies * -(-rows // per) // spread) * (per * bytes_per_row + overhead)
+
+
+def test_balanced_tiles_fill_the_workers_once():
+    """dsv2-lite's routed down projection, 6 slots of 2048 rows x 1408 bf16: 80-row tasks make 156 for
+    132 workers (two rounds); balanced, 96 rows make 132 (one round)."""
+    plain = Tiler(None, TilingOptions(spread=132), 2)
+    balanced = Tiler(None, TilingOptions(spread=132, balance=1), 2)
+    assert plain.weight_rows_per_task(1408 * 2, 2048, copies=6) == 80
+    assert balanced.weight_rows_per_task(1408 * 2, 2048, copies=6) == 96
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 5000), bytes_per_row=st.integers(1, 20000), copies=st.integers(1, 8),
+       spread=st.integers(1, 200), align=st.sampled_from([1, 4, 16]), tile_bytes=st.sampled_from([4096, 262144]))
+def test_balanced_tiles_never_lengthen_the_phase(rows, bytes_per_row, copies, spread, align, tile_bytes):
+    opts = TilingOptions(spread=spread, row_align=align, tile_bytes=tile_bytes)
+    per = Tiler(None, opts, 2).weight_rows_per_task(bytes_per_row, rows, copies)
+    opts.balance = 1
+    best = Tiler(None, opts, 2).weight_rows_per_task(bytes_per_row, rows, copies)
+    assert best == per or best % align == 0 and best <= rows
+    assert (_phase(rows, best, copies, spread, bytes_per_row, opts.task_overhead_bytes)
+            <= _phase(rows, per, copies, spread, bytes_per_row, opts.task_overhead_bytes))
+    assert best == per or best * bytes_per_row <= max(per * bytes_per_row, opts.balance_bytes)
