@@ -29,8 +29,9 @@ class TilingOptions:
     # with spread: rows per task chosen so that the op's rounds over `spread` workers take the fewest
     # rows (tasks up to balance_bytes each).  Without it, a 2048-row expert slice in tasks of 80 rows
     # made 156 tasks for 132 workers: 24 of them ran two, a phase of 160 rows where 96 would do
-    balance: int = 0
-    balance_bytes: int = 384 * 1024
+    # (dsv2-lite 4.136 -> 3.693 ms, llama-1b 1.337 -> 1.319 at 384 KB: docs/PERF.md session 14)
+    balance: int = 1
+    balance_bytes: int = 512 * 1024
     task_overhead_bytes: int = 32 * 1024  # a task's fixed cost as weight bytes (~1 us of a worker's stream)
 
 

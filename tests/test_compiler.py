@@ -214,7 +214,7 @@ def _phase(rows: int, per: int, copies: int, spread: int, bytes_per_row: int, ov
 def test_balanced_tiles_fill_the_workers_once():
     """dsv2-lite's routed down projection, 6 slots of 2048 rows x 1408 bf16: 80-row tasks make 156 for
     132 workers (two rounds); balanced, 96 rows make 132 (one round)."""
-    plain = Tiler(None, TilingOptions(spread=132), 2)
+    plain = Tiler(None, TilingOptions(spread=132, balance=0), 2)
     balanced = Tiler(None, TilingOptions(spread=132, balance=1), 2)
     assert plain.weight_rows_per_task(1408 * 2, 2048, copies=6) == 80
     assert balanced.weight_rows_per_task(1408 * 2, 2048, copies=6) == 96
@@ -224,7 +224,7 @@ def test_balanced_tiles_fill_the_workers_once():
 @given(rows=st.integers(1, 5000), bytes_per_row=st.integers(1, 20000), copies=st.integers(1, 8),
        spread=st.integers(1, 200), align=st.sampled_from([1, 4, 16]), tile_bytes=st.sampled_from([4096, 262144]))
 def test_balanced_tiles_never_lengthen_the_phase(rows, bytes_per_row, copies, spread, align, tile_bytes):
-    opts = TilingOptions(spread=spread, row_align=align, tile_bytes=tile_bytes)
+    opts = TilingOptions(spread=spread, row_align=align, tile_bytes=tile_bytes, balance=0)
     per = Tiler(None, opts, 2).weight_rows_per_task(bytes_per_row, rows, copies)
     opts.balance = 1
     best = Tiler(None, opts, 2).weight_rows_per_task(bytes_per_row, rows, copies)
