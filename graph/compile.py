@@ -45,10 +45,10 @@ class CompileError(ValueError):
 
 
 def compile_options(spec: str, workers: int) -> tuple[CompileOptions, int]:
-    """'KEY=V,...' of TilingOptions fields, attn_split, workers (overriding the argument) and fusion rules,
-    removed from the default ones (rope_into_cache=0) or put back (tools: bench, replay) -> (options,
-    attn_split)."""
-    tiling, attn_split, rules = {}, 0, RULES
+    """'KEY=V,...' of TilingOptions fields, CostModel fields (the scheduler's task times: task_overhead=3e-6),
+    attn_split, workers (overriding the argument) and fusion rules, removed from the default ones
+    (rope_into_cache=0) or put back (tools: bench, replay) -> (options, attn_split)."""
+    tiling, cost, attn_split, rules = {}, {}, 0, RULES
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
         if key == "attn_split":
@@ -60,10 +60,13 @@ def compile_options(spec: str, workers: int) -> tuple[CompileOptions, int]:
             rules = tuple(r for r in RULES if r in chosen)  # in the order fuse() applies them
         elif key in {f.name for f in dataclasses.fields(TilingOptions)}:
             tiling[key] = int(value)
+        elif key in {f.name for f in dataclasses.fields(CostModel)}:
+            cost[key] = type(getattr(CostModel, key))(float(value))
         else:
-            raise CompileError(f"plan options {spec!r}: unknown key {key!r} (TilingOptions fields, attn_split, "
-                               f"workers or a fusion rule: {', '.join(RULES)})")
-    return CompileOptions(workers=workers, tiling=TilingOptions(**tiling), fusion_rules=rules), attn_split
+            raise CompileError(f"plan options {spec!r}: unknown key {key!r} (TilingOptions or CostModel fields, "
+                               f"attn_split, workers or a fusion rule: {', '.join(RULES)})")
+    return (CompileOptions(workers=workers, tiling=TilingOptions(**tiling), cost=CostModel(**cost), fusion_rules=rules),
+            attn_split)
 
 
 def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | None = None) -> Plan:
