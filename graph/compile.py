@@ -14,7 +14,7 @@ from model.config import ModelConfig
 from model.stats import step_bytes
 
 from .cost import CostModel
-from .fusion import RULES, WEIGHT_RULES, fuse
+from .fusion import DEFAULT_RULES, RULES, WEIGHT_RULES, fuse
 from .cse import cse
 from .ir import Graph, Op
 from .isa import MAX_WAITS, OPCODES, WORDS, encode
@@ -34,7 +34,7 @@ class CompileOptions:
     fuse: bool = True
     reuse_memory: bool = True
     vocab_block: int = 4096
-    fusion_rules: tuple[str, ...] = RULES
+    fusion_rules: tuple[str, ...] = DEFAULT_RULES
     tiling: TilingOptions = field(default_factory=TilingOptions)
     cost: CostModel = field(default_factory=CostModel)
     verify: bool = True
@@ -48,7 +48,7 @@ def compile_options(spec: str, workers: int) -> tuple[CompileOptions, int]:
     """'KEY=V,...' of TilingOptions fields, CostModel fields (the scheduler's task times: task_overhead=3e-6),
     attn_split, workers (overriding the argument) and fusion rules, removed from the default ones
     (rope_into_cache=0) or put back (tools: bench, replay) -> (options, attn_split)."""
-    tiling, cost, attn_split, rules = {}, {}, 0, RULES
+    tiling, cost, attn_split, rules = {}, {}, 0, DEFAULT_RULES
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
         if key == "attn_split":

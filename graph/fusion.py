@@ -15,9 +15,12 @@ Rules, applied in this order (each names what it merged in the report):
                  the model dtype when packed: megakernel/memory.py; the task scales its sums by
                  rsqrt(mean(x²) + eps)).  One hop fewer between a residual and its projections.
                  Not where a reader's weight has other readers (tied or shared heads): no copies.
+- norm_beside_experts: the same for a MoE layer's norm, which its routed experts (EXPERT_LINEAR)
+                 read too: the norm stays for them, the router and shared experts fold it, so the
+                 router starts one hop earlier and the norm runs beside it (the route leaves it time).
 A tensor is absorbed only when the fused op is its sole reader and it is not
 an output.  The fused op takes the program position of the chain's last op.
-CompileOptions.fusion_rules names the rules a plan applies (all of RULES by default).  Those in
+CompileOptions.fusion_rules names the rules a plan applies (DEFAULT_RULES unless told).  Those in
 WEIGHT_RULES change the packed weights, so plans that differ in them cannot share a weight arena.
 """
 
@@ -26,8 +29,11 @@ from __future__ import annotations
 from .ir import Graph, Op, Tensor, View
 
 RULES = ("swiglu", "moe_epilogue", "residual_into_linear", "residual_norm", "rope_into_cache", "route", "hc_coeff",
-         "norm_into_linear")
-WEIGHT_RULES = ("norm_into_linear",)  # rules that derive packed weights (W' = W diag(g))
+         "norm_into_linear", "norm_beside_experts")
+WEIGHT_RULES = ("norm_into_linear", "norm_beside_experts")  # rules that derive packed weights (W' = W diag(g))
+# what a plan applies unless told: norm_beside_experts is opt-in until it is timed on a GPU (replay of
+# session 14's dsv2-lite trace predicts -4%)
+DEFAULT_RULES = tuple(r for r in RULES if r != "norm_beside_experts")
 
 
 class _Ctx:
@@ -196,17 +202,20 @@ def _scaled_alike(ctx: _Ctx, op: Op, g: str) -> bool:
     return norm is not None and "ADD" not in norm.flags and "w" in norm.reads and norm.reads["w"].tensor == g
 
 
-def _norm_into_linear(ctx: _Ctx) -> str | None:
+def _norm_into_linear(ctx: _Ctx, beside_experts: bool = False) -> str | None:
+    """beside_experts: only norms that routed experts read too, folded into their other (LINEAR) readers."""
     for norm in ctx.g.ops:
         if norm.opcode != "RMSNORM" or "ADD" in norm.flags or not _whole(ctx, norm.writes["out"]):
             continue
         out = norm.writes["out"].tensor
-        readers = ctx.cons.get(out, [])
-        if ctx.g.tensors[out].role != "act" or not readers or len(ctx.prod.get(out, [])) != 1:
+        every = ctx.cons.get(out, [])
+        if ctx.g.tensors[out].role != "act" or not every or len(ctx.prod.get(out, [])) != 1:
             continue
-        if any(op.opcode != "LINEAR" or "NORM" in op.flags or op.attrs.get("K") != norm.attrs["D"]
-               or [k for k, v in op.reads.items() if v.tensor == out] != ["x"] or not _whole(ctx, op.reads["x"])
-               for op in readers):
+        readers = [op for op in every if op.opcode == "LINEAR" and "NORM" not in op.flags
+                   and op.attrs.get("K") == norm.attrs["D"] and _whole(ctx, op.reads["x"])
+                   and [k for k, v in op.reads.items() if v.tensor == out] == ["x"]]
+        others = [op for op in every if op not in readers]
+        if not readers or bool(others) != beside_experts or any(op.opcode != "EXPERT_LINEAR" for op in others):
             continue
         g = norm.reads.get("w")
         if g is not None and (len(ctx.g.tensors[g.tensor].parts) != 1 or any(
@@ -224,9 +233,10 @@ def _norm_into_linear(ctx: _Ctx) -> str | None:
             fused[id(lin)] = _new(lin, lin.flags | {"NORM"}, reads, dict(lin.writes),
                                   attrs={**lin.attrs, "eps": norm.attrs["eps"]})
             fused[id(lin)].fused_from = lin.fused_from + (norm.label,)
-        ctx.g.ops = [fused.get(id(op), op) for op in ctx.g.ops if op is not norm]
+        ctx.g.ops = [fused.get(id(op), op) for op in ctx.g.ops if op is not norm or others]
         ctx.refresh()
-        return f"{norm.label} -> {', '.join(op.label for op in readers)} LINEAR[NORM]"
+        kept = f" (kept for {', '.join(op.label for op in others)})" if others else ""
+        return f"{norm.label} -> {', '.join(op.label for op in readers)} LINEAR[NORM]{kept}"
     return None
 
 
@@ -264,7 +274,7 @@ def _merge_stages(ctx: _Ctx, opcode: str, stages: tuple[str, ...], label_suffix:
     return None
 
 
-def fuse(graph: Graph, rules: tuple[str, ...] = RULES) -> dict:
+def fuse(graph: Graph, rules: tuple[str, ...] = DEFAULT_RULES) -> dict:
     before = len(graph.ops)
     unknown = set(rules) - set(RULES)
     if unknown:
@@ -280,6 +290,7 @@ def fuse(graph: Graph, rules: tuple[str, ...] = RULES) -> dict:
         "route": lambda c: _merge_stages(c, "ROUTE", ("SCORE", "TOPK", "SLOTS"), ".route", scratch=("ids",)),
         "hc_coeff": lambda c: _merge_stages(c, "HC_COEFF", ("MIX", "ACT", "SINK", "COLLAPSE"), ".coeff"),
         "norm_into_linear": _norm_into_linear,
+        "norm_beside_experts": lambda c: _norm_into_linear(c, beside_experts=True),
     }
     changes, per_rule = [], {}
     for rule in RULES:

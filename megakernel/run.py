@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from graph.compile import CompileOptions, compile_step
-from graph.fusion import RULES
+from graph.fusion import DEFAULT_RULES, WEIGHT_RULES
 from graph.lower import StepShape
 from model import ConfigError, CheckpointError, ModelConfig, PRESETS, init_weights, load_checkpoint, preset
 from model.reference import CacheOverflowError
@@ -260,7 +260,7 @@ def run(args: argparse.Namespace) -> dict:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
     max_len = args.prompt_len + args.steps
     options = CompileOptions(workers=args.workers,
-                             fusion_rules=tuple(r for r in RULES if args.fuse_norms or r != "norm_into_linear"))
+                             fusion_rules=tuple(r for r in DEFAULT_RULES if args.fuse_norms or r not in WEIGHT_RULES))
     if args.plan:
         plan = compile_step(cfg, StepShape(T=1, B=args.batch, max_len=max_len), options)
         print(plan.describe())

@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from graph.fusion import RULES  # noqa: E402
+from graph.fusion import DEFAULT_RULES, WEIGHT_RULES  # noqa: E402
 
 settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -39,9 +39,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 # megakernel (~30-40 s on an H200), so they run under megakernel.runtime.shared_blocks(TINY_BLOCKS):
 # one compile per weight dtype.  tests/test_triton_interpret.py checks both that it covers the plans
 # and that the kernel built with it equals the interpreter.
-# the default fusion rules without norm_into_linear: every RMSNorm a task of its own (the A side of
+# the default fusion rules without the norm folds: every RMSNorm a task of its own (the A side of
 # the fold, and the plain RMSNORM body on every layer)
-UNFOLDED = tuple(r for r in RULES if r != "norm_into_linear")
+UNFOLDED = tuple(r for r in DEFAULT_RULES if r not in WEIGHT_RULES)
 TINY_BLOCKS = dict(ATT_KIND=0, BM=32, DMAX=32, BIT=32, BP=128, BW=32, BSC=16, BCW=32, BK=4, TB=16)
 
 

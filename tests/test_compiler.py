@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graph.compile import CompileOptions, compile_step
+from graph.fusion import RULES
 from graph.isa import decode
 from graph.lower import StepShape
 from graph.plan import Plan
@@ -132,6 +133,48 @@ def test_norms_fold_into_the_linears_that_read_them():
     cache.data.copy_(torch.randn(cache.data.shape, generator=gen))
     interp.cache().copy_(cache.data)
     tokens, lens = torch.randint(0, cfg.vocab_size, (2, 2), generator=gen), torch.tensor([3, 9])
+    got, want = interp.step(tokens, lens), ref.step(tokens, cache, lens)
+    assert rel_err(got.logits, want.logits) <= 1e-5 and torch.equal(got.tokens, want.logits.argmax(-1))
+
+
+def test_a_moe_norm_stays_for_the_routed_experts_and_folds_into_the_router():
+    """Rule norm_beside_experts (opt-in): a MoE layer's post-attention norm is read by the router, the
+    shared experts and the routed experts.  The first two fold it (LINEAR[NORM] on scaled weights), the
+    routed experts still read the norm's output, and the router no longer waits for the norm; the
+    interpreter still equals the reference."""
+    import torch
+
+    from megakernel.interpreter import Interpreter
+    from model import Cache, Reference, init_weights
+
+    from .conftest import rel_err
+    cfg = preset("tiny-moe")
+    plan = compile_step(cfg, StepShape(T=2, B=2, max_len=16, mtp_passes=1),
+                        CompileOptions(workers=4, fusion_rules=RULES))
+    fusion = next(p for p in plan.passes if p["pass"] == "fusion")
+    moe_layers = [layer for layer in range(cfg.num_hidden_layers + 1) if layer >= cfg.first_k_dense_replace]
+    assert fusion["per_rule"]["norm_beside_experts"] == len(moe_layers)
+    tasks = [plan.task(i) for i in range(plan.num_tasks)]
+    by_label = {plan.task_labels[i].rsplit("[", 1)[0]: t for i, t in enumerate(tasks)}
+    names = {w.name for w in plan.weights}
+    for layer in moe_layers:
+        norm, router = by_label[f"L{layer}.post_attn_norm"], by_label[f"L{layer}.moe.router"]
+        assert router.has("NORM") and by_label[f"L{layer}.moe.shared.gate_up"].has("NORM")
+        experts = by_label[f"L{layer}.moe.gate_up"]
+        assert norm.op.name == "RMSNORM" and experts.op.name == "EXPERT_LINEAR"
+        assert (experts["x.buf"], experts["x.off"]) == (norm["out.buf"], norm["out.off"])  # the norm's rows
+        norm_counter = next(i for i, label in enumerate(plan.counter_labels) if label == f"L{layer}.post_attn_norm")
+        assert norm_counter not in [c for c, _ in router.waits]
+        g = f"model.layers.{layer}.post_attention_layernorm.weight"
+        assert f"model.layers.{layer}.mlp.gate.weight*{g}" in names
+
+    w = init_weights(cfg, seed=3)
+    interp, ref = Interpreter(plan, w), Reference(cfg, w)
+    gen = torch.Generator().manual_seed(1)
+    cache = Cache.allocate(cfg, 2, 16)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=gen))
+    interp.cache().copy_(cache.data)
+    tokens, lens = torch.randint(0, cfg.vocab_size, (2, 2), generator=gen), torch.tensor([2, 7])
     got, want = interp.step(tokens, lens), ref.step(tokens, cache, lens)
     assert rel_err(got.logits, want.logits) <= 1e-5 and torch.equal(got.tokens, want.logits.argmax(-1))
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from graph.compile import CompileOptions, compile_step
-from graph.fusion import RULES
+from graph.fusion import DEFAULT_RULES, RULES
 from graph.lower import StepShape
 from model import TINY_PRESETS, Cache, Reference, init_weights, preset
 
@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("one_kernel_for_tiny_mode
 BF16_TOL = 1e-2
 
 
-def _setup(name, T=2, B=2, max_len=64, workers=16, passes=0, layers=None, seed=0, rules=RULES):
+def _setup(name, T=2, B=2, max_len=64, workers=16, passes=0, layers=None, seed=0, rules=DEFAULT_RULES):
     from megakernel.runtime import Megakernel
     cfg = preset(name)
     if layers is not None:
@@ -50,8 +50,10 @@ def test_tiny_megakernel_equals_interpreter(name):
         assert rel_err(a, b) <= BF16_TOL
 
 
-@pytest.mark.parametrize("rules", [RULES, UNFOLDED], ids=["default", "norms_unfolded"])
-@pytest.mark.parametrize("name", ["llama-1b", "dsv2-lite"])
+@pytest.mark.parametrize("name,rules", [(n, r) for n in ("llama-1b", "dsv2-lite") for r in (DEFAULT_RULES, UNFOLDED)]
+                         + [("dsv2-lite", RULES)],  # every rule: the opt-in norm_beside_experts too
+                         ids=["llama-1b-default", "llama-1b-norms_unfolded", "dsv2-lite-default",
+                              "dsv2-lite-norms_unfolded", "dsv2-lite-all_rules"])
 def test_large_megakernel_equals_interpreter(name, rules):
     from megakernel.interpreter import Interpreter
     cfg, w, plan, mk = _setup(name, T=1, B=1, max_len=256, workers=torch.cuda.get_device_properties(0).multi_processor_count,
@@ -73,8 +75,9 @@ def _near_tie(logits, tol=BF16_TOL):
 
 
 # the large shapes as test_large builds them (the same kernels): B=1, dsv2-lite cut to 4 layers
-TEACHER_CASES = ([(n, RULES, 2, None) for n in TINY_PRESETS] + [("tiny-dense", UNFOLDED, 2, None)]
-                 + [(n, r, 1, 4 if n == "dsv2-lite" else None) for n in ("llama-1b", "dsv2-lite") for r in (RULES, UNFOLDED)])
+TEACHER_CASES = ([(n, DEFAULT_RULES, 2, None) for n in TINY_PRESETS] + [("tiny-dense", UNFOLDED, 2, None)]
+                 + [(n, r, 1, 4 if n == "dsv2-lite" else None) for n in ("llama-1b", "dsv2-lite")
+                    for r in (DEFAULT_RULES, UNFOLDED)])
 
 
 @pytest.mark.parametrize("name,rules,B,layers", TEACHER_CASES,
@@ -104,7 +107,7 @@ def test_teacher_forced_greedy_64_steps(name, rules, B, layers):
     assert mismatches == 0
 
 
-@pytest.mark.parametrize("name,rules", [(n, RULES) for n in TINY_PRESETS] + [("tiny-moe", UNFOLDED)])
+@pytest.mark.parametrize("name,rules", [(n, DEFAULT_RULES) for n in TINY_PRESETS] + [("tiny-moe", UNFOLDED)])
 def test_batch_invariance_and_run_to_run(name, rules):
     """Sequence 0's logits are bit-identical alone, beside another sequence, and inside a longer step."""
     from megakernel.runtime import Megakernel

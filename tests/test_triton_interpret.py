@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from graph.compile import CompileOptions, compile_step
-from graph.fusion import RULES
+from graph.fusion import DEFAULT_RULES
 from graph.isa import Buf, decode
 from graph.lower import StepShape
 from graph.tiling import TilingOptions
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reaso
 
 
 def _pair(name, workers=1, scheduler="critical_path", fuse=True, T=2, B=2, passes=1, tiling=None, blocks=None,
-          rules=RULES):
+          rules=DEFAULT_RULES):
     from megakernel.runtime import LaunchConfig, Megakernel
     cfg = preset(name)
     w = init_weights(cfg, seed=3)
