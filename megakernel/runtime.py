@@ -209,6 +209,9 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # loop): the same bits, -7.5% on dsv2-lite and -0.5% on llama-1b (docs/PERF.md s. 13).
                 # The interpreter runs no inline PTX: 0 there
                 ROWVEC=0 if INTERPRET else 2,
+                # 1: with ROWVEC, a listed token's out row looked up a step ahead (a launch variant, not
+                # yet timed: docs/PERF.md session 14)
+                AHEAD=0,
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2",
                 # a persistent helper kernel's plan: HELPER_RECV / HELPER_SEND compiled in (only there)
                 HELPER_SIDE=int(any(t.op.name == "HELPER_RECV" for t in tasks)),
@@ -248,6 +251,9 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
                               "or 2 (stored in place, with inline PTX)")
     if blocks["ROWVEC"] == 2 and INTERPRET:
         raise MegakernelError("block override ROWVEC=2: the Triton interpreter runs no inline PTX")
+    if blocks["AHEAD"] not in (0, 1):
+        raise MegakernelError(f"block override AHEAD={blocks['AHEAD']}: 0, or 1 (a listed token's out row looked up a "
+                              "step ahead)")
     if blocks["DEPTH"] not in (1, 2):
         raise MegakernelError(f"block override DEPTH={blocks['DEPTH']}: 1 or 2 weight chunks in flight per warp")
     if blocks["PF"] not in (0, 1, 2):

@@ -31,14 +31,14 @@ GUARD = 256  # NaN before the weights and after the slack: a read outside [weigh
 @triton.jit
 def _stream_kernel(W, A, I, K, n_rows, xrows_div, x_ld, r0, r1, out_off, res_off, w_off, w2_off, flags, eps,
                    BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr,
-                   BN: tl.constexpr, ROWVEC: tl.constexpr):
+                   BN: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr):
     w = linear.first_chunk(W + w_off, r0, r1, K, BR, KC, ALIGN)
     linear.stream_chunks(A, x_ld, I, xrows_div, n_rows, A + out_off, r1, A + res_off, r1, (flags & 2) != 0,
                          W + w_off, W + w2_off, (flags & 1) != 0, r0, r1, K, w, (flags & 4) != 0, eps, BR, KC, ALIGN,
-                         TB, DEPTH, BN, ROWVEC)
+                         TB, DEPTH, BN, ROWVEC, AHEAD)
 
 
-def _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res, norm, depth=1, eps=1e-5, rowvec=0):
+def _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res, norm, depth=1, eps=1e-5, rowvec=0, ahead=0):
     g = torch.Generator().manual_seed(K + R + N)
     w1 = torch.randn(R, K, generator=g).to(dtype)
     w2 = torch.randn(R, K, generator=g).to(dtype)
@@ -53,7 +53,7 @@ def _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res, norm, depth=1
     # it a constexpr)
     _stream_kernel[(1,)](W, A, dev_rows, K, N, 2 if listed else 0, K, r0, R, x.numel(), x.numel() + 8 * R, GUARD,
                          GUARD + R * K, 8 + int(two) + 2 * int(res) + 4 * int(norm), eps, BR=BR, KC=KC, ALIGN=8,
-                         TB=tb, DEPTH=depth, BN=BN, ROWVEC=rowvec, num_warps=8)
+                         TB=tb, DEPTH=depth, BN=BN, ROWVEC=rowvec, AHEAD=ahead, num_warps=8)
     xs = (x[rows.long() // 2] if listed else x[:N]).double()
     scale = torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + eps) if norm else 1.0
     want = (xs @ w1[r0:].double().T) * scale
@@ -66,17 +66,20 @@ def _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res, norm, depth=1
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("tb,depth,rowvec", [(1, 1, 0), (1, 1, 1), (2, 2, 0), (4, 1, 0)])
+@pytest.mark.parametrize("tb,depth,rowvec,ahead", [(1, 1, 0, 0), (1, 1, 1, 0), (1, 1, 1, 1), (2, 2, 0, 0), (4, 1, 0, 0)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("K,R,r0,N,KC,BR,two,listed,res,norm", SHAPES)
-def test_weight_stream_irregular_shapes(device, tb, depth, rowvec, dtype, K, R, r0, N, KC, BR, two, listed, res, norm):
+def test_weight_stream_irregular_shapes(device, tb, depth, rowvec, ahead, dtype, K, R, r0, N, KC, BR, two, listed, res,
+                                        norm):
     """bf16 weights as 32-bit words of two columns (what the GPU runs), fp32 weights plainly; K not a
     multiple of KC, rows not a multiple of BR, a block that starts inside the matrix, one step and an
     odd number of steps, several tokens (in groups of TB per weight chunk, the last one partial), one
-    or two chunks in flight (DEPTH), one token's rows stored as a vector (ROWVEC), gate|up, rows from a
+    or two chunks in flight (DEPTH), one token's rows stored as a vector (ROWVEC), its out row looked up a
+    step ahead (AHEAD), gate|up, rows from a
     list, a residual, x's RMSNorm (a scale per token, per group); whole chunks read past the matrix's end into the arena's slack, and no read
     outside [weights, slack] reaches an output."""
-    out, rows, want = _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res, norm, depth, rowvec=rowvec)
+    out, rows, want = _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res, norm, depth, rowvec=rowvec,
+                           ahead=ahead)
     got = out[rows.long(), r0:]
     assert not got.isnan().any() and rel_err(got, want) <= 1e-5, rel_err(got, want)
     untouched = torch.ones(8, dtype=torch.bool)
@@ -86,12 +89,13 @@ def test_weight_stream_irregular_shapes(device, tb, depth, rowvec, dtype, K, R, 
 
 @pytest.mark.gpu
 def test_weight_stream_stores_one_token_in_place():
-    """ROWVEC 2 (inline PTX, GPU only): every shape's rows stored from the sums' own layout are the
-    ROWVEC 0 rows, bit for bit, and nothing else is written."""
+    """ROWVEC 2 (inline PTX, GPU only), with and without AHEAD: every shape's rows stored from the sums'
+    own layout are the ROWVEC 0 rows, bit for bit, and nothing else is written."""
     for shape in SHAPES:
         out0, rows, _ = _run("cuda", 1, torch.bfloat16, *shape)
-        out2, _, _ = _run("cuda", 1, torch.bfloat16, *shape, rowvec=2)
-        assert torch.equal(out0.nan_to_num(), out2.nan_to_num()) and torch.equal(out0.isnan(), out2.isnan()), shape
+        for ahead in (0, 1):
+            out2, _, _ = _run("cuda", 1, torch.bfloat16, *shape, rowvec=2, ahead=ahead)
+            assert torch.equal(out0.nan_to_num(), out2.nan_to_num()) and torch.equal(out0.isnan(), out2.isnan()), shape
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -104,9 +108,10 @@ def test_weight_stream_without_rows_writes_nothing(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_weight_stream_token_groups_are_invisible(device):
     """A token's sums are bit-identical whether its weight chunk is shared with 0, 1 or 3 others
-    (TB = 1, 2, 4), and whether a lone token's rows are stored as a vector (ROWVEC): the same products,
+    (TB = 1, 2, 4), and whether a lone token's rows are stored as a vector (ROWVEC, AHEAD): the same products,
     summed in the same order, and the same norm scale (batch invariance)."""
     shape = (1408, 40, 0, 3, 2048, 8, True, True, True, True)
     outs = [_run(device, tb, torch.bfloat16, *shape)[0] for tb in (1, 2, 4)]
     outs.append(_run(device, 1, torch.bfloat16, *shape, rowvec=1)[0])
+    outs.append(_run(device, 1, torch.bfloat16, *shape, rowvec=1, ahead=1)[0])
     assert all(torch.equal(o.nan_to_num(), outs[0].nan_to_num()) for o in outs[1:])

@@ -43,12 +43,12 @@ INSTR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 @triton.jit
 def stream_probe(W, A, I, x_off, x_ld, xrows_div, n_rows, out_off, out_ld, res_off, res_ld, use_res, w_off, w2_off,
                  two, r0, r1, K, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
-                 DEPTH: tl.constexpr, ROWVEC: tl.constexpr):
+                 DEPTH: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr):
     """A LINEAR task's stream with runtime sizes, offsets rounded to ALIGN as the kernel's are."""
     w = linear.first_chunk(W + (w_off // ALIGN) * ALIGN, r0, r1, K, BR, KC, ALIGN)
     linear.stream_chunks(A + (x_off // ALIGN) * ALIGN, x_ld, I, xrows_div, n_rows, A + out_off, out_ld, A + res_off,
                          res_ld, use_res != 0, W + (w_off // ALIGN) * ALIGN, W + (w2_off // ALIGN) * ALIGN, two != 0,
-                         r0, r1, K, w, False, 0.0, BR, KC, ALIGN, TB, DEPTH, 16, ROWVEC)
+                         r0, r1, K, w, False, 0.0, BR, KC, ALIGN, TB, DEPTH, 16, ROWVEC, AHEAD)
 
 
 def compile_kernel(fn, pointers: dict, scalars: list[str], const: dict, num_warps: int = 8):
@@ -121,7 +121,7 @@ def parse_variant(spec: str) -> dict:
 
 def probe_stream(variants: list[str], lines: bool) -> None:
     for spec in variants or [""]:
-        const = {**dict(BR=8, KC=2048, ALIGN=8, TB=1, DEPTH=1, ROWVEC=0), **parse_variant(spec)}
+        const = {**dict(BR=8, KC=2048, ALIGN=8, TB=1, DEPTH=1, ROWVEC=0, AHEAD=0), **parse_variant(spec)}
         info, sass = compile_sass(stream_probe, *STREAM_PROBE_ARGS, const)
         loop = hot_loop(sass)
         ops = collections.Counter(opcode(ins) for _, ins in loop)

@@ -172,7 +172,7 @@ def norm_scales(x_ptr, x_ld, xrows_ptr, xrows_div, n0, n_rows, K, eps, TB: tl.co
 def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, res_ptr, res_ld, use_res,
                   w_ptr, w2_ptr, two, r0, r1, K, w, norm, eps, BR: tl.constexpr, KC: tl.constexpr,
                   ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr, BN: tl.constexpr,
-                  ROWVEC: tl.constexpr = 0):
+                  ROWVEC: tl.constexpr = 0, AHEAD: tl.constexpr = 0):
     """out[orow(n), r0:r1] = f(x[xrow(n)] @ W[r0:r1].T) for n < n_rows, f = identity, + residual, or
     SiLU(x@W.T) * (x@W2.T); with norm, each x@W.T scaled by x's rsqrt(mean(x²) + eps) first (the
     norm's weight is in W).  Rows come from a list (xrows_div > 0: row = list[n] // xrows_div, out row
@@ -187,6 +187,9 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     ROWVEC 1 (a launch variant, TB = 1): the rows stored as a vector from the sums' own layout, the norm
     scale a scalar (the [BR, TB] epilogue kept the sums in a second layout, converted through shared
     memory with barriers on every step); ROWVEC 2 also stores without tl.store's conversion.
+    AHEAD 1 (a launch variant, with ROWVEC): a listed token's out row is looked up a step ahead with its
+    activation row, not at each row block's end, where the store (and a residual's address) waited on
+    that load: an expert tile's epilogue paid one memory round trip per row block.
     w: step 0's weight chunk, already requested (before the dependency wait)."""
     nsub = 1 + two.to(tl.int32)
     nk = tl.cdiv(K, KC)
@@ -206,7 +209,7 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     # the activation row of each step's first token is looked up a step ahead, so the step's first
     # activation load never waits on a row-list load (a T=1 expert task's only token); later tokens
     # of a group (T > 1, B > 1) look theirs up in turn
-    xrow0 = list_rows(zero, zero < total, xrows_ptr, xrows_div)[1]
+    orow0, xrow0 = list_rows(zero, zero < total, xrows_ptr, xrows_div)
     rs = tl.full((TB,), 1.0, tl.float32)
     if norm:
         rs = norm_scales(x_ptr, x_ld, xrows_ptr, xrows_div, zero, n_rows, K, eps, TB, BN, ALIGN)
@@ -216,8 +219,9 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
         else:
             w_next = weight_rows(tl.where(sub_a == 1, w2_ptr, w_ptr), r0 + blk_a * BR, r1, K, kc_a * KC, BR, KC, ALIGN)
         xrow0_a = xrow0
+        orow0_a = orow0
         if g_a != g:
-            xrow0_a = list_rows(g_a * TB, True, xrows_ptr, xrows_div)[1]
+            orow0_a, xrow0_a = list_rows(g_a * TB, True, xrows_ptr, xrows_div)
         n0 = g * TB
         acc, acc2 = token_sums(w, x_ptr, xrow0, x_ld, kc * KC, K, sub, 0, acc, acc2, w_ptr, BR, KC, ALIGN, TB)
         if TB > 1:
@@ -230,7 +234,10 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
                 # so the sums carried between steps need no second layout (a shared-memory conversion
                 # with barriers on every step); ROWVEC 2 also stores from that layout (docs/PERF.md s. 12)
                 rows1 = r0 + blk * BR + tl.arange(0, BR)
-                orow1 = list_rows(n0, True, xrows_ptr, xrows_div)[0]
+                if AHEAD:
+                    orow1 = orow0  # token n0's, looked up a step ahead with its activation row
+                else:
+                    orow1 = list_rows(n0, True, xrows_ptr, xrows_div)[0]
                 m1 = rows1 < r1
                 scale = tl.sum(rs, axis=0)
                 y1 = tl.sum(acc, axis=1) * scale
@@ -261,6 +268,7 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
                 if (ngroups > 1) & (i + 1 < total):  # the next step starts group g_a
                     rs = norm_scales(x_ptr, x_ld, xrows_ptr, xrows_div, g_a * TB, n_rows, K, eps, TB, BN, ALIGN)
         xrow0 = xrow0_a
+        orow0 = orow0_a
         sub, kc, g, blk = sub_a, kc_a, g_a, blk_a
         if DEPTH == 2:
             w, w_a = w_a, w_next
@@ -310,11 +318,11 @@ def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
 
 @triton.jit
 def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
-         DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr):
+         DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr):
     flags = fld(word, LINEAR_FLAGS)
     stream_chunks(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
                   A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
                   fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), aligned_base(W, word, LINEAR_W_OFF, ALIGN),
                   aligned_base(W, word, LINEAR_W2_OFF, ALIGN), has(flags, FLAG_LINEAR_SILU_MUL), fld(word, LINEAR_R0),
                   fld(word, LINEAR_R1), fld(word, LINEAR_K), w, has(flags, FLAG_LINEAR_NORM), ffld(word, LINEAR_EPS),
-                  BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC)
+                  BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD)
