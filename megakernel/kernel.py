@@ -52,7 +52,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                BN: tl.constexpr, BK: tl.constexpr, CPF: tl.constexpr, BCW: tl.constexpr,
                SAMPLE: tl.constexpr, BV: tl.constexpr, TB: tl.constexpr, PF: tl.constexpr, DEPTH: tl.constexpr,
                ALIGN: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr, ATT_KIND: tl.constexpr,
-               ROWVEC: tl.constexpr, AHEAD: tl.constexpr, HELPER_SIDE: tl.constexpr):
+               ROWVEC: tl.constexpr, AHEAD: tl.constexpr, NARROW: tl.constexpr, HELPER_SIDE: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
     end = tl.load(queue_ptr + pid + 1)
@@ -89,7 +89,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             t_ready = now_ns(USE_TIMER)
             if ok == 1:  # the other opcodes' bodies
                 if op == OP_EXPERT_LINEAR:
-                    moe.expert_body(word, W, A, I, BR, KC, ALIGN, TB, PF, DEPTH, ROWVEC, AHEAD)
+                    moe.expert_body(word, W, A, I, BR, KC, ALIGN, TB, PF, DEPTH, ROWVEC, AHEAD, NARROW)
                 elif op == OP_RMSNORM:
                     norm.body(word, W, A, BN)
                 elif op == OP_ATTENTION:

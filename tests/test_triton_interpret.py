@@ -75,12 +75,14 @@ def test_kernel_small_blocks(name):
 
 
 @pytest.mark.parametrize("name,blocks", [("tiny-dense", None), ("tiny-dense", dict(BN=16, TB=2)),
-                                         ("tiny-moe", dict(TB=1, ROWVEC=1))])
+                                         ("tiny-moe", dict(TB=1, ROWVEC=1, AHEAD=1, NARROW=1))])
 def test_kernel_norms_folded_into_linears(name, blocks):
     """Fusion rule norm_into_linear (a default rule): LINEAR[NORM] tasks scale their sums by each
     token's rsqrt(mean(x²) + eps), with the norm's weight packed into their columns; with small blocks
     the norm's row takes several BN chunks and the 4 tokens several TB groups (a scale per group);
-    with TB=1 and ROWVEC=1 each token's rows (LINEAR and the experts') are stored as a vector."""
+    with TB=1 and ROWVEC=1 each token's rows (LINEAR and the experts') are stored as a vector, with the
+    launch variants AHEAD (out rows looked up a step ahead) and NARROW (the experts' slices, K = 32 and 64
+    against KC = 128, in 4·BR x KC/4 chunks)."""
     cfg, plan, interp, mk = _pair(name, blocks=blocks)
     assert any(decode(word).has("NORM") for word in plan.words if decode(word).op.name == "LINEAR")
     _compare(cfg, interp, mk, torch.tensor([2, 7]))
