@@ -41,6 +41,21 @@ def head_matmul_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS: tl.con
 
 
 @triton.jit
+def linear_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr,
+                MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, BR: tl.constexpr, KC: tl.constexpr,
+                ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr,
+                AHEAD: tl.constexpr):
+    """A LINEAR task: its first weights requested before the wait (weights never depend on activations),
+    then the body.  (ok, ready time)."""
+    w = linear.prefetch(word, W, BR, KC, ALIGN)
+    ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
+    t_ready = now_ns(USE_TIMER)
+    if ok == 1:
+        linear.body(word, W, A, w, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD)
+    return ok, t_ready
+
+
+@triton.jit
 def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I, C, HB,
                WORDS: tl.constexpr, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr, MAX_SPINS: tl.constexpr,
                HELPER_NS: tl.constexpr,
@@ -68,15 +83,15 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             if t + 1 < end:
                 if tl.load(word + WORDS) == OP_LINEAR:
                     linear.prefetch_task(word + WORDS, W, ALIGN)
-        # weights never depend on activations: the first of them are requested before the wait
         if op == OP_LINEAR:
             if PF == 1 or (PF == 2 and t == start):
                 linear.prefetch_task(word, W, ALIGN)
-            w = linear.prefetch(word, W, BR, KC, ALIGN)
-            ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
-            t_ready = now_ns(USE_TIMER)
-            if ok == 1:
-                linear.body(word, W, A, w, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD)
+            if NARROW and linear.needs_narrow(word, KC):  # a launch variant: a copy with 4·BR x KC/4 chunks
+                ok, t_ready = linear_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS, MAX_SPINS,
+                                          USE_TIMER, BR * 4, KC // 4, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD)
+            else:
+                ok, t_ready = linear_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS, MAX_SPINS,
+                                          USE_TIMER, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD)
         elif op == OP_HEAD_MATMUL:  # a copy per weight layout, so each vectorizes its loads
             if head_matmul.transposed(word):
                 ok, t_ready = head_matmul_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,

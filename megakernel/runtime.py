@@ -212,8 +212,8 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # 1: with ROWVEC, a listed token's out row looked up a step ahead (a launch variant, not
                 # yet timed: docs/PERF.md session 14)
                 AHEAD=0,
-                # 1: expert slices whose K leaves a fifth of the last chunk empty stream 4·BR x KC/4 chunks
-                # (a launch variant, not yet timed)
+                # 1: LINEAR and expert slices whose K leaves a fifth of the last chunk empty stream 4·BR x KC/4
+                # chunks (linear.narrow; a launch variant, not yet timed)
                 NARROW=0,
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2",
                 # a persistent helper kernel's plan: HELPER_RECV / HELPER_SEND compiled in (only there)

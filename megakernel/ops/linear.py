@@ -280,6 +280,15 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
 
 
 @triton.jit
+def narrow(K, KC: tl.constexpr):
+    """Launch variant NARROW: K leaves a fifth or more of its last KC-wide chunk empty (dsv2-lite's down
+    projections: K = 1408 read as 2048 columns a row, K = 2816 as 4096; the rest is the next row's, so
+    that much of each chunk in flight is unused), so the slice streams 4·BR x KC/4 chunks instead."""
+    KCN: tl.constexpr = KC // 4
+    return tl.cdiv(K, KCN) * KCN * 5 <= tl.cdiv(K, KC) * KC * 4
+
+
+@triton.jit
 def first_chunk(w_ptr, r0, r1, K, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
     """The first weight chunk stream_chunks expects, requested early (weights never depend on activations)."""
     return weight_rows(w_ptr, r0, r1, K, 0, BR, KC, ALIGN)
@@ -307,6 +316,11 @@ def prefetch_task(word, W, ALIGN: tl.constexpr):
     prefetch_rows(aligned_base(W, word, LINEAR_W_OFF, ALIGN), aligned_base(W, word, LINEAR_W2_OFF, ALIGN),
                   has(fld(word, LINEAR_FLAGS), FLAG_LINEAR_SILU_MUL), fld(word, LINEAR_R0), fld(word, LINEAR_R1),
                   fld(word, LINEAR_K), ALIGN)
+
+
+@triton.jit
+def needs_narrow(word, KC: tl.constexpr):
+    return narrow(fld(word, LINEAR_K), KC)
 
 
 @triton.jit

@@ -26,7 +26,7 @@ from .fields import (EXPERT_LINEAR_FLAGS, EXPERT_LINEAR_K, EXPERT_LINEAR_MAP_BUF
                      MOE_COMBINE_WTS_OFF, MOE_COMBINE_Y_OFF, ROUTE_BIAS_OFF, ROUTE_E, ROUTE_FLAGS, ROUTE_IDS_OFF,
                      ROUTE_TOPK, ROUTE_LG_LD, ROUTE_LG_OFF, ROUTE_N, ROUTE_N_GROUP, ROUTE_S, ROUTE_SC_BUF, ROUTE_SC_OFF,
                      ROUTE_SCALE, ROUTE_ST_OFF, ROUTE_TOPK_GROUP, ROUTE_WTS_OFF)
-from .linear import aligned_base, first_chunk, prefetch_rows, stream_chunks
+from .linear import aligned_base, first_chunk, narrow, prefetch_rows, stream_chunks
 
 
 def reference_route(task, mem) -> None:
@@ -256,9 +256,7 @@ def slot_table(ids, st, P, E, S, BE: tl.constexpr, BP: tl.constexpr):
 def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
                 PF: tl.constexpr, DEPTH: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr,
                 NARROW: tl.constexpr):
-    """NARROW 1 (a launch variant): a slice whose K leaves a fifth or more of its last KC-wide chunk empty
-    (dsv2-lite's down projection: K = 1408 read as 2048 columns a row, the rest the next row's, so 31% of
-    each chunk in flight is unused) streams 4·BR x KC/4 chunks instead (1536 columns a row)."""
+    """NARROW 1 (a launch variant): a slice linear.narrow() picks streams 4·BR x KC/4 chunks."""
     flags, S, slot = fld(word, EXPERT_LINEAR_FLAGS), fld(word, EXPERT_LINEAR_S), fld(word, EXPERT_LINEAR_SLOT)
     st = I + off(word, EXPERT_LINEAR_ST_OFF)
     expert = tl.load(st + slot, cache_modifier=".cg")
@@ -281,7 +279,7 @@ def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.con
         x_ptr, x_ld = aligned_base(A, word, EXPERT_LINEAR_X_OFF, ALIGN), fld(word, EXPERT_LINEAR_X_LD)
         BRN: tl.constexpr = BR * 4
         KCN: tl.constexpr = KC // 4
-        if NARROW and (tl.cdiv(K, KCN) * KCN * 5 <= tl.cdiv(K, KC) * KC * 4):
+        if NARROW and narrow(K, KC):
             wn = first_chunk(w_ptr, r0, r1, K, BRN, KCN, ALIGN)
             stream_chunks(x_ptr, x_ld, pairs, div, count, o_ptr, o_ld, o_ptr, o_ld, False, w_ptr, w2_ptr, two, r0, r1,
                           K, wn, False, 0.0, BRN, KCN, ALIGN, TB, DEPTH, 16, ROWVEC, AHEAD)
