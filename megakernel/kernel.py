@@ -67,7 +67,8 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                BN: tl.constexpr, BK: tl.constexpr, CPF: tl.constexpr, BCW: tl.constexpr,
                SAMPLE: tl.constexpr, BV: tl.constexpr, TB: tl.constexpr, PF: tl.constexpr, DEPTH: tl.constexpr,
                ALIGN: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr, ATT_KIND: tl.constexpr,
-               ROWVEC: tl.constexpr, AHEAD: tl.constexpr, NARROW: tl.constexpr, HELPER_SIDE: tl.constexpr):
+               ROWVEC: tl.constexpr, AHEAD: tl.constexpr, NARROW: tl.constexpr, ROUTE1: tl.constexpr,
+               HELPER_SIDE: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
     end = tl.load(queue_ptr + pid + 1)
@@ -120,7 +121,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                 elif op == OP_MOE_COMBINE:
                     moe.combine_body(word, A, BD, BK)
                 elif op == OP_ROUTE:
-                    moe.route_body(word, WF, A, I, BE, BP)
+                    moe.route_body(word, WF, A, I, BE, BP, ROUTE1)
                 elif op == OP_EMBED:
                     embed.body(word, W, A, I, BD)
                 elif op == OP_EWISE:

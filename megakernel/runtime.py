@@ -215,6 +215,8 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # 1: LINEAR and expert slices whose K leaves a fifth of the last chunk empty stream 4·BR x KC/4
                 # chunks (linear.narrow; a launch variant, not yet timed)
                 NARROW=0,
+                # 1: one token's slot table from its experts' ranks in registers (a launch variant, not yet timed)
+                ROUTE1=0,
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2",
                 # a persistent helper kernel's plan: HELPER_RECV / HELPER_SEND compiled in (only there)
                 HELPER_SIDE=int(any(t.op.name == "HELPER_RECV" for t in tasks)),
@@ -260,6 +262,9 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
     if blocks["NARROW"] not in (0, 1) or (blocks["NARROW"] and blocks["KC"] // 4 < 2 * blocks["ALIGN"]):
         raise MegakernelError(f"block override NARROW={blocks['NARROW']}: 0, or 1 with KC/4 >= 2 x ALIGN (KC="
                               f"{blocks['KC']}, ALIGN={blocks['ALIGN']})")
+    if blocks["ROUTE1"] not in (0, 1):
+        raise MegakernelError(f"block override ROUTE1={blocks['ROUTE1']}: 0, or 1 (one token's slot table from "
+                              "registers)")
     if blocks["DEPTH"] not in (1, 2):
         raise MegakernelError(f"block override DEPTH={blocks['DEPTH']}: 1 or 2 weight chunks in flight per warp")
     if blocks["PF"] not in (0, 1, 2):

@@ -88,6 +88,15 @@ def test_kernel_norms_folded_into_linears(name, blocks):
     _compare(cfg, interp, mk, torch.tensor([2, 7]))
 
 
+def test_kernel_one_token_route_from_registers():
+    """Launch variant ROUTE1 at T=1, B=1 (a decode step: one token per ROUTE): the slot table comes from
+    the experts' ranks in registers; every routing table the step leaves equals the interpreter's."""
+    cfg, plan, interp, mk = _pair("tiny-moe", T=1, B=1, blocks=dict(ROUTE1=1))
+    assert any(decode(word).has("SLOTS") and decode(word)["N"] == 1 for word in plan.words
+               if decode(word).op.name == "ROUTE")
+    _compare(cfg, interp, mk, torch.tensor([5]))
+
+
 def test_kernel_norms_as_tasks_of_their_own():
     """Without norm_into_linear every layer's norms are RMSNORM tasks (the plain body, and the A side
     of the fold)."""

@@ -143,6 +143,7 @@ def topk_by_rank(choice, scores, ex, emask, k, ids, wts, norm, scale, BE: tl.con
     denom = total + 1e-20 if norm else 1.0
     tl.store(ids + rank, ex.to(tl.int32), mask=picked)
     tl.store(wts + rank, scores / denom * scale, mask=picked)
+    return rank, picked
 
 
 @triton.jit
@@ -167,7 +168,9 @@ def topk_by_rounds(choice, scores, ex, k, ids, wts, norm, scale):
 
 
 @triton.jit
-def route_body(word, WF, A, I, BE: tl.constexpr, BP: tl.constexpr):
+def route_body(word, WF, A, I, BE: tl.constexpr, BP: tl.constexpr, ROUTE1: tl.constexpr):
+    """ROUTE1 1 (a launch variant): one token's slot table straight from its experts' ranks in registers
+    (slot_table_one), not from its ids read back from memory."""
     flags = fld(word, ROUTE_FLAGS)
     N, E, k, S = fld(word, ROUTE_N), fld(word, ROUTE_E), fld(word, ROUTE_TOPK), fld(word, ROUTE_S)
     G, keep_groups, scale = fld(word, ROUTE_N_GROUP), fld(word, ROUTE_TOPK_GROUP), ffld(word, ROUTE_SCALE)
@@ -178,6 +181,8 @@ def route_body(word, WF, A, I, BE: tl.constexpr, BP: tl.constexpr):
     ex = tl.arange(0, BE)
     emask = ex < E
     per = E // G
+    rank1 = tl.zeros((BE,), tl.int32)  # the last token's expert ranks (ROUTE1: token 0 of 1)
+    picked1 = rank1 < 0
     for n in range(N):
         if has(flags, FLAG_ROUTE_SCORE):
             logits = tl.load(lg + n * lg_ld + ex, mask=emask, other=float("-inf"), cache_modifier=".cg")
@@ -213,19 +218,39 @@ def route_body(word, WF, A, I, BE: tl.constexpr, BP: tl.constexpr):
                 choice = tl.where(kept & emask, choice, float("-inf"))
             norm = has(flags, FLAG_ROUTE_NORM)
             if BE <= 64:
-                topk_by_rank(choice, scores, ex, emask, k, ids + n * k, wts + n * k, norm, scale, BE)
+                rank1, picked1 = topk_by_rank(choice, scores, ex, emask, k, ids + n * k, wts + n * k, norm, scale, BE)
             else:
                 topk_by_rounds(choice, scores, ex, k, ids + n * k, wts + n * k, norm, scale)
     if has(flags, FLAG_ROUTE_SLOTS):
-        tl.debug_barrier()  # ids written above by this program
-        slot_table(ids, st, N * k, E, S, BE, BP)
+        if ROUTE1 and (BE <= 64):  # compiled only into the launch variant
+            if (N == 1) & has(flags, FLAG_ROUTE_TOPK):
+                slot_table_one(rank1, picked1, ex, st, S, k, BE)
+            else:
+                slot_table(ids, st, N * k, E, S, BE, BP)
+        else:
+            slot_table(ids, st, N * k, E, S, BE, BP)
+
+
+@triton.jit
+def slot_table_one(rank, picked, ex, st, S, k, BE: tl.constexpr):
+    """slot_table's result for one token (decode, B = 1): its k experts in ascending order are the slots,
+    each holding one pair, pair = the expert's rank.  A decode step's route ran 8 us on each layer's
+    chain (docs/PERF.md session 14); slot_table reads the ids back and sums [experts x pairs] twice."""
+    slot_of = tl.cumsum(picked.to(tl.int32), axis=0) - 1
+    tl.store(st + slot_of, ex, mask=picked)
+    tl.store(st + S + slot_of, tl.full((BE,), 1, tl.int32), mask=picked)
+    tl.store(st + 2 * S + slot_of * k, rank, mask=picked)
+    tl.store(st + ex, tl.full((BE,), -1, tl.int32), mask=(ex >= k) & (ex < S))
+    tl.store(st + S + ex, tl.zeros((BE,), tl.int32), mask=(ex >= k) & (ex < S))
 
 
 @triton.jit
 def slot_table(ids, st, P, E, S, BE: tl.constexpr, BP: tl.constexpr):
     """st = [expert of slot s] * S + [pairs in slot s] * S + [pair ids of slot s, ascending] * (S x P):
     the distinct experts of ids[0:P] in ascending order, found for all experts at once ([experts x
-    pairs] comparisons, pairs in chunks) rather than expert by expert."""
+    pairs] comparisons, pairs in chunks) rather than expert by expert.  The ids were written by this
+    program: a barrier first."""
+    tl.debug_barrier()
     PC: tl.constexpr = min(BP, 8192 // BE)  # pairs per chunk: keeps the comparison matrix in registers
     ex = tl.arange(0, BE)
     count = tl.zeros((BE,), tl.int32)
