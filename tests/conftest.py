@@ -37,6 +37,7 @@ def _patch_each_language_once_per_launch() -> None:
         return
     original_patch, original_launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
     state = threading.local()
+    languages: dict = {}  # a jit function -> the ids of the language modules among its globals (_patch_lang's)
 
     def launch(self, *args, **kwargs):
         outer = getattr(state, "patched", None)
@@ -48,7 +49,10 @@ def _patch_each_language_once_per_launch() -> None:
 
     def patch_lang(fn):
         patched = getattr(state, "patched", None)
-        langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        langs = languages.get(fn)
+        if langs is None:
+            langs = languages[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                              if inspect.ismodule(v) and v in (tl, tl.core))
         if patched is not None and patched and langs and langs <= patched:
             return None  # a nested call (InterpretedFunction.__call__ drops the scope it returns)
         if patched is not None:
