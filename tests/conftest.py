@@ -7,10 +7,63 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import threading  # noqa: E402
+
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 from graph.fusion import DEFAULT_RULES, WEIGHT_RULES  # noqa: E402
+
+
+def _patch_each_language_once_per_launch() -> None:
+    """Triton's interpreter (3.6) re-patches triton.language on every call of a @triton.jit function from
+    inside a kernel (interpreter._patch_lang: inspect.getmembers over tl, tl.tensor and tl.math, ~0.5 ms),
+    tens of thousands of times in one megakernel step: a third of this suite's interpreter time.  Within
+    one launch every such re-patch after the first for the same modules is a no-op: the builtins it looks
+    for were already replaced by non-builtin wrappers (is_builtin is then False), and the rest of it sets
+    the same attributes to equivalent fresh functions.  So, per launch and per thread, a nested call whose
+    language modules a call of this launch already patched skips it; a launch itself (GridExecutor) and
+    the first nested call for a module still patch exactly as before, and the launch restores as before.
+    The kernels run the same operations on the same values.  MEGAKERNEL_TEST_PLAIN_INTERPRETER=1 turns
+    this off; a Triton without these internals is left alone."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or os.environ.get("MEGAKERNEL_TEST_PLAIN_INTERPRETER") == "1":
+        return
+    import inspect
+    import triton.language as tl
+    from triton.runtime import interpreter
+    if not all(hasattr(interpreter, n) for n in ("_patch_lang", "GridExecutor", "InterpretedFunction")):
+        return
+    if "_patch_lang(self.fn)" not in inspect.getsource(interpreter.InterpretedFunction.__call__):
+        return
+    original_patch, original_launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    state = threading.local()
+    languages: dict = {}  # a jit function -> the ids of the language modules among its globals (_patch_lang's)
+
+    def launch(self, *args, **kwargs):
+        outer = getattr(state, "patched", None)
+        state.patched = set()  # this launch's patched language modules
+        try:
+            return original_launch(self, *args, **kwargs)
+        finally:
+            state.patched = outer
+
+    def patch_lang(fn):
+        patched = getattr(state, "patched", None)
+        langs = languages.get(fn)
+        if langs is None:
+            langs = languages[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                              if inspect.ismodule(v) and v in (tl, tl.core))
+        if patched is not None and patched and langs and langs <= patched:
+            return None  # a nested call (InterpretedFunction.__call__ drops the scope it returns)
+        if patched is not None:
+            patched |= langs
+        return original_patch(fn)
+
+    interpreter._patch_lang = patch_lang
+    interpreter.GridExecutor.__call__ = launch
+
+
+_patch_each_language_once_per_launch()
 
 settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -16,6 +16,26 @@ from model import TINY_PRESETS, init_weights, preset
 NEW = 10
 
 
+class _SharedPlans:
+    """A test's decoders of one model and one set of compile options compile each step shape once: a plan is
+    a function of (config, shape, options) (test_plans_compiled_side_by_side_equal_the_ones_compiled_in_turn)
+    and data no runner changes, so a decoder takes the plans of shapes another one already compiled and adds
+    its own.  Each decoder still builds its own runners, cache, seeds and drafts."""
+
+    def __init__(self):
+        self.groups: list[tuple[tuple, dict]] = []
+
+    def __call__(self, dec: SpeculativeDecoder) -> SpeculativeDecoder:
+        key = (dec.cfg, dec.engine.options)
+        plans = next((p for k, p in self.groups if k == key), None)
+        if plans is None:
+            plans = {}
+            self.groups.append((key, plans))
+        assert not dec.engine.plans
+        dec.engine.plans = plans
+        return dec
+
+
 def _setup(name, B, seed=0):
     cfg = preset(name)
     w = init_weights(cfg, seed=seed)
@@ -34,10 +54,11 @@ def test_greedy_speculative_equals_plain_for_every_k_and_draft(name, B):
     cfg, w, prompts = _setup(name, B)
     plain = _plain(cfg, w, prompts, NEW + 8)
     expected = [seq[:NEW] for seq in plain]
+    shared = _SharedPlans()  # the three draft sources of one k step the same shapes
     for k in range(1, 8):
         for kind in ("mtp", "oracle", "noisy:0.5"):
             drafts = Drafts(kind, oracle=plain, vocab=cfg.vocab_size, seed=k)
-            out, stats = SpeculativeDecoder(cfg, w, k, B, 64).generate(prompts, NEW, drafts)
+            out, stats = shared(SpeculativeDecoder(cfg, w, k, B, 64)).generate(prompts, NEW, drafts)
             assert out == expected, (k, kind)
             if kind == "oracle":
                 assert stats.acceptance_length == k + 1 == stats.tokens_per_step
@@ -96,9 +117,9 @@ def test_triton_accept_and_gather_bodies(name, k, B, kind, n):
     cfg, w, _ = _setup(name, B, seed=4)
     prompts = torch.randint(0, cfg.vocab_size, (B, 2), generator=torch.Generator().manual_seed(4))
     plain = _plain(cfg, w, prompts, n + k + 1)
-    runs = {}
+    runs, shared = {}, _SharedPlans()  # both backends run the same plans
     for backend in ("megakernel", "interpret"):
-        dec = SpeculativeDecoder(cfg, w, k, B, 32, backend=backend, options=CompileOptions(workers=1))
+        dec = shared(SpeculativeDecoder(cfg, w, k, B, 32, backend=backend, options=CompileOptions(workers=1)))
         runs[backend] = dec.generate(prompts, n, Drafts(kind, plain, cfg.vocab_size, seed=k))
     (out, stats), (_, want) = runs["megakernel"], runs["interpret"]
     assert out == [seq[:n] for seq in plain] and stats.steps >= 1
@@ -183,8 +204,9 @@ def test_speculative_sampling_draws_from_the_target_distribution(k, top_p):
     draft = int(joint.sum(0).argmax())
     guesses = [[draft] * 12 for _ in range(B)]
     counts = torch.zeros_like(joint)
+    shared = _SharedPlans()  # every run steps the same shapes
     for run in range(runs):
-        dec = SpeculativeDecoder(cfg, w, k, B, 16, temperature=temperature, top_p=top_p, seed=run)
+        dec = shared(SpeculativeDecoder(cfg, w, k, B, 16, temperature=temperature, top_p=top_p, seed=run))
         out, _ = dec.generate(prompt.repeat(B, 1), 2, Drafts("oracle", guesses, cfg.vocab_size))
         for seq in out:
             counts[seq[0], seq[1]] += 1
@@ -280,10 +302,10 @@ def test_triton_sampling_accept_equals_the_interpreter():
     w = init_weights(cfg, seed=3)
     prompts = torch.randint(0, cfg.vocab_size, (2, 3), generator=torch.Generator().manual_seed(4))
     greedy = SpeculativeDecoder(cfg, w, 0, 2, 24).generate(prompts, 10)[0]
-    runs = {}
+    runs, shared = {}, _SharedPlans()  # both backends run the same plans
     for backend in ("interpret", "megakernel"):
-        dec = SpeculativeDecoder(cfg, w, 2, 2, 24, backend=backend, options=CompileOptions(workers=1),
-                                 temperature=0.5, top_p=0.9, seed=5)
+        dec = shared(SpeculativeDecoder(cfg, w, 2, 2, 24, backend=backend, options=CompileOptions(workers=1),
+                                        temperature=0.5, top_p=0.9, seed=5))
         runs[backend] = dec.generate(prompts, 5, Drafts("oracle", greedy, cfg.vocab_size))
     (out, stats), (want, want_stats) = runs["megakernel"], runs["interpret"]
     assert out == want and stats.accepted_hist == want_stats.accepted_hist
