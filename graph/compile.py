@@ -127,7 +127,8 @@ def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | N
                   "worker_ms": [b * 1e3 for b in sched.busy], "bytes": total_bytes,
                   "floor_ms": opts.cost.floor_seconds(step_bytes(cfg, shape.T, shape.B, shape.max_len).total) * 1e3},
         options={"workers": opts.workers, "scheduler": opts.scheduler, "cse": opts.cse, "fuse": opts.fuse,
-                 "fusion_rules": list(opts.fusion_rules), "tiling": dataclasses.asdict(tiling)},
+                 "fusion_rules": list(opts.fusion_rules), "tiling": dataclasses.asdict(tiling),
+                 "cost": dataclasses.asdict(opts.cost)},
     )
     if opts.verify:
         report = verify_plan(plan)
@@ -150,7 +151,7 @@ def canonical_weights(cfg: ModelConfig, helper_slots: int = -1, rules: tuple[str
     """The weight arena's order for every plan of a model: the order in which one decode step
     and every MTP layer, as the unfused graph first reads them.  Helper plans (helper_slots >= 0)
     have their own layout: one arena of main expert slots instead of every layer's experts.
-    Fusion rules that derive weights (WEIGHT_RULES: norm_into_linear) lay out the graph fused by all of
+    Fusion rules that derive weights (WEIGHT_RULES: the norm folds) lay out the graph fused by all of
     `rules` instead (which norms fold depends on the others: residual_norm keeps its norms): the
     derived weights, without those only they read.  Cached: every compile of a model asks for it, and
     plan_memory only reads the tensors it returns."""

@@ -32,7 +32,9 @@ class TilingOptions:
     # (dsv2-lite 4.136 -> 3.693 ms, llama-1b 1.337 -> 1.319 at 384 KB: docs/PERF.md session 14)
     balance: int = 1
     balance_bytes: int = 512 * 1024
-    task_overhead_bytes: int = 32 * 1024  # a task's fixed cost as weight bytes (~1 us of a worker's stream)
+    # a streamed task's fixed cost as weight bytes (~1 us of a worker's stream: session 14's fit of
+    # streamed tasks; CostModel.task_overhead's 3 us also covers the round trips of one-task ops)
+    task_overhead_bytes: int = 32 * 1024
 
 
 @dataclass
@@ -92,8 +94,9 @@ class Tiler:
             return -(-copies * -(-rows // p) // spread) * (p * bytes_per_row + self.opts.task_overhead_bytes)
 
         most = max(per, self.opts.balance_bytes // max(1, bytes_per_row) // align * align)
+        fewest = -(-self.opts.min_tile_bytes // max(1, bytes_per_row))  # no task below min_tile_bytes
         best = per
-        for p in range(align, min(most, rows) + 1, align):
+        for p in range(max(align, -(-fewest // align) * align), min(most, rows) + 1, align):
             if phase(p) < phase(best) or (phase(p) == phase(best) and best != per and p > best):
                 best = p
         return best

@@ -87,7 +87,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
         if op == OP_LINEAR:
             if PF == 1 or (PF == 2 and t == start):
                 linear.prefetch_task(word, W, ALIGN)
-            if NARROW and linear.needs_narrow(word, KC):  # a launch variant: a copy with 4·BR x KC/4 chunks
+            if NARROW and linear.needs_narrow(word, BR, KC):  # a launch variant: a copy with 4·BR x KC/4 chunks
                 ok, t_ready = linear_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS, MAX_SPINS,
                                           USE_TIMER, BR * 4, KC // 4, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD)
             else:

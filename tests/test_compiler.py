@@ -275,3 +275,4 @@ def test_balanced_tiles_never_lengthen_the_phase(rows, bytes_per_row, copies, sp
     assert (_phase(rows, best, copies, spread, bytes_per_row, opts.task_overhead_bytes)
             <= _phase(rows, per, copies, spread, bytes_per_row, opts.task_overhead_bytes))
     assert best == per or best * bytes_per_row <= max(per * bytes_per_row, opts.balance_bytes)
+    assert best == per or best * bytes_per_row >= opts.min_tile_bytes

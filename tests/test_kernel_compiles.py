@@ -51,6 +51,12 @@ copy = triton.compile(ASTSource(fn=copy_rows, signature={"src": "*fp32", "src_ld
                                 constexprs={"COMPILED": True, "SAVE_SEQ": True, "BLOCK": 1024}),
                       target=GPUTarget("cuda", 90, 32))
 assert "ld.acquire.sys.global.b32" in copy.asm["ptx"]
+# the one-token decode kernel's launch variants, compiled out above (TB=8, BE=256): AHEAD and ROWVEC=2's
+# stores in place, NARROW's second chunk shape, ROUTE1's slot table from registers (BE <= 64)
+one = dict(const, TB=1, BE=64, BP=8, PF=0, DEPTH=1, ROWVEC=2, AHEAD=1, NARROW=1, ROUTE1=1, ATT_KIND=1)
+k1 = triton.compile(ASTSource(fn=megakernel, signature=sig, constexprs=one, attrs=attrs),
+                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 1})
+assert "st.global.f32" in k1.asm["ptx"] and k1.asm["cubin"]
 print("shared", k.metadata.shared)
 """
 

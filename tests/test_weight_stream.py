@@ -66,7 +66,8 @@ def _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res, norm, depth=1
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("tb,depth,rowvec,ahead", [(1, 1, 0, 0), (1, 1, 1, 0), (1, 1, 1, 1), (2, 2, 0, 0), (4, 1, 0, 0)])
+@pytest.mark.parametrize("tb,depth,rowvec,ahead", [(1, 1, 0, 0), (1, 1, 1, 0), (1, 1, 1, 1), (1, 2, 1, 1), (2, 2, 0, 0),
+                                                   (4, 1, 0, 0)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("K,R,r0,N,KC,BR,two,listed,res,norm", SHAPES)
 def test_weight_stream_irregular_shapes(device, tb, depth, rowvec, ahead, dtype, K, R, r0, N, KC, BR, two, listed, res,

@@ -187,9 +187,10 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     ROWVEC 1 (a launch variant, TB = 1): the rows stored as a vector from the sums' own layout, the norm
     scale a scalar (the [BR, TB] epilogue kept the sums in a second layout, converted through shared
     memory with barriers on every step); ROWVEC 2 also stores without tl.store's conversion.
-    AHEAD 1 (a launch variant, with ROWVEC): a listed token's out row is looked up a step ahead with its
-    activation row, not at each row block's end, where the store (and a residual's address) waited on
-    that load: an expert tile's epilogue paid one memory round trip per row block.
+    AHEAD 1 (a launch variant; it acts only with TB = 1 and ROWVEC, elsewhere the epilogue is as with 0):
+    a listed token's out row is looked up a step ahead with its activation row, not at each row block's
+    end, where the store (and a residual's address) waited on that load: an expert tile's epilogue paid
+    one memory round trip per row block.
     w: step 0's weight chunk, already requested (before the dependency wait)."""
     nsub = 1 + two.to(tl.int32)
     nk = tl.cdiv(K, KC)
@@ -280,12 +281,14 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
 
 
 @triton.jit
-def narrow(K, KC: tl.constexpr):
-    """Launch variant NARROW: K leaves a fifth or more of its last KC-wide chunk empty (dsv2-lite's down
-    projections: K = 1408 read as 2048 columns a row, K = 2816 as 4096; the rest is the next row's, so
-    that much of each chunk in flight is unused), so the slice streams 4·BR x KC/4 chunks instead."""
+def narrow(rows, K, BR: tl.constexpr, KC: tl.constexpr):
+    """Launch variant NARROW: whether a slice of `rows` rows loads at least a fifth fewer weights in 4·BR x
+    KC/4 chunks than in BR x KC ones.  A chunk reads whole KC-wide rows (past K it reads the next row's
+    columns, unused), so dsv2-lite's routed down tiles (96 rows of K = 1408) carry 2048 columns a row
+    in flight, 1536 narrow; a 16-row tile of K = 2816 would read 32 rows narrow, so it stays wide."""
     KCN: tl.constexpr = KC // 4
-    return tl.cdiv(K, KCN) * KCN * 5 <= tl.cdiv(K, KC) * KC * 4
+    BRN: tl.constexpr = BR * 4
+    return tl.cdiv(rows, BRN) * BRN * tl.cdiv(K, KCN) * KCN * 5 <= tl.cdiv(rows, BR) * BR * tl.cdiv(K, KC) * KC * 4
 
 
 @triton.jit
@@ -319,8 +322,8 @@ def prefetch_task(word, W, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def needs_narrow(word, KC: tl.constexpr):
-    return narrow(fld(word, LINEAR_K), KC)
+def needs_narrow(word, BR: tl.constexpr, KC: tl.constexpr):
+    return narrow(fld(word, LINEAR_R1) - fld(word, LINEAR_R0), fld(word, LINEAR_K), BR, KC)
 
 
 @triton.jit

@@ -281,7 +281,7 @@ def slot_table(ids, st, P, E, S, BE: tl.constexpr, BP: tl.constexpr):
 def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
                 PF: tl.constexpr, DEPTH: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr,
                 NARROW: tl.constexpr):
-    """NARROW 1 (a launch variant): a slice linear.narrow() picks streams 4·BR x KC/4 chunks."""
+    """NARROW 1 (a launch variant): a slice that linear.narrow() picks streams 4·BR x KC/4 chunks."""
     flags, S, slot = fld(word, EXPERT_LINEAR_FLAGS), fld(word, EXPERT_LINEAR_S), fld(word, EXPERT_LINEAR_SLOT)
     st = I + off(word, EXPERT_LINEAR_ST_OFF)
     expert = tl.load(st + slot, cache_modifier=".cg")
@@ -298,20 +298,27 @@ def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.con
         w2_ptr = aligned_base(W, word, EXPERT_LINEAR_W2_OFF, ALIGN) + base
         if PF > 0:  # the expert is known only now: its whole slice in flight at once
             prefetch_rows(w_ptr, w2_ptr, two, r0, r1, K, ALIGN)
-        pairs = st + 2 * S + slot * (N * kk)
-        div = tl.where(has(flags, FLAG_EXPERT_LINEAR_GATHER), kk, 1)  # gate/up read token rows, down pair rows
-        o_ptr, o_ld = A + off(word, EXPERT_LINEAR_OUT_OFF), fld(word, EXPERT_LINEAR_OUT_LD)
-        x_ptr, x_ld = aligned_base(A, word, EXPERT_LINEAR_X_OFF, ALIGN), fld(word, EXPERT_LINEAR_X_LD)
-        BRN: tl.constexpr = BR * 4
-        KCN: tl.constexpr = KC // 4
-        if NARROW and narrow(K, KC):
-            wn = first_chunk(w_ptr, r0, r1, K, BRN, KCN, ALIGN)
-            stream_chunks(x_ptr, x_ld, pairs, div, count, o_ptr, o_ld, o_ptr, o_ld, False, w_ptr, w2_ptr, two, r0, r1,
-                          K, wn, False, 0.0, BRN, KCN, ALIGN, TB, DEPTH, 16, ROWVEC, AHEAD)
+        if NARROW and narrow(r1 - r0, K, BR, KC):
+            expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K, BR * 4, KC // 4,
+                          ALIGN, TB, DEPTH, ROWVEC, AHEAD)
         else:
-            w = first_chunk(w_ptr, r0, r1, K, BR, KC, ALIGN)
-            stream_chunks(x_ptr, x_ld, pairs, div, count, o_ptr, o_ld, o_ptr, o_ld, False, w_ptr, w2_ptr, two, r0, r1,
-                          K, w, False, 0.0, BR, KC, ALIGN, TB, DEPTH, 16, ROWVEC, AHEAD)
+            expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K, BR, KC, ALIGN, TB,
+                          DEPTH, ROWVEC, AHEAD)
+
+
+@triton.jit
+def expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K, BR: tl.constexpr,
+                  KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr, ROWVEC: tl.constexpr,
+                  AHEAD: tl.constexpr):
+    """An expert slice's weight stream in BR x KC chunks: the first chunk requested before the rest of the
+    address math."""
+    w = first_chunk(w_ptr, r0, r1, K, BR, KC, ALIGN)
+    pairs = st + 2 * S + slot * (N * kk)
+    div = tl.where(has(flags, FLAG_EXPERT_LINEAR_GATHER), kk, 1)  # gate/up read token rows, down pair rows
+    o_ptr, o_ld = A + off(word, EXPERT_LINEAR_OUT_OFF), fld(word, EXPERT_LINEAR_OUT_LD)
+    stream_chunks(aligned_base(A, word, EXPERT_LINEAR_X_OFF, ALIGN), fld(word, EXPERT_LINEAR_X_LD), pairs, div,
+                  count, o_ptr, o_ld, o_ptr, o_ld, False, w_ptr, w2_ptr, two, r0, r1, K, w, False, 0.0, BR, KC,
+                  ALIGN, TB, DEPTH, 16, ROWVEC, AHEAD)
 
 
 @triton.jit
