@@ -75,7 +75,7 @@ def test_kernel_small_blocks(name):
 
 
 @pytest.mark.parametrize("name,blocks", [("tiny-dense", None), ("tiny-dense", dict(BN=16, TB=2)),
-                                         ("tiny-moe", dict(TB=1, ROWVEC=1, AHEAD=1, NARROW=1))])
+                                         ("tiny-moe", dict(TB=1, ROWVEC=1, AHEAD=1, NARROW=1, BR=8, KC=128))])
 def test_kernel_norms_folded_into_linears(name, blocks):
     """Fusion rule norm_into_linear (a default rule): LINEAR[NORM] tasks scale their sums by each
     token's rsqrt(mean(x²) + eps), with the norm's weight packed into their columns; with small blocks
