@@ -92,6 +92,24 @@ def test_stage_fusion_never_moves_a_write_past_a_reader():
     assert fuse(g, ("hc_coeff",))["fused"] == 0 and [o.label for o in g.ops][1] == "reader_between"
 
 
+def _interpreter_equals_reference(cfg, plan, w, seed, lens):
+    """One step of 2 sequences x 2 tokens on a random cache: the plan interpreter equals the reference."""
+    import torch
+
+    from megakernel.interpreter import Interpreter
+    from model import Cache, Reference
+
+    from .conftest import rel_err
+    interp, ref = Interpreter(plan, w), Reference(cfg, w)
+    gen = torch.Generator().manual_seed(seed)
+    cache = Cache.allocate(cfg, 2, 16)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=gen))
+    interp.cache().copy_(cache.data)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 2), generator=gen)
+    got, want = interp.step(tokens, torch.tensor(lens)), ref.step(tokens, cache, torch.tensor(lens))
+    assert rel_err(got.logits, want.logits) <= 1e-5 and torch.equal(got.tokens, want.logits.argmax(-1))
+
+
 def test_norms_fold_into_the_linears_that_read_them():
     """Default rule norm_into_linear: every layer's norms go (their readers are LINEARs whose weights
     nothing else reads), the LINEARs carry NORM and eps and read scaled weights packed as W·diag(g);
@@ -99,11 +117,9 @@ def test_norms_fold_into_the_linears_that_read_them():
     included, share the one arena layout, and the interpreter still equals the reference."""
     import torch
 
-    from megakernel.interpreter import Interpreter
     from megakernel.memory import Memory
-    from model import Cache, Reference, init_weights
+    from model import init_weights
 
-    from .conftest import rel_err
     cfg = preset("tiny-dense")
     opts = CompileOptions(workers=4)
     plan = compile_step(cfg, StepShape(T=2, B=2, max_len=16, mtp_passes=2), opts)
@@ -126,15 +142,7 @@ def test_norms_fold_into_the_linears_that_read_them():
     assert torch.equal(packed, w[q] * w["model.layers.0.input_layernorm.weight"])
     Memory(compile_step(cfg, StepShape(T=1, B=2, max_len=16), opts), None, share=mem)  # the same layout
 
-    interp = Interpreter(plan, w)
-    ref = Reference(cfg, w)
-    gen = torch.Generator().manual_seed(0)
-    cache = Cache.allocate(cfg, 2, 16)
-    cache.data.copy_(torch.randn(cache.data.shape, generator=gen))
-    interp.cache().copy_(cache.data)
-    tokens, lens = torch.randint(0, cfg.vocab_size, (2, 2), generator=gen), torch.tensor([3, 9])
-    got, want = interp.step(tokens, lens), ref.step(tokens, cache, lens)
-    assert rel_err(got.logits, want.logits) <= 1e-5 and torch.equal(got.tokens, want.logits.argmax(-1))
+    _interpreter_equals_reference(cfg, plan, w, seed=0, lens=[3, 9])
 
 
 def test_a_moe_norm_stays_for_the_routed_experts_and_folds_into_the_router():
@@ -142,12 +150,9 @@ def test_a_moe_norm_stays_for_the_routed_experts_and_folds_into_the_router():
     shared experts and the routed experts.  The first two fold it (LINEAR[NORM] on scaled weights), the
     routed experts still read the norm's output, and the router no longer waits for the norm; the
     interpreter still equals the reference."""
-    import torch
 
-    from megakernel.interpreter import Interpreter
-    from model import Cache, Reference, init_weights
+    from model import init_weights
 
-    from .conftest import rel_err
     cfg = preset("tiny-moe")
     plan = compile_step(cfg, StepShape(T=2, B=2, max_len=16, mtp_passes=1),
                         CompileOptions(workers=4, fusion_rules=RULES))
@@ -168,15 +173,7 @@ def test_a_moe_norm_stays_for_the_routed_experts_and_folds_into_the_router():
         g = f"model.layers.{layer}.post_attention_layernorm.weight"
         assert f"model.layers.{layer}.mlp.gate.weight*{g}" in names
 
-    w = init_weights(cfg, seed=3)
-    interp, ref = Interpreter(plan, w), Reference(cfg, w)
-    gen = torch.Generator().manual_seed(1)
-    cache = Cache.allocate(cfg, 2, 16)
-    cache.data.copy_(torch.randn(cache.data.shape, generator=gen))
-    interp.cache().copy_(cache.data)
-    tokens, lens = torch.randint(0, cfg.vocab_size, (2, 2), generator=gen), torch.tensor([2, 7])
-    got, want = interp.step(tokens, lens), ref.step(tokens, cache, lens)
-    assert rel_err(got.logits, want.logits) <= 1e-5 and torch.equal(got.tokens, want.logits.argmax(-1))
+    _interpreter_equals_reference(cfg, plan, init_weights(cfg, seed=3), seed=1, lens=[2, 7])
 
 
 def test_a_plan_with_other_fusion_rules_cannot_share_the_arena():
