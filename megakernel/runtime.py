@@ -212,8 +212,8 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # 1: with ROWVEC, a listed token's out row looked up a step ahead (a launch variant, not
                 # yet timed: docs/PERF.md session 14)
                 AHEAD=0,
-                # 1: LINEAR and expert slices whose K leaves a fifth of the last chunk empty stream 4·BR x KC/4
-                # chunks (linear.narrow; a launch variant, not yet timed)
+                # 1: LINEAR and expert slices that load a fifth fewer weights in 4·BR x KC/4 chunks stream
+                # those (linear.narrow; a launch variant, not yet timed)
                 NARROW=0,
                 # 1: one token's slot table from its experts' ranks in registers (a launch variant, not yet timed)
                 ROUTE1=0,
@@ -256,15 +256,13 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
                               "or 2 (stored in place, with inline PTX)")
     if blocks["ROWVEC"] == 2 and INTERPRET:
         raise MegakernelError("block override ROWVEC=2: the Triton interpreter runs no inline PTX")
-    if blocks["AHEAD"] not in (0, 1):
-        raise MegakernelError(f"block override AHEAD={blocks['AHEAD']}: 0, or 1 (a listed token's out row looked up a "
-                              "step ahead)")
-    if blocks["NARROW"] not in (0, 1) or (blocks["NARROW"] and blocks["KC"] // 4 < 2 * blocks["ALIGN"]):
-        raise MegakernelError(f"block override NARROW={blocks['NARROW']}: 0, or 1 with KC/4 >= 2 x ALIGN (KC="
-                              f"{blocks['KC']}, ALIGN={blocks['ALIGN']})")
-    if blocks["ROUTE1"] not in (0, 1):
-        raise MegakernelError(f"block override ROUTE1={blocks['ROUTE1']}: 0, or 1 (one token's slot table from "
-                              "registers)")
+    for flag, what in (("AHEAD", "a listed token's out row looked up a step ahead"),
+                       ("ROUTE1", "one token's slot table from registers"), ("NARROW", "narrow chunks")):
+        if blocks[flag] not in (0, 1):
+            raise MegakernelError(f"block override {flag}={blocks[flag]}: 0, or 1 ({what})")
+    if blocks["NARROW"] and blocks["KC"] // 4 < 2 * blocks["ALIGN"]:
+        raise MegakernelError(f"block override NARROW=1 needs KC/4 >= 2 x ALIGN (KC={blocks['KC']}, "
+                              f"ALIGN={blocks['ALIGN']})")
     if blocks["DEPTH"] not in (1, 2):
         raise MegakernelError(f"block override DEPTH={blocks['DEPTH']}: 1 or 2 weight chunks in flight per warp")
     if blocks["PF"] not in (0, 1, 2):

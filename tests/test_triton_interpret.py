@@ -229,7 +229,9 @@ def test_block_overrides_that_would_change_the_result_are_refused():
                ({"TB": 3}, "TB=3: tokens per weight chunk"), ({"DEPTH": 3}, "DEPTH=3: 1 or 2"),
                ({"PF": 3}, "PF=3: 0 .no L2 prefetch."), ({"ROWVEC": 3}, "ROWVEC=3: 0, 1"),
                ({"ROWVEC": 2}, "ROWVEC=2: the Triton interpreter runs no inline PTX"),
-               ({"PF": 1}, "PF=1: the Triton interpreter runs no inline PTX")]  # this suite runs interpreted
+               ({"PF": 1}, "PF=1: the Triton interpreter runs no inline PTX"),  # this suite runs interpreted
+               ({"AHEAD": 2}, "AHEAD=2: 0, or 1"), ({"ROUTE1": 2}, "ROUTE1=2: 0, or 1"),
+               ({"NARROW": 2}, "NARROW=2: 0, or 1"), ({"NARROW": 1, "KC": 16}, "NARROW=1 needs KC/4")]
     for override, why in refused:
         with pytest.raises(MegakernelError, match=why):
             check_block_overrides({**fitted, **override}, fitted)
