@@ -322,6 +322,48 @@ class LaunchConfig:
     blocks: dict | None = None  # overrides of block_sizes()
 
 
+def wait_bound_s(tasks: list[Decoded], config: LaunchConfig) -> float:
+    """The longest a task may wait for one counter.  A task after a HELPER_WAIT may wait for as long as
+    the helper may take, and then some: its bound must not fire before the helper's (which names the call)."""
+    helper = any(t.op.name in ("HELPER_WAIT", "HELPER_RECV") for t in tasks)
+    return config.timeout_s + (config.helper_timeout_s if helper else 0.0)
+
+
+def launch_blocks(tasks: list[Decoded], dtype: torch.dtype, config: LaunchConfig) -> dict:
+    """The block sizes a plan's kernel compiles with: fitted to its tasks, raised to SHARED_BLOCKS, then
+    the config's overrides (checked)."""
+    fitted = block_sizes(tasks, dtype)
+    blocks = {**raised_to(fitted, SHARED_BLOCKS), **(config.blocks or {})}
+    check_block_overrides(blocks, fitted, dtype.itemsize)
+    return blocks
+
+
+def kernel_constants(blocks: dict, bound_s: float, config: LaunchConfig, on_cuda: bool) -> dict:
+    """Every constexpr of the persistent kernel: the block sizes and the launch's bounds and flags."""
+    use_timer = on_cuda and not INTERPRET
+    return dict(WORDS=WORDS, MAX_WAITS=MAX_WAITS, TIMEOUT_NS=int(bound_s * 1e9),
+                MAX_SPINS=config.max_spins, HELPER_NS=int(config.helper_timeout_s * 1e9),
+                USE_TIMER=use_timer, PROFILE=config.profile and use_timer, **blocks)
+
+
+def precompile(plan: Plan, dtype: torch.dtype, config: LaunchConfig | None = None, device="cuda"):
+    """JIT-compile the kernel a Megakernel of this plan and config would launch, into Triton's cache, with
+    no buffers: tiny stand-ins of the same dtypes (the JIT specializes pointers on dtype and 16-byte
+    alignment only), so a process can compile kernels for plans whose weights it never loads (tools/bench.py
+    --jobs compiles a run's variants side by side).  Returns Triton's compiled kernel."""
+    config = config or LaunchConfig()
+    tasks = [decode(w) for w in plan.words]
+    blocks = launch_blocks(tasks, dtype, config)
+    dev = torch.device(device)
+    i32 = [torch.zeros(64, dtype=torch.int32, device=dev) for _ in range(5)]  # words .. err
+    args = (*i32, torch.zeros(64, dtype=torch.int64, device=dev), torch.zeros(64, dtype=dtype, device=dev),
+            torch.zeros(64, dtype=torch.float32, device=dev), torch.zeros(64, dtype=torch.float32, device=dev),
+            torch.zeros(64, dtype=torch.int32, device=dev), torch.zeros(64, dtype=dtype, device=dev),
+            torch.zeros(64, dtype=torch.int32, device=dev))  # W, WF, A, I, C, HB as Megakernel._args orders them
+    return megakernel.warmup(*args, **kernel_constants(blocks, wait_bound_s(tasks, config), config, dev.type == "cuda"),
+                             grid=(plan.workers,), num_warps=config.num_warps, num_stages=config.num_stages)
+
+
 class Megakernel(PlanRunner):
     def __init__(self, plan: Plan, weights: dict[str, torch.Tensor] | None, device="cuda",
                  dtype: torch.dtype | None = None, share: Memory | None = None, config: LaunchConfig | None = None,
@@ -344,14 +386,9 @@ class Megakernel(PlanRunner):
         self.prof = torch.zeros(max(1, plan.num_tasks) * 4 if self.config.profile else 4, dtype=torch.int64,
                                 device=self.device)
         self.expected = np.bincount(plan.words[:, 2], minlength=plan.num_counters).astype(np.int64)
-        # a task after a HELPER_WAIT may wait for as long as the helper may take, and then some: its
-        # bound must not fire before the helper's (which names the call)
-        helper = any(t.op.name in ("HELPER_WAIT", "HELPER_RECV") for t in tasks)
-        self.wait_bound_s = self.config.timeout_s + (self.config.helper_timeout_s if helper else 0.0)
+        self.wait_bound_s = wait_bound_s(tasks, self.config)
         self.epoch = 0
-        fitted = block_sizes(tasks, self.mem.dtype)
-        self.blocks = {**raised_to(fitted, SHARED_BLOCKS), **(self.config.blocks or {})}
-        check_block_overrides(self.blocks, fitted, self.mem.dtype.itemsize)
+        self.blocks = launch_blocks(tasks, self.mem.dtype, self.config)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.compiled = None
         self.launch_hooks: list = []  # called before every launch or replay (a helper service's wake-up)
@@ -370,11 +407,7 @@ class Megakernel(PlanRunner):
                 m[Buf.W], m[Buf.WF], m[Buf.A], m[Buf.I], m[Buf.C], m[Buf.H])
 
     def _constexprs(self) -> dict:
-        use_timer = self.device.type == "cuda" and not INTERPRET
-        return dict(WORDS=WORDS, MAX_WAITS=MAX_WAITS, TIMEOUT_NS=int(self.wait_bound_s * 1e9),
-                    MAX_SPINS=self.config.max_spins, HELPER_NS=int(self.config.helper_timeout_s * 1e9),
-                    USE_TIMER=use_timer, PROFILE=self.config.profile and use_timer,
-                    **self.blocks)
+        return kernel_constants(self.blocks, self.wait_bound_s, self.config, self.device.type == "cuda")
 
     def compile(self):
         """JIT-compile (never inside graph capture) and refuse grids that cannot all be resident."""

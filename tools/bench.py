@@ -117,6 +117,52 @@ def launch_config(spec: str) -> LaunchConfig:
     return cfg
 
 
+def variant_plan(cfg, T: int, max_len: int, workers: int, spec: str):
+    """(plan, launch config) of a plan variant: compile options (compile_options' keys), with the launch's
+    (num_warps, num_stages, block sizes: upper-case keys) for that plan, e.g. workers=264,num_warps=4,KC=1024:
+    two workers per SM."""
+    items = [item for item in spec.split(",") if item]
+    launch = [item for item in items if item.partition("=")[0] in ("num_warps", "num_stages")
+              or item.partition("=")[0].isupper()]
+    opts, split = compile_options(",".join(i for i in items if i not in launch), workers)
+    vplan = compile_step(cfg, StepShape(T=T, B=1, max_len=max_len, attn_split=split), opts)
+    return vplan, launch_config(",".join(launch))
+
+
+def _precompile_job(job) -> str:
+    """One kernel of a run into Triton's cache (a process of its own: Triton compiles holding the GIL)."""
+    name, T, ctx, workers, plan_spec, launch_spec, profile = job
+    from megakernel.runtime import precompile
+    t0 = time.perf_counter()
+    plan, config = variant_plan(preset(name), T, ctx + T, workers, plan_spec)
+    if launch_spec:  # a launch variant of the default plan
+        config = launch_config(launch_spec)
+    config.profile = profile
+    k = precompile(plan, torch.bfloat16, config)
+    return (f"{name} T={T} plan {plan_spec or 'default'} launch {launch_spec or 'default'}{' profile' if profile else ''}: "
+            f"{k.n_regs} registers, {k.n_spills} spills, {time.perf_counter() - t0:.0f} s")
+
+
+def precompile_run(args, workers: int) -> None:
+    """Every kernel the run will launch, compiled side by side in --jobs processes before it starts (each
+    distinct set of constants is a ~30-60 s compile; the timed run then finds them in Triton's cache)."""
+    import concurrent.futures
+    import multiprocessing
+    jobs = []
+    for name in args.models:
+        for T in args.T:
+            jobs += [(name, T, args.ctx, workers, "", "", False)]
+            jobs += [(name, T, args.ctx, workers, "", spec, False) for spec in args.variants]
+            jobs += [(name, T, args.ctx, workers, spec, "", False) for spec in args.plan_variants]
+            if args.profile:
+                jobs.append((name, T, args.ctx, workers, "", "", True))
+    t0 = time.perf_counter()
+    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for line in pool.map(_precompile_job, jobs):
+            print("precompiled " + line, flush=True)
+    print(f"precompiled {len(jobs)} kernels in {time.perf_counter() - t0:.0f} s ({args.jobs} processes)", flush=True)
+
+
 def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path, profile: bool,
                 variants=(), baselines=("eager", "graph", "compile"), plan_variants=()) -> dict:
     cfg = preset(name)
@@ -194,15 +240,8 @@ def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path,
         print(f"{name} T={T}: {row_key} {spec}: " + (f"{v['ms']:.3f} ms" if "ms" in v else v["error"][:80]), flush=True)
 
     def plan_variant(spec: str):
-        """Compile options (compile_options' keys), with the launch's (num_warps, num_stages, block sizes:
-        upper-case keys) for that plan, e.g. workers=264,num_warps=4,KC=1024: two workers per SM."""
-        items = [item for item in spec.split(",") if item]
-        launch = [item for item in items if item.partition("=")[0] in ("num_warps", "num_stages")
-                  or item.partition("=")[0].isupper()]
-        opts, split = compile_options(",".join(i for i in items if i not in launch), workers)
-        vplan = compile_step(cfg, StepShape(T=T, B=1, max_len=max_len, attn_split=split), opts)
-        config = launch_config(",".join(launch))
-        if set(opts.fusion_rules) & set(WEIGHT_RULES) == set(plan.options["fusion_rules"]) & set(WEIGHT_RULES):
+        vplan, config = variant_plan(cfg, T, max_len, workers, spec)
+        if set(vplan.options["fusion_rules"]) & set(WEIGHT_RULES) == set(plan.options["fusion_rules"]) & set(WEIGHT_RULES):
             return Megakernel(vplan, None, "cuda", share=mk.mem, config=config)  # the same weight layout
         # another choice of the rules that derive weights (norm_into_linear=0) packs its own arena; same cache
         vk = Megakernel(vplan, weights, "cuda", dtype, config=config)
@@ -239,12 +278,16 @@ def main() -> None:
                    help="also time these launch variants, e.g. TB=4 KC=1024,BR=16 num_warps=4")
     p.add_argument("--plan-variants", nargs="*", default=[], metavar="KEY=V,...",
                    help="also time plans compiled with these options, e.g. spread=0,attn_split=320 (session 1's tiling)")
+    p.add_argument("--jobs", type=int, default=0,
+                   help="compile the run's kernels first in this many processes (0: each as the run reaches it)")
     p.add_argument("--out", default=".")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
     workers = args.workers or props.multi_processor_count
+    if args.jobs:
+        precompile_run(args, workers)
     bw = read_bandwidth()
     result = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
               "read_TBps": bw / 1e12, "rows": []}

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything a GPU session checks (device time is the scarce resource):
-#   [MODELS="..."] [TS="1 6"] [VARIANTS="..."] [PLAN_VARIANTS="..."] [TESTS_K="..."] bash tools/gpu_session.sh PARTS [OUT_DIR]
+#   [MODELS="..."] [TS="1 6"] [VARIANTS="..."] [PLAN_VARIANTS="..."] [BASELINES="eager graph compile"] [JOBS=8]
+#   [TESTS_K="..."] [TESTS_TIMEOUT=570] [BENCH_TIMEOUT=560] bash tools/gpu_session.sh PARTS [OUT_DIR]
 # PARTS: a comma list of
 #   tests    the gpu-marked tests (TESTS_K: a pytest -k selection of them);
 #   bench    floors, plain-PyTorch baselines, the megakernel, launch/plan variants and a per-op
@@ -36,6 +37,8 @@ models="${MODELS:-llama-1b dsv2-lite}"
 ts="${TS:-1}"
 variants="${VARIANTS-DEPTH=2}"
 plan_variants="${PLAN_VARIANTS-}"
+baselines="${BASELINES-eager graph compile}"  # bench's plain-PyTorch baselines ("" for none)
+jobs="${JOBS:-8}"  # bench compiles its kernels side by side in this many processes first
 stream_variants="${STREAM_VARIANTS-DEPTH=2 BR=16,KC=1024}"
 gluon_variants="${GLUON_VARIANTS:-gluon:6x4 gluonrm:6x4 gluon:8x3 triton:8x2048}"
 mkdir -p "$out"
@@ -46,15 +49,16 @@ export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$out/gpu.txt"
 bash tools/triton_cache.sh restore || true
 if [[ "$parts" == *,tests,* ]]; then
-    timeout 570 python3 -m pytest -m gpu tests/test_gpu.py tests/test_weight_stream.py tests/test_helper.py \
+    timeout "${TESTS_TIMEOUT:-570}" python3 -m pytest -m gpu tests/test_gpu.py tests/test_weight_stream.py tests/test_helper.py \
         tests/test_gluon_stream.py -v \
         -p no:cacheprovider --durations=25 ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
         | tee "$out/gpu_tests.log" | tail -40 || worst $?
 fi
 if [[ "$parts" == *,bench,* ]]; then
     # shellcheck disable=SC2086
-    timeout 560 python3 tools/bench.py --models $models --T $ts --profile --variants $variants \
-        --plan-variants $plan_variants --out "$out" 2>&1 | tee "$out/bench.log" | { grep -v '^{"model' || true; } || worst $?
+    timeout "${BENCH_TIMEOUT:-560}" python3 tools/bench.py --models $models --T $ts --profile --variants $variants \
+        --plan-variants $plan_variants --baselines $baselines --jobs "$jobs" --out "$out" 2>&1 | tee "$out/bench.log" \
+        | { grep -v '^{"model\|^precompiled ' || true; } || worst $?
 fi
 if [[ "$parts" == *,spec,* ]]; then
     timeout 500 python3 tools/spec_sweep.py --models dsv2-lite llama-1b --mtp 1 --ctx 4096 --kmax 7 --out "$out" 2>&1 \
@@ -97,5 +101,10 @@ if [[ "$parts" == *,anchors,* ]] && [ -f .anchors/torch_baselines.py ]; then
     timeout 560 python3 .anchors/torch_baselines.py 2>&1 | tee "$out/anchors.log" | tail -12 || worst $?
 fi
 bash tools/triton_cache.sh pack "$out/triton_cache.txz" || true
+# the device tool returns at most 8 files: under it, everything but the Triton cache goes back as one archive
+if [ -n "${OUT:-}" ] && [ "$out" = "$OUT" ]; then
+    (cd "$out" && find . -maxdepth 1 -type f ! -name triton_cache.txz ! -name 'results_*.tar.xz' -printf '%P\n' \
+        | XZ_OPT=-T0 tar -cJf "results_$(echo "${1:-all}" | tr , _).tar.xz" -T - --remove-files) || true
+fi
 [ "$rc" = 0 ] || echo "gpu_session: a part failed or ran out of time (status $rc): see the logs in $out" >&2
 exit "$rc"
