@@ -139,6 +139,7 @@ def _precompile_job(job) -> str:
         config = launch_config(launch_spec)
     config.profile = profile
     k = precompile(plan, torch.bfloat16, config)
+    k._init_handles()  # loads it: registers and spills are known from then on
     return (f"{name} T={T} plan {plan_spec or 'default'} launch {launch_spec or 'default'}{' profile' if profile else ''}: "
             f"{k.n_regs} registers, {k.n_spills} spills, {time.perf_counter() - t0:.0f} s")
 
