@@ -159,8 +159,12 @@ def precompile_run(args, workers: int) -> None:
                 jobs.append((name, T, args.ctx, workers, "", "", True))
     t0 = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for line in pool.map(_precompile_job, jobs):
-            print("precompiled " + line, flush=True)
+        futures = {pool.submit(_precompile_job, job): job for job in jobs}
+        for done in concurrent.futures.as_completed(futures):
+            try:
+                print("precompiled " + done.result(), flush=True)
+            except Exception as e:  # the run compiles it itself then, and reports what fails
+                print(f"precompile {futures[done]} failed: {e!r}"[:400], flush=True)
     print(f"precompiled {len(jobs)} kernels in {time.perf_counter() - t0:.0f} s ({args.jobs} processes)", flush=True)
 
 
