@@ -44,14 +44,14 @@ def head_matmul_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS: tl.con
 def linear_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr,
                 MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, BR: tl.constexpr, KC: tl.constexpr,
                 ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr,
-                AHEAD: tl.constexpr):
+                AHEAD: tl.constexpr, PFD: tl.constexpr):
     """A LINEAR task: its first weights requested before the wait (weights never depend on activations),
     then the body.  (ok, ready time)."""
     w = linear.prefetch(word, W, BR, KC, ALIGN)
     ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
     t_ready = now_ns(USE_TIMER)
     if ok == 1:
-        linear.body(word, W, A, w, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD)
+        linear.body(word, W, A, w, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD)
     return ok, t_ready
 
 
@@ -67,7 +67,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                BN: tl.constexpr, BK: tl.constexpr, CPF: tl.constexpr, BCW: tl.constexpr,
                SAMPLE: tl.constexpr, BV: tl.constexpr, TB: tl.constexpr, PF: tl.constexpr, DEPTH: tl.constexpr,
                ALIGN: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr, ATT_KIND: tl.constexpr,
-               ROWVEC: tl.constexpr, AHEAD: tl.constexpr, NARROW: tl.constexpr, ROUTE1: tl.constexpr,
+               ROWVEC: tl.constexpr, AHEAD: tl.constexpr, NARROW: tl.constexpr, ROUTE1: tl.constexpr, PFD: tl.constexpr,
                HELPER_SIDE: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
@@ -89,10 +89,10 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                 linear.prefetch_task(word, W, ALIGN)
             if NARROW and linear.needs_narrow(word, BR, KC):  # a launch variant: a copy with 4·BR x KC/4 chunks
                 ok, t_ready = linear_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS, MAX_SPINS,
-                                          USE_TIMER, BR * 4, KC // 4, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD)
+                                          USE_TIMER, BR * 4, KC // 4, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD)
             else:
                 ok, t_ready = linear_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS, MAX_SPINS,
-                                          USE_TIMER, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD)
+                                          USE_TIMER, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD)
         elif op == OP_HEAD_MATMUL:  # a copy per weight layout, so each vectorizes its loads
             if head_matmul.transposed(word):
                 ok, t_ready = head_matmul_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
@@ -105,7 +105,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             t_ready = now_ns(USE_TIMER)
             if ok == 1:  # the other opcodes' bodies
                 if op == OP_EXPERT_LINEAR:
-                    moe.expert_body(word, W, A, I, BR, KC, ALIGN, TB, PF, DEPTH, ROWVEC, AHEAD, NARROW)
+                    moe.expert_body(word, W, A, I, BR, KC, ALIGN, TB, PF, DEPTH, ROWVEC, AHEAD, NARROW, PFD)
                 elif op == OP_RMSNORM:
                     norm.body(word, W, A, BN)
                 elif op == OP_ATTENTION:

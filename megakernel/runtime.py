@@ -209,14 +209,18 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # loop): the same bits, -7.5% on dsv2-lite and -0.5% on llama-1b (docs/PERF.md s. 13).
                 # The interpreter runs no inline PTX: 0 there
                 ROWVEC=0 if INTERPRET else 2,
-                # 1: with ROWVEC, a listed token's out row looked up a step ahead (a launch variant, not
-                # yet timed: docs/PERF.md session 14)
-                AHEAD=0,
+                # 1: with ROWVEC, a listed token's out row looked up a step ahead: the same bits, -1.8% on
+                # dsv2-lite (docs/PERF.md session 15); the interpreter's ROWVEC=0 epilogue ignores it
+                AHEAD=1,
                 # 1: LINEAR and expert slices that load a fifth fewer weights in 4·BR x KC/4 chunks stream
                 # those (linear.narrow; a launch variant, not yet timed)
                 NARROW=0,
-                # 1: one token's slot table from its experts' ranks in registers (a launch variant, not yet timed)
-                ROUTE1=0,
+                # 1: one token's slot table from its experts' ranks in registers: the same tables, -1.4% on
+                # dsv2-lite (docs/PERF.md session 15)
+                ROUTE1=1,
+                # > 0: the weight stream asks the L2 for the row block this many blocks ahead (a launch variant,
+                # compiled only: inline PTX)
+                PFD=0,
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2",
                 # a persistent helper kernel's plan: HELPER_RECV / HELPER_SEND compiled in (only there)
                 HELPER_SIDE=int(any(t.op.name == "HELPER_RECV" for t in tasks)),
@@ -268,11 +272,14 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
     if blocks["PF"] not in (0, 1, 2):
         raise MegakernelError(f"block override PF={blocks['PF']}: 0 (no L2 prefetch), 1 (a task's weights at its "
                               "start) or 2 (the next task's too)")
-    if blocks["PF"] and (INTERPRET or blocks["ALIGN"] * weight_bytes % 16):
-        why = ("the Triton interpreter runs no inline PTX" if INTERPRET else
-               f"bulk prefetches need 16-byte aligned slices, and ALIGN={blocks['ALIGN']} x {weight_bytes}-byte weights "
-               "are not")
-        raise MegakernelError(f"block override PF={blocks['PF']}: {why}")
+    if blocks["PFD"] not in (0, 1, 2, 3, 4):
+        raise MegakernelError(f"block override PFD={blocks['PFD']}: 0 (no rolling L2 prefetch) or 1-4 row blocks ahead")
+    for key in ("PF", "PFD"):  # both issue bulk L2 prefetches (inline PTX) of whole weight rows
+        if blocks[key] and (INTERPRET or blocks["ALIGN"] * weight_bytes % 16):
+            why = ("the Triton interpreter runs no inline PTX" if INTERPRET else
+                   f"bulk prefetches need 16-byte aligned rows, and ALIGN={blocks['ALIGN']} x {weight_bytes}-byte "
+                   "weights are not")
+            raise MegakernelError(f"block override {key}={blocks[key]}: {why}")
     if blocks["HELPER_SIDE"] < fitted["HELPER_SIDE"]:
         raise MegakernelError("block override HELPER_SIDE=0: this plan has a persistent helper's HELPER_RECV and "
                               "HELPER_SEND tasks")

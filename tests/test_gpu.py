@@ -70,10 +70,11 @@ def test_large_megakernel_equals_interpreter(name, rules):
 
 
 def test_launch_variants_on_dsv2_lite():
-    """Launch variants AHEAD (a listed token's out row looked up a step ahead), ROUTE1 (one token's slot
-    table from registers) and NARROW (K = 1408 and 2816 slices in 4·BR x KC/4 chunks) on dsv2-lite's
-    shapes: AHEAD and ROUTE1 give the default's logits bit for bit; NARROW sums each row's K in other
-    chunks, so within fp32 rounding of them."""
+    """Launch variants on dsv2-lite's shapes against the default kernel (AHEAD and ROUTE1 on): the paths they
+    replaced (AHEAD=0: an expert tile's out row looked up at each row block's end; ROUTE1=0: the slot table
+    from the ids read back), the stream's deeper prefetches (PFD: L2 prefetch of the row blocks ahead; DEPTH=2:
+    a second chunk in registers) give the same logits bit for bit; NARROW (K = 1408 and 2816 slices in 4·BR x
+    KC/4 chunks) sums each row's K in other chunks, so within fp32 rounding of them."""
     from megakernel.runtime import LaunchConfig, Megakernel
     cfg, w, plan, mk = _setup("dsv2-lite", T=1, B=1, max_len=256, layers=4,
                               workers=torch.cuda.get_device_properties(0).multi_processor_count)
@@ -82,8 +83,8 @@ def test_launch_variants_on_dsv2_lite():
     tokens = torch.randint(0, cfg.vocab_size, (1, 1), device="cuda")
     lens = torch.tensor([200], device="cuda")
     want = mk.step(tokens, lens).logits.clone()
-    for blocks, exact in ((dict(AHEAD=1, ROUTE1=1), True), (dict(NARROW=1), False),
-                          (dict(AHEAD=1, NARROW=1, ROUTE1=1), False)):
+    for blocks, exact in ((dict(AHEAD=0, ROUTE1=0), True), (dict(PFD=2), True), (dict(DEPTH=2, PFD=1), True),
+                          (dict(NARROW=1), False)):
         mk.cache().copy_(saved)
         got = Megakernel(plan, None, "cuda", share=mk.mem, config=LaunchConfig(blocks=blocks)).step(tokens, lens).logits
         assert torch.equal(got, want) if exact else rel_err(got, want) <= 1e-5, blocks

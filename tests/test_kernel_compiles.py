@@ -20,7 +20,7 @@ const = dict(WORDS=WORDS, MAX_WAITS=MAX_WAITS, TIMEOUT_NS=250_000_000, MAX_SPINS
              USE_TIMER=True, PROFILE=True,
              BR=8, KC=2048, STAGES=2, BD=256, BH=32, BM=16, BJ=32, DMAX=512, RMAX=64, BI=64, BO=128, BIT=256, BOT=64,
              BE=256, BP=256, BW=32, BSC=16, BCW=64, BN=2048, BK=8, CPF=1, SAMPLE=1, BV=1024, TB=8, PF=2, DEPTH=2, ALIGN=8, BT=16, DOT_PREC="tf32",
-             ATT_KIND=0, ROWVEC=1, AHEAD=1, NARROW=1, ROUTE1=1, HELPER_SIDE=1)
+             ATT_KIND=0, ROWVEC=1, AHEAD=1, NARROW=1, ROUTE1=1, PFD=0, HELPER_SIDE=1)
 sig.update({k: "constexpr" for k in const})
 # pointers are 16-byte aligned, as Triton's JIT finds them at launch
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(12)}
@@ -52,11 +52,13 @@ copy = triton.compile(ASTSource(fn=copy_rows, signature={"src": "*fp32", "src_ld
                       target=GPUTarget("cuda", 90, 32))
 assert "ld.acquire.sys.global.b32" in copy.asm["ptx"]
 # the one-token decode kernel's launch variants, compiled out above (TB=8, BE=256): AHEAD and ROWVEC=2's
-# stores in place, NARROW's second chunk shape, ROUTE1's slot table from registers (BE <= 64)
-one = dict(const, TB=1, BE=64, BP=8, PF=0, DEPTH=1, ROWVEC=2, AHEAD=1, NARROW=1, ROUTE1=1, ATT_KIND=1)
+# stores in place, NARROW's second chunk shape, ROUTE1's slot table from registers (BE <= 64), PFD's rolling
+# L2 prefetch of the row blocks ahead (PF off: every bulk prefetch here is the stream's)
+one = dict(const, TB=1, BE=64, BP=8, PF=0, DEPTH=1, ROWVEC=2, AHEAD=1, NARROW=1, ROUTE1=1, PFD=2, ATT_KIND=1)
 k1 = triton.compile(ASTSource(fn=megakernel, signature=sig, constexprs=one, attrs=attrs),
                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 1})
 assert "st.global.f32" in k1.asm["ptx"] and k1.asm["cubin"]
+assert k1.asm["ptx"].count("cp.async.bulk.prefetch.L2.global") >= 4, k1.asm["ptx"].count("cp.async.bulk.prefetch.L2.global")
 print("shared", k.metadata.shared)
 """
 
@@ -90,7 +92,7 @@ from pathlib import Path
 sys.path.insert(0, "tools")
 import sass_probe as sp
 import ncu_lines as nl
-k = sp.compile_kernel(sp.stream_probe, *sp.STREAM_PROBE_ARGS, dict(BR=8, KC=2048, ALIGN=8, TB=1, DEPTH=1, ROWVEC=2, AHEAD=1))
+k = sp.compile_kernel(sp.stream_probe, *sp.STREAM_PROBE_ARGS, dict(BR=8, KC=2048, ALIGN=8, TB=1, DEPTH=1, ROWVEC=2, AHEAD=1, PFD=0))
 with tempfile.TemporaryDirectory() as d:
     cubin = Path(d) / "k.cubin"
     cubin.write_bytes(k.asm["cubin"])

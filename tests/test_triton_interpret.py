@@ -230,6 +230,8 @@ def test_block_overrides_that_would_change_the_result_are_refused():
                ({"PF": 3}, "PF=3: 0 .no L2 prefetch."), ({"ROWVEC": 3}, "ROWVEC=3: 0, 1"),
                ({"ROWVEC": 2}, "ROWVEC=2: the Triton interpreter runs no inline PTX"),
                ({"PF": 1}, "PF=1: the Triton interpreter runs no inline PTX"),  # this suite runs interpreted
+               ({"PFD": 5}, "PFD=5: 0 .no rolling L2 prefetch."),
+               ({"PFD": 2}, "PFD=2: the Triton interpreter runs no inline PTX"),
                ({"AHEAD": 2}, "AHEAD=2: 0, or 1"), ({"ROUTE1": 2}, "ROUTE1=2: 0, or 1"),
                ({"NARROW": 2}, "NARROW=2: 0, or 1"), ({"NARROW": 1, "KC": 16}, "NARROW=1 needs KC/4")]
     for override, why in refused:

@@ -31,14 +31,15 @@ GUARD = 256  # NaN before the weights and after the slack: a read outside [weigh
 @triton.jit
 def _stream_kernel(W, A, I, K, n_rows, xrows_div, x_ld, r0, r1, out_off, res_off, w_off, w2_off, flags, eps,
                    BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr,
-                   BN: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr):
+                   BN: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr, PFD: tl.constexpr):
     w = linear.first_chunk(W + w_off, r0, r1, K, BR, KC, ALIGN)
     linear.stream_chunks(A, x_ld, I, xrows_div, n_rows, A + out_off, r1, A + res_off, r1, (flags & 2) != 0,
                          W + w_off, W + w2_off, (flags & 1) != 0, r0, r1, K, w, (flags & 4) != 0, eps, BR, KC, ALIGN,
-                         TB, DEPTH, BN, ROWVEC, AHEAD)
+                         TB, DEPTH, BN, ROWVEC, AHEAD, PFD)
 
 
-def _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res, norm, depth=1, eps=1e-5, rowvec=0, ahead=0):
+def _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res, norm, depth=1, eps=1e-5, rowvec=0, ahead=0,
+         pfd=0):
     g = torch.Generator().manual_seed(K + R + N)
     w1 = torch.randn(R, K, generator=g).to(dtype)
     w2 = torch.randn(R, K, generator=g).to(dtype)
@@ -53,7 +54,7 @@ def _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res, norm, depth=1
     # it a constexpr)
     _stream_kernel[(1,)](W, A, dev_rows, K, N, 2 if listed else 0, K, r0, R, x.numel(), x.numel() + 8 * R, GUARD,
                          GUARD + R * K, 8 + int(two) + 2 * int(res) + 4 * int(norm), eps, BR=BR, KC=KC, ALIGN=8,
-                         TB=tb, DEPTH=depth, BN=BN, ROWVEC=rowvec, AHEAD=ahead, num_warps=8)
+                         TB=tb, DEPTH=depth, BN=BN, ROWVEC=rowvec, AHEAD=ahead, PFD=pfd, num_warps=8)
     xs = (x[rows.long() // 2] if listed else x[:N]).double()
     scale = torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + eps) if norm else 1.0
     want = (xs @ w1[r0:].double().T) * scale
@@ -97,6 +98,20 @@ def test_weight_stream_stores_one_token_in_place():
         for ahead in (0, 1):
             out2, _, _ = _run("cuda", 1, torch.bfloat16, *shape, rowvec=2, ahead=ahead)
             assert torch.equal(out0.nan_to_num(), out2.nan_to_num()) and torch.equal(out0.isnan(), out2.isnan()), shape
+
+
+@pytest.mark.gpu
+def test_weight_stream_prefetch_ahead_changes_nothing():
+    """PFD (inline PTX, GPU only): asking the L2 for the row blocks 1 or 3 ahead, alone and beside a second
+    chunk in registers (DEPTH 2), moves no sum: every shape's rows equal the stream's without it, bit for bit,
+    and nothing else is written (the prefetches stop at the slice's last row)."""
+    for shape in SHAPES:
+        for tb, rowvec in ((1, 2), (2, 0)):
+            base, _, _ = _run("cuda", tb, torch.bfloat16, *shape, rowvec=rowvec, ahead=1)
+            for depth, pfd in ((1, 1), (1, 3), (2, 2)):
+                got, _, _ = _run("cuda", tb, torch.bfloat16, *shape, depth, rowvec=rowvec, ahead=1, pfd=pfd)
+                assert torch.equal(base.nan_to_num(), got.nan_to_num()) and torch.equal(base.isnan(), got.isnan()), \
+                    (shape, tb, depth, pfd)
 
 
 @pytest.mark.parametrize("device", DEVICES)

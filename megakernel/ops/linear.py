@@ -172,7 +172,7 @@ def norm_scales(x_ptr, x_ld, xrows_ptr, xrows_div, n0, n_rows, K, eps, TB: tl.co
 def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, res_ptr, res_ld, use_res,
                   w_ptr, w2_ptr, two, r0, r1, K, w, norm, eps, BR: tl.constexpr, KC: tl.constexpr,
                   ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr, BN: tl.constexpr,
-                  ROWVEC: tl.constexpr = 0, AHEAD: tl.constexpr = 0):
+                  ROWVEC: tl.constexpr = 0, AHEAD: tl.constexpr = 0, PFD: tl.constexpr = 0):
     """out[orow(n), r0:r1] = f(x[xrow(n)] @ W[r0:r1].T) for n < n_rows, f = identity, + residual, or
     SiLU(x@W.T) * (x@W2.T); with norm, each x@W.T scaled by x's rsqrt(mean(x²) + eps) first (the
     norm's weight is in W).  Rows come from a list (xrows_div > 0: row = list[n] // xrows_div, out row
@@ -191,6 +191,10 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     a listed token's out row is looked up a step ahead with its activation row, not at each row block's
     end, where the store (and a residual's address) waited on that load: an expert tile's epilogue paid
     one memory round trip per row block.
+    PFD > 0 (a launch variant, compiled only): the L2 is asked for the weights of the row block PFD blocks
+    ahead whenever a row block starts (one bulk prefetch per matrix from thread 0, no registers), and for
+    the first PFD blocks before the loop, so a register load finds its chunk in the L2 or on its way:
+    the stream keeps more bytes in flight than the one chunk its registers hold.
     w: step 0's weight chunk, already requested (before the dependency wait)."""
     nsub = 1 + two.to(tl.int32)
     nk = tl.cdiv(K, KC)
@@ -211,10 +215,16 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     # activation load never waits on a row-list load (a T=1 expert task's only token); later tokens
     # of a group (T > 1, B > 1) look theirs up in turn
     orow0, xrow0 = list_rows(zero, zero < total, xrows_ptr, xrows_div)
+    if PFD > 0:
+        for b in tl.static_range(PFD):
+            prefetch_block(w_ptr, w2_ptr, two, r0 + b * BR, r1, K, BR, ALIGN)
     rs = tl.full((TB,), 1.0, tl.float32)
     if norm:
         rs = norm_scales(x_ptr, x_ld, xrows_ptr, xrows_div, zero, n_rows, K, eps, TB, BN, ALIGN)
     for i in tl.range(total, loop_unroll_factor=2):
+        if PFD > 0:
+            if (kc == 0) & (sub == 0) & (g == 0):  # row block blk starts: ask for block blk + PFD
+                prefetch_block(w_ptr, w2_ptr, two, r0 + (blk + PFD) * BR, r1, K, BR, ALIGN)
         if DEPTH == 2:
             w_next = weight_rows(tl.where(sub_b == 1, w2_ptr, w_ptr), r0 + blk_b * BR, r1, K, kc_b * KC, BR, KC, ALIGN)
         else:
@@ -314,6 +324,14 @@ def prefetch_rows(w_ptr, w2_ptr, two, r0, r1, K, ALIGN: tl.constexpr):
 
 
 @triton.jit
+def prefetch_block(w_ptr, w2_ptr, two, row0, r1, K, BR: tl.constexpr, ALIGN: tl.constexpr):
+    """Rows row0..row0+BR (< r1) of a weight matrix (and of its up half) asked of the L2: one contiguous
+    slice each (row stride K); nothing past r1."""
+    if row0 < r1:
+        prefetch_rows(w_ptr, w2_ptr, two, row0, tl.minimum(row0 + BR, r1), K, ALIGN)
+
+
+@triton.jit
 def prefetch_task(word, W, ALIGN: tl.constexpr):
     """A LINEAR task's whole weight slice asked of the L2 (launch variant PF)."""
     prefetch_rows(aligned_base(W, word, LINEAR_W_OFF, ALIGN), aligned_base(W, word, LINEAR_W2_OFF, ALIGN),
@@ -335,11 +353,11 @@ def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
 
 @triton.jit
 def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
-         DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr):
+         DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr, PFD: tl.constexpr = 0):
     flags = fld(word, LINEAR_FLAGS)
     stream_chunks(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
                   A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
                   fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), aligned_base(W, word, LINEAR_W_OFF, ALIGN),
                   aligned_base(W, word, LINEAR_W2_OFF, ALIGN), has(flags, FLAG_LINEAR_SILU_MUL), fld(word, LINEAR_R0),
                   fld(word, LINEAR_R1), fld(word, LINEAR_K), w, has(flags, FLAG_LINEAR_NORM), ffld(word, LINEAR_EPS),
-                  BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD)
+                  BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD)
