@@ -48,6 +48,8 @@ def linear_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS: tl.constexp
     """A LINEAR task: its first weights requested before the wait (weights never depend on activations),
     then the body.  (ok, ready time)."""
     w = linear.prefetch(word, W, BR, KC, ALIGN)
+    if PFD > 0:
+        linear.prefetch_blocks(word, W, BR, ALIGN, PFD)
     ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
     t_ready = now_ns(USE_TIMER)
     if ok == 1:

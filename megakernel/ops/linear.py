@@ -193,8 +193,9 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     one memory round trip per row block.
     PFD > 0 (a launch variant, compiled only): the L2 is asked for the weights of the row block PFD blocks
     ahead whenever a row block starts (one bulk prefetch per matrix from thread 0, no registers), and for
-    the first PFD blocks before the loop, so a register load finds its chunk in the L2 or on its way:
-    the stream keeps more bytes in flight than the one chunk its registers hold.
+    the first PFD blocks before the loop (a LINEAR task also before its dependency wait: prefetch_blocks), so
+    a register load finds its chunk in the L2 or on its way: the stream keeps more bytes in flight than the
+    one chunk its registers hold.
     w: step 0's weight chunk, already requested (before the dependency wait)."""
     nsub = 1 + two.to(tl.int32)
     nk = tl.cdiv(K, KC)
@@ -337,6 +338,17 @@ def prefetch_task(word, W, ALIGN: tl.constexpr):
     prefetch_rows(aligned_base(W, word, LINEAR_W_OFF, ALIGN), aligned_base(W, word, LINEAR_W2_OFF, ALIGN),
                   has(fld(word, LINEAR_FLAGS), FLAG_LINEAR_SILU_MUL), fld(word, LINEAR_R0), fld(word, LINEAR_R1),
                   fld(word, LINEAR_K), ALIGN)
+
+
+@triton.jit
+def prefetch_blocks(word, W, BR: tl.constexpr, ALIGN: tl.constexpr, PFD: tl.constexpr):
+    """Launch variant PFD: a LINEAR task's first PFD row blocks asked of the L2 before its dependency wait
+    (the stream asks for the rest as it goes)."""
+    flags, r0 = fld(word, LINEAR_FLAGS), fld(word, LINEAR_R0)
+    for b in tl.static_range(PFD):
+        prefetch_block(aligned_base(W, word, LINEAR_W_OFF, ALIGN), aligned_base(W, word, LINEAR_W2_OFF, ALIGN),
+                       has(flags, FLAG_LINEAR_SILU_MUL), r0 + b * BR, fld(word, LINEAR_R1), fld(word, LINEAR_K), BR,
+                       ALIGN)
 
 
 @triton.jit
