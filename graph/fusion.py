@@ -15,8 +15,9 @@ Rules, applied in this order (each names what it merged in the report):
                  the model dtype when packed: megakernel/memory.py; the task scales its sums by
                  rsqrt(mean(x²) + eps)).  One hop fewer between a residual and its projections.
                  Not where a reader's weight has other readers (tied or shared heads): no copies.
-- norm_beside_experts: the same for a MoE layer's norm, which its routed experts (EXPERT_LINEAR)
-                 read too: the norm stays for them, the router and shared experts fold it, so the
+- norm_beside_experts: the same for a MoE layer's norm, which its routed experts (EXPERT_LINEAR, and
+                 a HELPER_CALL sending their rows) read too: the norm stays for them, the router and
+                 shared experts fold it, so the
                  router starts one hop earlier and the norm runs beside it (the route leaves it time).
 A tensor is absorbed only when the fused op is its sole reader and it is not
 an output.  The fused op takes the program position of the chain's last op.
@@ -31,9 +32,9 @@ from .ir import Graph, Op, Tensor, View
 RULES = ("swiglu", "moe_epilogue", "residual_into_linear", "residual_norm", "rope_into_cache", "route", "hc_coeff",
          "norm_into_linear", "norm_beside_experts")
 WEIGHT_RULES = ("norm_into_linear", "norm_beside_experts")  # rules that derive packed weights (W' = W diag(g))
-# what a plan applies unless told: norm_beside_experts is opt-in until it is timed on a GPU (replay of
-# session 14's dsv2-lite trace predicts -4%)
-DEFAULT_RULES = tuple(r for r in RULES if r != "norm_beside_experts")
+# what a plan applies unless told: every rule (norm_beside_experts since session 15: -2.8% and -3.1% on
+# dsv2-lite in two GPU runs, docs/PERF.md)
+DEFAULT_RULES = RULES
 
 
 class _Ctx:
@@ -215,7 +216,9 @@ def _norm_into_linear(ctx: _Ctx, beside_experts: bool = False) -> str | None:
                    and op.attrs.get("K") == norm.attrs["D"] and _whole(ctx, op.reads["x"])
                    and [k for k, v in op.reads.items() if v.tensor == out] == ["x"]]
         others = [op for op in every if op not in readers]
-        if not readers or bool(others) != beside_experts or any(op.opcode != "EXPERT_LINEAR" for op in others):
+        # beside experts, the norm stays for the routed experts' rows (and a helper call's copy of them)
+        if not readers or bool(others) != beside_experts or any(op.opcode not in ("EXPERT_LINEAR", "HELPER_CALL")
+                                                                 for op in others):
             continue
         g = norm.reads.get("w")
         if g is not None and (len(ctx.g.tensors[g.tensor].parts) != 1 or any(
