@@ -32,9 +32,11 @@ from .ir import Graph, Op, Tensor, View
 RULES = ("swiglu", "moe_epilogue", "residual_into_linear", "residual_norm", "rope_into_cache", "route", "hc_coeff",
          "norm_into_linear", "norm_beside_experts")
 WEIGHT_RULES = ("norm_into_linear", "norm_beside_experts")  # rules that derive packed weights (W' = W diag(g))
-# what a plan applies unless told: every rule (norm_beside_experts since session 15: -2.8% and -3.1% on
-# dsv2-lite in two GPU runs, docs/PERF.md)
-DEFAULT_RULES = RULES
+# what a plan applies unless told.  norm_beside_experts stays opt-in: -2.8% and -3.1% on dsv2-lite (two GPU
+# runs, docs/PERF.md session 15), but its router weights W·diag(g) rounded to bf16 move routing decisions
+# (1.2% of tokens per layer pick another expert set on random weights), and with it on by default the
+# tiny-moe 64-step teacher-forced GPU test saw one greedy token differ beyond the near-tie margin
+DEFAULT_RULES = tuple(r for r in RULES if r != "norm_beside_experts")
 
 
 class _Ctx:

@@ -146,7 +146,7 @@ def test_norms_fold_into_the_linears_that_read_them():
 
 
 def test_a_moe_norm_stays_for_the_routed_experts_and_folds_into_the_router():
-    """Rule norm_beside_experts (a default since session 15): a MoE layer's post-attention norm is read by the router, the
+    """Rule norm_beside_experts (opt-in): a MoE layer's post-attention norm is read by the router, the
     shared experts and the routed experts.  The first two fold it (LINEAR[NORM] on scaled weights), the
     routed experts still read the norm's output, and the router no longer waits for the norm; the
     interpreter still equals the reference."""

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from graph.compile import CompileOptions, compile_step
-from graph.fusion import DEFAULT_RULES
+from graph.fusion import DEFAULT_RULES, RULES
 from graph.lower import StepShape
 from model import TINY_PRESETS, Cache, Reference, init_weights, preset
 
@@ -50,9 +50,10 @@ def test_tiny_megakernel_equals_interpreter(name):
         assert rel_err(a, b) <= BF16_TOL
 
 
-@pytest.mark.parametrize("name,rules", [(n, r) for n in ("llama-1b", "dsv2-lite") for r in (DEFAULT_RULES, UNFOLDED)],
+@pytest.mark.parametrize("name,rules", [(n, r) for n in ("llama-1b", "dsv2-lite") for r in (DEFAULT_RULES, UNFOLDED)]
+                         + [("dsv2-lite", RULES)],  # every rule: the opt-in norm_beside_experts too
                          ids=["llama-1b-default", "llama-1b-norms_unfolded", "dsv2-lite-default",
-                              "dsv2-lite-norms_unfolded"])
+                              "dsv2-lite-norms_unfolded", "dsv2-lite-all_rules"])
 def test_large_megakernel_equals_interpreter(name, rules):
     from megakernel.interpreter import Interpreter
     cfg, w, plan, mk = _setup(name, T=1, B=1, max_len=256, workers=torch.cuda.get_device_properties(0).multi_processor_count,
