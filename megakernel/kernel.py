@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .ops import (argmax, attention, elementwise, embed, head_matmul, helper, helper_side, linear, mhc, moe, norm, rope,
                   spec)
-from .ops.common import COUNTER_STRIDE, now_ns, sm_id, wait_task
+from .ops.common import COUNTER_STRIDE, now_ns, prefetch_word_l1, sm_id, wait_task
 from .ops.fields import (OP_ACCEPT, OP_ARGMAX, OP_ATTENTION, OP_ATTN_COMBINE, OP_CACHE_WRITE, OP_EMBED, OP_EWISE,
                          OP_EXPERT_LINEAR, OP_GATHER, OP_HC_COEFF, OP_HC_EXPAND, OP_HC_HEAD, OP_HEAD_MATMUL, OP_HELPER_CALL,
                          OP_HELPER_RECV, OP_HELPER_SEND, OP_HELPER_WAIT, OP_LINEAR,
@@ -28,32 +28,45 @@ from .ops.fields import (OP_ACCEPT, OP_ARGMAX, OP_ATTENTION, OP_ATTN_COMBINE, OP
 
 
 @triton.jit
-def head_matmul_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr,
+def next_word_to_l1(word, t, end, WORDS: tl.constexpr, WPF: tl.constexpr):
+    """Launch variant WPF, right after a task's wait: the next task's word asked of the L1.  The wait's
+    acquire has just invalidated this SM's L1, and nothing else does before the next task's wait, so the next
+    task's first loads (its opcode, the fields it reads before waiting) find the word there."""
+    if WPF:
+        if t + 1 < end:
+            prefetch_word_l1(word + WORDS)
+
+
+@triton.jit
+def head_matmul_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr,
                      MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr,
-                     ALIGN: tl.constexpr, TRANS: tl.constexpr, TB: tl.constexpr):
+                     ALIGN: tl.constexpr, TRANS: tl.constexpr, TB: tl.constexpr, WORDS: tl.constexpr,
+                     WPF: tl.constexpr):
     """A HEAD_MATMUL task as a LINEAR one runs: first weights requested, wait, body.  (ok, ready time)."""
     w = head_matmul.prefetch(word, W, BI, BO, ALIGN, TRANS)
     ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
     t_ready = now_ns(USE_TIMER)
+    next_word_to_l1(word, t, end, WORDS, WPF)
     if ok == 1:
         head_matmul.body(word, W, A, w, BI, BO, ALIGN, TRANS, TB)
     return ok, t_ready
 
 
 @triton.jit
-def linear_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr,
+def linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr,
                 MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, BR: tl.constexpr, KC: tl.constexpr,
                 ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr,
-                AHEAD: tl.constexpr, PFD: tl.constexpr):
+                AHEAD: tl.constexpr, PFD: tl.constexpr, EF: tl.constexpr, WORDS: tl.constexpr, WPF: tl.constexpr):
     """A LINEAR task: its first weights requested before the wait (weights never depend on activations),
     then the body.  (ok, ready time)."""
-    w = linear.prefetch(word, W, BR, KC, ALIGN)
+    w = linear.prefetch(word, W, BR, KC, ALIGN, EF)
     if PFD > 0:
         linear.prefetch_blocks(word, W, BR, ALIGN, PFD)
     ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
     t_ready = now_ns(USE_TIMER)
+    next_word_to_l1(word, t, end, WORDS, WPF)
     if ok == 1:
-        linear.body(word, W, A, w, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD)
+        linear.body(word, W, A, w, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF)
     return ok, t_ready
 
 
@@ -70,7 +83,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                SAMPLE: tl.constexpr, BV: tl.constexpr, TB: tl.constexpr, PF: tl.constexpr, DEPTH: tl.constexpr,
                ALIGN: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr, ATT_KIND: tl.constexpr,
                ROWVEC: tl.constexpr, AHEAD: tl.constexpr, NARROW: tl.constexpr, ROUTE1: tl.constexpr, PFD: tl.constexpr,
-               HELPER_SIDE: tl.constexpr):
+               EF: tl.constexpr, WPF: tl.constexpr, APF: tl.constexpr, HELPER_SIDE: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
     end = tl.load(queue_ptr + pid + 1)
@@ -90,24 +103,30 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             if PF == 1 or (PF == 2 and t == start):
                 linear.prefetch_task(word, W, ALIGN)
             if NARROW and linear.needs_narrow(word, BR, KC):  # a launch variant: a copy with 4·BR x KC/4 chunks
-                ok, t_ready = linear_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS, MAX_SPINS,
-                                          USE_TIMER, BR * 4, KC // 4, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD)
+                ok, t_ready = linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
+                                          MAX_SPINS, USE_TIMER, BR * 4, KC // 4, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD,
+                                          PFD, EF, WORDS, WPF)
             else:
-                ok, t_ready = linear_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS, MAX_SPINS,
-                                          USE_TIMER, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD)
+                ok, t_ready = linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
+                                          MAX_SPINS, USE_TIMER, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF,
+                                          WORDS, WPF)
         elif op == OP_HEAD_MATMUL:  # a copy per weight layout, so each vectorizes its loads
             if head_matmul.transposed(word):
-                ok, t_ready = head_matmul_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
-                                               MAX_SPINS, USE_TIMER, BIT, BOT, ALIGN, True, TB)
+                ok, t_ready = head_matmul_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
+                                               MAX_SPINS, USE_TIMER, BIT, BOT, ALIGN, True, TB, WORDS, WPF)
             else:
-                ok, t_ready = head_matmul_task(word, t, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
-                                               MAX_SPINS, USE_TIMER, BI, BO, ALIGN, False, TB)
+                ok, t_ready = head_matmul_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
+                                               MAX_SPINS, USE_TIMER, BI, BO, ALIGN, False, TB, WORDS, WPF)
         else:
+            if APF:  # the split's cache rows asked of the L2 while the task waits (a launch variant)
+                if op == OP_ATTENTION:
+                    attention.prefetch_split(word, C, ALIGN)
             ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
             t_ready = now_ns(USE_TIMER)
+            next_word_to_l1(word, t, end, WORDS, WPF)
             if ok == 1:  # the other opcodes' bodies
                 if op == OP_EXPERT_LINEAR:
-                    moe.expert_body(word, W, A, I, BR, KC, ALIGN, TB, PF, DEPTH, ROWVEC, AHEAD, NARROW, PFD)
+                    moe.expert_body(word, W, A, I, BR, KC, ALIGN, TB, PF, DEPTH, ROWVEC, AHEAD, NARROW, PFD, EF)
                 elif op == OP_RMSNORM:
                     norm.body(word, W, A, BN)
                 elif op == OP_ATTENTION:

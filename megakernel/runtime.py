@@ -219,8 +219,13 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # dsv2-lite (docs/PERF.md session 15)
                 ROUTE1=1,
                 # > 0: the weight stream asks the L2 for the row block this many blocks ahead (a launch variant,
-                # compiled only: inline PTX)
+                # compiled only: inline PTX; 1-3 were 0 to +7% slower in session 15)
                 PFD=0,
+                # launch variants for the L2's residency of what every hop reads (not yet timed): EF 1, the weight
+                # stream loads with the evict-first policy; WPF 1 (inline PTX), the next task's word asked of the L1
+                # right after a task's wait; APF 1 (inline PTX), an attention split's cache rows asked of the L2
+                # before its wait
+                EF=0, WPF=0, APF=0,
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2",
                 # a persistent helper kernel's plan: HELPER_RECV / HELPER_SEND compiled in (only there)
                 HELPER_SIDE=int(any(t.op.name == "HELPER_RECV" for t in tasks)),
@@ -274,7 +279,13 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
                               "start) or 2 (the next task's too)")
     if blocks["PFD"] not in (0, 1, 2, 3, 4):
         raise MegakernelError(f"block override PFD={blocks['PFD']}: 0 (no rolling L2 prefetch) or 1-4 row blocks ahead")
-    for key in ("PF", "PFD"):  # both issue bulk L2 prefetches (inline PTX) of whole weight rows
+    for flag, what in (("EF", "evict-first weight loads"), ("WPF", "the next task word's prefetch"),
+                       ("APF", "attention's cache prefetch")):
+        if blocks[flag] not in (0, 1):
+            raise MegakernelError(f"block override {flag}={blocks[flag]}: 0, or 1 ({what})")
+    if blocks["WPF"] and INTERPRET:
+        raise MegakernelError("block override WPF=1: the Triton interpreter runs no inline PTX")
+    for key in ("PF", "PFD", "APF"):  # bulk L2 prefetches (inline PTX) of whole weight or cache rows
         if blocks[key] and (INTERPRET or blocks["ALIGN"] * weight_bytes % 16):
             why = ("the Triton interpreter runs no inline PTX" if INTERPRET else
                    f"bulk prefetches need 16-byte aligned rows, and ALIGN={blocks['ALIGN']} x {weight_bytes}-byte "

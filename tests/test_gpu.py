@@ -73,7 +73,9 @@ def test_launch_variants_on_dsv2_lite():
     """Launch variants on dsv2-lite's shapes against the default kernel (AHEAD and ROUTE1 on): the paths they
     replaced (AHEAD=0: an expert tile's out row looked up at each row block's end; ROUTE1=0: the slot table
     from the ids read back), the stream's deeper prefetches (PFD: L2 prefetch of the row blocks ahead; DEPTH=2:
-    a second chunk in registers) give the same logits bit for bit; NARROW (K = 1408 and 2816 slices in 4·BR x
+    a second chunk in registers) and the L2-residency hints (EF: evict-first weight loads; WPF: the next task word
+    into the L1; APF: an attention split's cache rows into the L2 before its wait) give the same logits bit for
+    bit; NARROW (K = 1408 and 2816 slices in 4·BR x
     KC/4 chunks) sums each row's K in other chunks, so within fp32 rounding of them."""
     from megakernel.runtime import LaunchConfig, Megakernel
     cfg, w, plan, mk = _setup("dsv2-lite", T=1, B=1, max_len=256, layers=4,
@@ -84,7 +86,7 @@ def test_launch_variants_on_dsv2_lite():
     lens = torch.tensor([200], device="cuda")
     want = mk.step(tokens, lens).logits.clone()
     for blocks, exact in ((dict(AHEAD=0, ROUTE1=0), True), (dict(PFD=2), True), (dict(DEPTH=2, PFD=1), True),
-                          (dict(NARROW=1), False)):
+                          (dict(EF=1, WPF=1, APF=1), True), (dict(NARROW=1), False)):
         mk.cache().copy_(saved)
         got = Megakernel(plan, None, "cuda", share=mk.mem, config=LaunchConfig(blocks=blocks)).step(tokens, lens).logits
         assert torch.equal(got, want) if exact else rel_err(got, want) <= 1e-5, blocks

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import aligned, ffld, fld, has, mma, off
+from .common import aligned, ffld, fld, has, mma, off, prefetch_l2
 from .fields import (ATTENTION_B, ATTENTION_CACHE_OFF, ATTENTION_CL_OFF, ATTENTION_DIM, ATTENTION_FLAGS,
                      ATTENTION_GROUP, ATTENTION_H0, ATTENTION_H1, ATTENTION_KV_HS, ATTENTION_LSE_OFF,
                      ATTENTION_NHEADS, ATTENTION_NSPLITS, ATTENTION_OP_OFF, ATTENTION_PE_COL0, ATTENTION_PE_HS,
@@ -179,6 +179,21 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
         out_rows = ((b * ns + split) * T + t) * nh + h
         tl.store(op_ptr + out_rows[:, None].to(tl.int64) * dim + d[None, :], o, mask=rvalid[:, None] & dmask[None, :])
         tl.store(lse_ptr + out_rows, lse, mask=rvalid)
+
+
+@triton.jit
+def prefetch_split(word, C, ALIGN: tl.constexpr):
+    """Launch variant APF: the split's cache rows asked of the L2 before the task's dependency wait (one bulk
+    prefetch, thread 0).  Always safe: rows an earlier step wrote are final, and a row this step writes
+    reaches the L2 after the prefetch or over it (the L2 is where every SM's writes land; the body loads
+    after its acquire, which invalidated this SM's L1), so the body's loads find fresh rows, sooner."""
+    S, b, split_len = fld(word, ATTENTION_S), fld(word, ATTENTION_B), fld(word, ATTENTION_SPLIT_LEN)
+    width = aligned(fld(word, ATTENTION_WIDTH), ALIGN)
+    j0 = fld(word, ATTENTION_SPLIT) * split_len
+    rows = tl.minimum(split_len, S - j0)
+    cache = C + aligned(off(word, ATTENTION_CACHE_OFF), ALIGN) + (b.to(tl.int64) * S + j0) * width
+    if rows > 0:
+        prefetch_l2(cache, rows * width * (C.dtype.element_ty.primitive_bitwidth // 8))
 
 
 @triton.jit

@@ -57,6 +57,16 @@ def prefetch_l2(ptr, nbytes):
         "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
+@triton.jit
+def prefetch_word_l1(ptr):
+    """The two 128-byte lines of a task word (64 int32s from ptr, 256-byte aligned) asked of this SM's L1,
+    issued by thread 0.  Compiled only (inline PTX): launch variant WPF."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        "@p prefetch.global.L1 [$1]; @p prefetch.global.L1 [$1+128]; mov.u32 $0, 0; }",
+        "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1)
+
+
 # System scope (another device or the host reads or writes the memory: the helper's mailbox in host-
 # mapped memory).  Compiled, these are plain PTX loads, stores and fences: GPU atomics on host memory
 # over PCIe are not atomic for the host, and none is needed (one writer per word).  The Triton

@@ -45,21 +45,24 @@ def chunk_cols(kb, KC: tl.constexpr, SPAN: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
-def weight_rows(w_ptr, row0, r1, K, kb, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
+def weight_rows(w_ptr, row0, r1, K, kb, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, EF: tl.constexpr = 0):
     """Rows row0.. (< r1), columns kb..kb+KC of the weights as a chunk tile.  K and the base are
     multiples of ALIGN (checked on the host).  Unmasked, so each vector is one load from a base
     register: rows past r1 read row r1 - 1 again (their sums are never stored) and columns past K
     read on into the next row, at most KC past the matrix (the arena has that much slack:
-    memory.STREAM_SLACK); the activations are zero there."""
+    memory.STREAM_SLACK); the activations are zero there.  EF 1 (a launch variant): loaded with the L2's
+    evict-first policy (a step reads each weight once), so the stream does not push the task words,
+    counters and activations that every hop reads out of the L2."""
     K = aligned(K, ALIGN)
     rows = tl.minimum(row0 + tl.arange(0, BR), r1 - 1)[:, None, None]
     PAIRS: tl.constexpr = (w_ptr.dtype.element_ty == tl.bfloat16) and (ALIGN % 2 == 0)
     if PAIRS:
         ks = chunk_cols(kb // 2, KC // 2, min(KC, 128) // 2, 2)
-        w = tl.load(w_ptr.to(tl.pointer_type(tl.uint32)) + rows.to(tl.int64) * (K // 2) + ks)
+        w = tl.load(w_ptr.to(tl.pointer_type(tl.uint32)) + rows.to(tl.int64) * (K // 2) + ks,
+                    eviction_policy="evict_first" if EF else "")
     else:
         ks = chunk_cols(kb, KC, min(KC, 128), min(ALIGN, 4))
-        w = tl.load(w_ptr + rows.to(tl.int64) * K + ks)
+        w = tl.load(w_ptr + rows.to(tl.int64) * K + ks, eviction_policy="evict_first" if EF else "")
     return w
 
 
@@ -172,7 +175,7 @@ def norm_scales(x_ptr, x_ld, xrows_ptr, xrows_div, n0, n_rows, K, eps, TB: tl.co
 def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, res_ptr, res_ld, use_res,
                   w_ptr, w2_ptr, two, r0, r1, K, w, norm, eps, BR: tl.constexpr, KC: tl.constexpr,
                   ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr, BN: tl.constexpr,
-                  ROWVEC: tl.constexpr = 0, AHEAD: tl.constexpr = 0, PFD: tl.constexpr = 0):
+                  ROWVEC: tl.constexpr = 0, AHEAD: tl.constexpr = 0, PFD: tl.constexpr = 0, EF: tl.constexpr = 0):
     """out[orow(n), r0:r1] = f(x[xrow(n)] @ W[r0:r1].T) for n < n_rows, f = identity, + residual, or
     SiLU(x@W.T) * (x@W2.T); with norm, each x@W.T scaled by x's rsqrt(mean(x²) + eps) first (the
     norm's weight is in W).  Rows come from a list (xrows_div > 0: row = list[n] // xrows_div, out row
@@ -207,7 +210,7 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     w_a = w  # DEPTH 2: step i+1's chunk, in flight since step i-1
     if DEPTH == 2:
         sub_b, kc_b, g_b, blk_b = advance(sub_a, kc_a, g_a, blk_a, nsub, nk, ngroups)
-        w_a = weight_rows(tl.where(sub_a == 1, w2_ptr, w_ptr), r0 + blk_a * BR, r1, K, kc_a * KC, BR, KC, ALIGN)
+        w_a = weight_rows(tl.where(sub_a == 1, w2_ptr, w_ptr), r0 + blk_a * BR, r1, K, kc_a * KC, BR, KC, ALIGN, EF)
     # one column of sums per token of the group (sums of gate rows; acc2: of up rows)
     acc = tl.zeros((BR, TB), tl.float32)
     acc2 = tl.zeros((BR, TB), tl.float32)
@@ -227,9 +230,11 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
             if (kc == 0) & (sub == 0) & (g == 0):  # row block blk starts: ask for block blk + PFD
                 prefetch_block(w_ptr, w2_ptr, two, r0 + (blk + PFD) * BR, r1, K, BR, ALIGN)
         if DEPTH == 2:
-            w_next = weight_rows(tl.where(sub_b == 1, w2_ptr, w_ptr), r0 + blk_b * BR, r1, K, kc_b * KC, BR, KC, ALIGN)
+            w_next = weight_rows(tl.where(sub_b == 1, w2_ptr, w_ptr), r0 + blk_b * BR, r1, K, kc_b * KC, BR, KC, ALIGN,
+                                 EF)
         else:
-            w_next = weight_rows(tl.where(sub_a == 1, w2_ptr, w_ptr), r0 + blk_a * BR, r1, K, kc_a * KC, BR, KC, ALIGN)
+            w_next = weight_rows(tl.where(sub_a == 1, w2_ptr, w_ptr), r0 + blk_a * BR, r1, K, kc_a * KC, BR, KC, ALIGN,
+                                 EF)
         xrow0_a = xrow0
         orow0_a = orow0
         if g_a != g:
@@ -303,9 +308,9 @@ def narrow(rows, K, BR: tl.constexpr, KC: tl.constexpr):
 
 
 @triton.jit
-def first_chunk(w_ptr, r0, r1, K, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
+def first_chunk(w_ptr, r0, r1, K, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, EF: tl.constexpr = 0):
     """The first weight chunk stream_chunks expects, requested early (weights never depend on activations)."""
-    return weight_rows(w_ptr, r0, r1, K, 0, BR, KC, ALIGN)
+    return weight_rows(w_ptr, r0, r1, K, 0, BR, KC, ALIGN, EF)
 
 
 @triton.jit
@@ -357,19 +362,20 @@ def needs_narrow(word, BR: tl.constexpr, KC: tl.constexpr):
 
 
 @triton.jit
-def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
+def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, EF: tl.constexpr = 0):
     """A LINEAR task's first weight chunk, requested before its dependency wait."""
     return first_chunk(aligned_base(W, word, LINEAR_W_OFF, ALIGN), fld(word, LINEAR_R0), fld(word, LINEAR_R1),
-                       fld(word, LINEAR_K), BR, KC, ALIGN)
+                       fld(word, LINEAR_K), BR, KC, ALIGN, EF)
 
 
 @triton.jit
 def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
-         DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr, PFD: tl.constexpr = 0):
+         DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr, PFD: tl.constexpr = 0,
+         EF: tl.constexpr = 0):
     flags = fld(word, LINEAR_FLAGS)
     stream_chunks(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
                   A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
                   fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), aligned_base(W, word, LINEAR_W_OFF, ALIGN),
                   aligned_base(W, word, LINEAR_W2_OFF, ALIGN), has(flags, FLAG_LINEAR_SILU_MUL), fld(word, LINEAR_R0),
                   fld(word, LINEAR_R1), fld(word, LINEAR_K), w, has(flags, FLAG_LINEAR_NORM), ffld(word, LINEAR_EPS),
-                  BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD)
+                  BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF)

@@ -280,7 +280,7 @@ def slot_table(ids, st, P, E, S, BE: tl.constexpr, BP: tl.constexpr):
 @triton.jit
 def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
                 PF: tl.constexpr, DEPTH: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr,
-                NARROW: tl.constexpr, PFD: tl.constexpr = 0):
+                NARROW: tl.constexpr, PFD: tl.constexpr = 0, EF: tl.constexpr = 0):
     """NARROW 1 (a launch variant): a slice that linear.narrow() picks streams 4·BR x KC/4 chunks."""
     flags, S, slot = fld(word, EXPERT_LINEAR_FLAGS), fld(word, EXPERT_LINEAR_S), fld(word, EXPERT_LINEAR_SLOT)
     st = I + off(word, EXPERT_LINEAR_ST_OFF)
@@ -300,25 +300,25 @@ def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.con
             prefetch_rows(w_ptr, w2_ptr, two, r0, r1, K, ALIGN)
         if NARROW and narrow(r1 - r0, K, BR, KC):
             expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K, BR * 4, KC // 4,
-                          ALIGN, TB, DEPTH, ROWVEC, AHEAD, PFD)
+                          ALIGN, TB, DEPTH, ROWVEC, AHEAD, PFD, EF)
         else:
             expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K, BR, KC, ALIGN, TB,
-                          DEPTH, ROWVEC, AHEAD, PFD)
+                          DEPTH, ROWVEC, AHEAD, PFD, EF)
 
 
 @triton.jit
 def expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K, BR: tl.constexpr,
                   KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr, ROWVEC: tl.constexpr,
-                  AHEAD: tl.constexpr, PFD: tl.constexpr = 0):
+                  AHEAD: tl.constexpr, PFD: tl.constexpr = 0, EF: tl.constexpr = 0):
     """An expert slice's weight stream in BR x KC chunks: the first chunk requested before the rest of the
     address math."""
-    w = first_chunk(w_ptr, r0, r1, K, BR, KC, ALIGN)
+    w = first_chunk(w_ptr, r0, r1, K, BR, KC, ALIGN, EF)
     pairs = st + 2 * S + slot * (N * kk)
     div = tl.where(has(flags, FLAG_EXPERT_LINEAR_GATHER), kk, 1)  # gate/up read token rows, down pair rows
     o_ptr, o_ld = A + off(word, EXPERT_LINEAR_OUT_OFF), fld(word, EXPERT_LINEAR_OUT_LD)
     stream_chunks(aligned_base(A, word, EXPERT_LINEAR_X_OFF, ALIGN), fld(word, EXPERT_LINEAR_X_LD), pairs, div,
                   count, o_ptr, o_ld, o_ptr, o_ld, False, w_ptr, w2_ptr, two, r0, r1, K, w, False, 0.0, BR, KC,
-                  ALIGN, TB, DEPTH, 16, ROWVEC, AHEAD, PFD)
+                  ALIGN, TB, DEPTH, 16, ROWVEC, AHEAD, PFD, EF)
 
 
 @triton.jit
