@@ -113,7 +113,7 @@ def footprint(task: Decoded) -> list[Access]:
         N, K, r0, r1 = f["N"], f["K"], f["r0"], f["r1"]
         out += _acc(task, "x", 0, N, 0, K, False)
         out += _acc(task, "w", r0, r1, 0, K, False, ld=K)
-        if task.has("SILU_MUL"):
+        if task.has("SILU_MUL") or task.has("PAIR"):
             out += _acc(task, "w2", r0, r1, 0, K, False, ld=K)
         if task.has("RES"):
             out += _acc(task, "res", 0, N, r0, r1, False)

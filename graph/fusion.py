@@ -17,7 +17,8 @@ Rules, applied in this order (each names what it merged in the report):
                  Not where a reader's weight has other readers (tied or shared heads): no copies.
 - norm_beside_experts: the same for a MoE layer's norm, which its routed experts (EXPERT_LINEAR, and
                  a HELPER_CALL sending their rows) read too: the norm stays for them, the router and
-                 shared experts fold it, so the
+                 shared experts fold it (the router exactly: LINEAR[NORM, PAIR] on W·diag(g)'s bf16
+                 high and low parts, since its sums rank experts), so the
                  router starts one hop earlier and the norm runs beside it (the route leaves it time).
 A tensor is absorbed only when the fused op is its sole reader and it is not
 an output.  The fused op takes the program position of the chain's last op.
@@ -33,9 +34,10 @@ RULES = ("swiglu", "moe_epilogue", "residual_into_linear", "residual_norm", "rop
          "norm_into_linear", "norm_beside_experts")
 WEIGHT_RULES = ("norm_into_linear", "norm_beside_experts")  # rules that derive packed weights (W' = W diag(g))
 # what a plan applies unless told.  norm_beside_experts stays opt-in: -2.8% and -3.1% on dsv2-lite (two GPU
-# runs, docs/PERF.md session 15), but its router weights W·diag(g) rounded to bf16 move routing decisions
-# (1.2% of tokens per layer pick another expert set on random weights), and with it on by default the
-# tiny-moe 64-step teacher-forced GPU test saw one greedy token differ beyond the near-tie margin
+# runs, docs/PERF.md session 15), but its first version rounded the router's W·diag(g) to bf16, which moved
+# routing decisions (1.2% of tokens per layer on random weights), and with it on by default the tiny-moe 64-step
+# teacher-forced GPU test saw one greedy token differ beyond the near-tie margin.  The router now reads exact
+# scaled weights (LINEAR[PAIR]); that version has not run on a GPU
 DEFAULT_RULES = tuple(r for r in RULES if r != "norm_beside_experts")
 
 
@@ -188,13 +190,15 @@ def _whole(ctx: _Ctx, view: View) -> bool:
     return view.col0 == 0 and view.cols in (None, ctx.g.tensors[view.tensor].cols)
 
 
-def _scaled_weight(ctx: _Ctx, w: str, g: str) -> str:
-    """The tensor of weight w with its columns scaled by the 1-row weight g (packed as such)."""
-    name = f"{w}*{g}"
+def _scaled_weight(ctx: _Ctx, w: str, g: str, part: str = "") -> str:
+    """The tensor of weight w with its columns scaled by the 1-row weight g (packed as such).  part "hi" or
+    "lo": W·diag(g) rounded to the model dtype, or what that rounding left out, itself rounded (the two sum
+    to W·diag(g) within ~2^-16 of it in bf16: megakernel/memory.py packs them)."""
+    name = f"{w}*{g}" + (f"~{part}" if part else "")
     if name not in ctx.g.tensors:
         src, (g_part,) = ctx.g.tensors[w], ctx.g.tensors[g].parts
         ctx.g.add_tensor(Tensor(name, src.buf, src.rows, src.cols, role="weight",
-                                parts=tuple((hf, rel, g_part[0]) for hf, rel in src.parts)))
+                                parts=tuple((hf, rel, g_part[0], *([part] if part else [])) for hf, rel in src.parts)))
     return name
 
 
@@ -231,12 +235,21 @@ def _norm_into_linear(ctx: _Ctx, beside_experts: bool = False) -> str | None:
         for lin in readers:
             reads = dict(lin.reads)
             reads["x"] = norm.reads["x"]
-            if g is not None:
+            flags = lin.flags | {"NORM"}
+            # a router's sums pick experts by rank: rounded scaled weights would move tokens to other experts
+            # (1.2% of tokens per layer on dsv2-lite's router with random weights), so it reads W·diag(g) as
+            # two matrices, exact to ~2^-16 (docs/NOTES.md, session 15)
+            exact = g is not None and "w2" not in reads and any(c.opcode == "ROUTE"
+                                                                 for c in ctx.cons.get(lin.writes["out"].tensor, []))
+            if exact:
+                w = reads["w"].tensor
+                reads["w"], reads["w2"] = (View(_scaled_weight(ctx, w, g.tensor, part)) for part in ("hi", "lo"))
+                flags |= {"PAIR"}
+            elif g is not None:
                 for key in ("w", "w2"):
                     if key in reads:
                         reads[key] = View(_scaled_weight(ctx, reads[key].tensor, g.tensor))
-            fused[id(lin)] = _new(lin, lin.flags | {"NORM"}, reads, dict(lin.writes),
-                                  attrs={**lin.attrs, "eps": norm.attrs["eps"]})
+            fused[id(lin)] = _new(lin, flags, reads, dict(lin.writes), attrs={**lin.attrs, "eps": norm.attrs["eps"]})
             fused[id(lin)].fused_from = lin.fused_from + (norm.label,)
         ctx.g.ops = [fused.get(id(op), op) for op in ctx.g.ops if op is not norm or others]
         ctx.refresh()

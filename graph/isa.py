@@ -106,8 +106,9 @@ _OPS = [
     # v = x[r] (+ d[r] with ADD, v also stored to xo); out[r] = v * rsqrt(mean(v²) + eps) * w
     Opcode("RMSNORM", 2, _f("x* d* xo* w+ out* D r0 r1 eps"), ("ADD", "NOWEIGHT")),
     # out[:, r0:r1] = x[:N, :K] @ W[r0:r1].T (+ res with RES); SILU_MUL: silu(x@W.T) * (x@W2.T);
-    # NORM: each x@W.T times rsqrt(mean(x[n]²) + eps), x's RMSNorm (its weight folded into W's columns)
-    Opcode("LINEAR", 3, _f("x* w+ w2+ res* out* N K r0 r1 eps"), ("SILU_MUL", "RES", "NORM")),
+    # NORM: each x@W.T times rsqrt(mean(x[n]²) + eps), x's RMSNorm (its weight folded into W's columns);
+    # PAIR: x@W.T + x@W2.T, W and W2 one matrix's bf16 high and low parts (a router's folded weights, kept exact)
+    Opcode("LINEAR", 3, _f("x* w+ w2+ res* out* N K r0 r1 eps"), ("SILU_MUL", "RES", "NORM", "PAIR")),
     # out = a + b | a * b | silu(a) | a, rows r0..r1, cols columns
     Opcode("EWISE", 4, _f("a* b* out* cols r0 r1"), ("ADD", "MUL", "SILU", "COPY")),
     # out[r] = [cos(pos·f) · scale, sin(pos·f) · scale], pos = cache_lens[r // T] + r % T + pos_offset

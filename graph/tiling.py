@@ -121,7 +121,7 @@ class Tiler:
     def tile_linear(self, op):
         a = op.attrs
         N, K, rows = a["N"], a["K"], a["rows"]
-        nweights = 2 if "SILU_MUL" in op.flags else 1
+        nweights = 2 if op.flags & {"SILU_MUL", "PAIR"} else 1
         per = self.weight_rows_per_task(K * self.wbytes * nweights, rows)
         return [Tile({"r0": r0, "r1": r1}, (r1 - r0) * K * self.wbytes * nweights, 4 * N * (K + 2 * (r1 - r0)),
                      2 * N * K * (r1 - r0) * nweights) for r0, r1 in _blocks(rows, per)]

@@ -54,12 +54,12 @@ class Memory:
         for slot in plan.weights:
             arena = self.bufs[slot.buf]
             for hf_name, rel, *scale in slot.parts:
-                for name in (hf_name, *scale):
+                for name in (hf_name, *scale[:1]):
                     if name not in w:
                         raise KeyError(f"plan needs weight {name}, which the weights do not have")
                 src = w[hf_name]
                 if scale:  # a weight whose columns carry a norm's weight (fusion rule norm_into_linear)
-                    src = src.float() * w[scale[0]].float()
+                    src = scaled_part(src, w[scale[0]], scale[1] if len(scale) > 1 else "", arena.dtype)
                 src = src.reshape(-1)
                 arena[slot.offset + rel: slot.offset + rel + src.numel()] = src.to(arena.dtype)
         if not _all_finite(self.bufs[Buf.W]):
@@ -96,6 +96,18 @@ class Memory:
         s, cfg = self.shape, self.cfg
         n = cfg.num_layers_total * s["B"] * s["max_len"] * cfg.cache_width
         return self.bufs[Buf.C][:n].view(cfg.num_layers_total, s["B"], s["max_len"], cfg.cache_width)
+
+
+def scaled_part(w: torch.Tensor, g: torch.Tensor, part: str, dtype: torch.dtype) -> torch.Tensor:
+    """W·diag(g), in fp32 (a bf16 times a bf16 is exact there), or with part "hi" / "lo" its rounding to
+    `dtype` / what that rounding left out: hi + lo is W·diag(g) within dtype's rounding of lo (fusion rule
+    norm_beside_experts' router)."""
+    full = w.float() * g.float()
+    if part == "hi":
+        return full.to(dtype)
+    if part == "lo":
+        return full - full.to(dtype).float()
+    return full
 
 
 def mailboxes(size: int, device: torch.device) -> torch.Tensor:

@@ -229,6 +229,8 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2",
                 # a persistent helper kernel's plan: HELPER_RECV / HELPER_SEND compiled in (only there)
                 HELPER_SIDE=int(any(t.op.name == "HELPER_RECV" for t in tasks)),
+                # LINEAR[PAIR] (norm_beside_experts' router, on exact scaled weights) compiled in (only where used)
+                PAIRS=int(any(t.op.name == "LINEAR" and t.has("PAIR") for t in tasks)),
                 # attention compiled for the plan's one kind (MLA or GQA), else the flag read per task
                 ATT_KIND=att_kinds.pop() if len(att_kinds) == 1 else 0)
 
@@ -291,6 +293,9 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
                    f"bulk prefetches need 16-byte aligned rows, and ALIGN={blocks['ALIGN']} x {weight_bytes}-byte "
                    "weights are not")
             raise MegakernelError(f"block override {key}={blocks[key]}: {why}")
+    if blocks["PAIRS"] < fitted["PAIRS"]:
+        raise MegakernelError("block override PAIRS=0: this plan has LINEAR[PAIR] tasks (a router's weights as a high "
+                              "and a low part), which the kernel would sum as SiLU·mul")
     if blocks["HELPER_SIDE"] < fitted["HELPER_SIDE"]:
         raise MegakernelError("block override HELPER_SIDE=0: this plan has a persistent helper's HELPER_RECV and "
                               "HELPER_SEND tasks")

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -147,9 +148,9 @@ def test_norms_fold_into_the_linears_that_read_them():
 
 def test_a_moe_norm_stays_for_the_routed_experts_and_folds_into_the_router():
     """Rule norm_beside_experts (opt-in): a MoE layer's post-attention norm is read by the router, the
-    shared experts and the routed experts.  The first two fold it (LINEAR[NORM] on scaled weights), the
-    routed experts still read the norm's output, and the router no longer waits for the norm; the
-    interpreter still equals the reference."""
+    shared experts and the routed experts.  The first two fold it (LINEAR[NORM] on scaled weights; the router's
+    as a high and a low part, LINEAR[NORM, PAIR]), the routed experts still read the norm's output, and the
+    router no longer waits for the norm; the interpreter still equals the reference."""
 
     from model import init_weights
 
@@ -164,16 +165,39 @@ def test_a_moe_norm_stays_for_the_routed_experts_and_folds_into_the_router():
     names = {w.name for w in plan.weights}
     for layer in moe_layers:
         norm, router = by_label[f"L{layer}.post_attn_norm"], by_label[f"L{layer}.moe.router"]
-        assert router.has("NORM") and by_label[f"L{layer}.moe.shared.gate_up"].has("NORM")
+        shared = by_label[f"L{layer}.moe.shared.gate_up"]
+        assert router.has("NORM") and router.has("PAIR") and shared.has("NORM") and not shared.has("PAIR")
         experts = by_label[f"L{layer}.moe.gate_up"]
         assert norm.op.name == "RMSNORM" and experts.op.name == "EXPERT_LINEAR"
         assert (experts["x.buf"], experts["x.off"]) == (norm["out.buf"], norm["out.off"])  # the norm's rows
         norm_counter = next(i for i, label in enumerate(plan.counter_labels) if label == f"L{layer}.post_attn_norm")
         assert norm_counter not in [c for c, _ in router.waits]
         g = f"model.layers.{layer}.post_attention_layernorm.weight"
-        assert f"model.layers.{layer}.mlp.gate.weight*{g}" in names
+        assert {f"model.layers.{layer}.mlp.gate.weight*{g}~{part}" for part in ("hi", "lo")} <= names
+        assert f"model.layers.{layer}.mlp.shared_experts.gate_proj.weight*{g}" in names
 
     _interpreter_equals_reference(cfg, plan, init_weights(cfg, seed=3), seed=1, lens=[2, 7])
+
+
+def test_a_routers_folded_weights_keep_its_expert_choices():
+    """norm_beside_experts folds the norm's weight g into the router: W·diag(g) rounded to bf16 once would send
+    ~1% of tokens per layer to other experts (dsv2-lite's router shape, random weights), so the router reads it
+    as a high and a low bf16 part (megakernel.memory.scaled_part) and adds their sums: the same top-6 sets as
+    the unfolded (x·g)·W for every token, while the one-part fold differs for some."""
+    from megakernel.memory import scaled_part
+    g_ = torch.Generator().manual_seed(0)
+    E, D, k, N = 64, 2048, 6, 4000
+    w = (torch.randn(E, D, generator=g_) / D ** 0.5).bfloat16()
+    g = (0.8 + 0.4 * torch.rand(D, generator=g_)).bfloat16()
+    x = torch.randn(N, D, generator=g_)
+    hi, lo = (scaled_part(w, g, part, torch.bfloat16).bfloat16().float() for part in ("hi", "lo"))
+
+    def top(z):
+        return z.topk(k).indices.sort(-1).values
+
+    want = top((x * g.float()) @ w.float().T)
+    assert torch.equal(top(x @ hi.T + x @ lo.T), want)
+    assert (top(x @ hi.T) != want).any(-1).sum() > 10  # one rounded part: what the pair avoids
 
 
 def test_a_plan_with_other_fusion_rules_cannot_share_the_arena():

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from graph.compile import CompileOptions, compile_step
-from graph.fusion import DEFAULT_RULES
+from graph.fusion import DEFAULT_RULES, RULES
 from graph.isa import Buf, decode
 from graph.lower import StepShape
 from graph.tiling import TilingOptions
@@ -86,6 +86,16 @@ def test_kernel_norms_folded_into_linears(name, blocks):
     cfg, plan, interp, mk = _pair(name, blocks=blocks)
     assert any(decode(word).has("NORM") for word in plan.words if decode(word).op.name == "LINEAR")
     _compare(cfg, interp, mk, torch.tensor([2, 7]))
+
+
+@pytest.mark.parametrize("T,B,blocks", [(2, 2, None), (1, 1, dict(TB=1, ROWVEC=1))])
+def test_kernel_router_folds_its_norm_exactly(T, B, blocks):
+    """Fusion rule norm_beside_experts (opt-in): the router is LINEAR[NORM, PAIR], its folded weights a high
+    and a low part whose sums the kernel adds (PAIRS compiled in), in the token-group epilogue and in one
+    token's row-vector one; the routing tables and logits equal the interpreter's."""
+    cfg, plan, interp, mk = _pair("tiny-moe", T=T, B=B, blocks=blocks, rules=RULES)
+    assert mk.blocks["PAIRS"] == 1 and any(decode(w).has("PAIR") for w in plan.words if decode(w).op.name == "LINEAR")
+    _compare(cfg, interp, mk, torch.tensor([3, 9][:B]))
 
 
 def test_kernel_one_token_route_from_registers():

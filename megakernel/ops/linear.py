@@ -1,6 +1,6 @@
 """LINEAR: a block of output columns of x @ W.T, with a fused SiLU·mul (gate/up) or residual epilogue,
 and optionally x's RMSNorm (NORM: the norm's weight is folded into W's columns, the task scales its
-sums by rsqrt(mean(x²) + eps))."""
+sums by rsqrt(mean(x²) + eps)); PAIR: W is two matrices (a high and a low part) whose sums are added."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .common import aligned, ffld, fld, has, off, prefetch_l2, silu
-from .fields import (FLAG_LINEAR_NORM, FLAG_LINEAR_RES, FLAG_LINEAR_SILU_MUL, LINEAR_EPS, LINEAR_FLAGS, LINEAR_K,
+from .fields import (FLAG_LINEAR_NORM, FLAG_LINEAR_PAIR, FLAG_LINEAR_RES, FLAG_LINEAR_SILU_MUL, LINEAR_EPS, LINEAR_FLAGS, LINEAR_K,
                      LINEAR_N, LINEAR_OUT_LD, LINEAR_OUT_OFF, LINEAR_R0, LINEAR_R1, LINEAR_RES_LD, LINEAR_RES_OFF,
                      LINEAR_W2_OFF, LINEAR_W_OFF, LINEAR_X_LD, LINEAR_X_OFF)
 
@@ -23,6 +23,8 @@ def reference(task, mem) -> None:
     y = (x @ w.T) * r
     if task.has("SILU_MUL"):
         y = F.silu(y) * ((x @ mem.mat(task, "w2", r1 - r0, K, row0=r0, ld=K).float().T) * r)
+    elif task.has("PAIR"):  # the matrix's low part: summed alone, then added (as the kernel sums it)
+        y = y + (x @ mem.mat(task, "w2", r1 - r0, K, row0=r0, ld=K).float().T) * r
     if task.has("RES"):
         y = y + mem.mat(task, "res", N, r1 - r0, col0=r0).float()
     mem.mat(task, "out", N, r1 - r0, col0=r0).copy_(y)
@@ -175,7 +177,8 @@ def norm_scales(x_ptr, x_ld, xrows_ptr, xrows_div, n0, n_rows, K, eps, TB: tl.co
 def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, res_ptr, res_ld, use_res,
                   w_ptr, w2_ptr, two, r0, r1, K, w, norm, eps, BR: tl.constexpr, KC: tl.constexpr,
                   ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr, BN: tl.constexpr,
-                  ROWVEC: tl.constexpr = 0, AHEAD: tl.constexpr = 0, PFD: tl.constexpr = 0, EF: tl.constexpr = 0):
+                  ROWVEC: tl.constexpr = 0, AHEAD: tl.constexpr = 0, PFD: tl.constexpr = 0, EF: tl.constexpr = 0,
+                  PAIRS: tl.constexpr = 0, pair=False):
     """out[orow(n), r0:r1] = f(x[xrow(n)] @ W[r0:r1].T) for n < n_rows, f = identity, + residual, or
     SiLU(x@W.T) * (x@W2.T); with norm, each x@W.T scaled by x's rsqrt(mean(x²) + eps) first (the
     norm's weight is in W).  Rows come from a list (xrows_div > 0: row = list[n] // xrows_div, out row
@@ -199,6 +202,8 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     the first PFD blocks before the loop (a LINEAR task also before its dependency wait: prefetch_blocks), so
     a register load finds its chunk in the L2 or on its way: the stream keeps more bytes in flight than the
     one chunk its registers hold.
+    PAIRS 1 (the plan has LINEAR[PAIR] tasks; compiled out of every other kernel): with `pair`, W and W2 are one
+    matrix's high and low parts, streamed as gate|up are, and the two sums are added instead of SiLU·mul.
     w: step 0's weight chunk, already requested (before the dependency wait)."""
     nsub = 1 + two.to(tl.int32)
     nk = tl.cdiv(K, KC)
@@ -259,7 +264,11 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
                 scale = tl.sum(rs, axis=0)
                 y1 = tl.sum(acc, axis=1) * scale
                 if two:
-                    y1 = silu(y1) * (tl.sum(acc2, axis=1) * scale)
+                    y2 = tl.sum(acc2, axis=1) * scale
+                    if PAIRS:
+                        y1 = tl.where(pair, y1 + y2, silu(y1) * y2)
+                    else:
+                        y1 = silu(y1) * y2
                 y1 += tl.load(res_ptr + orow1 * res_ld + rows1, mask=m1 & use_res, other=0.0)
                 dst = out_ptr + orow1.to(tl.int64) * out_ld + rows1
                 if ROWVEC == 2:
@@ -276,7 +285,10 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
                     acc2 = acc2 * rs[None, :]
                 y = acc
                 if two:
-                    y = silu(acc) * acc2
+                    if PAIRS:
+                        y = tl.where(pair, acc + acc2, silu(acc) * acc2)
+                    else:
+                        y = silu(acc) * acc2
                 res = tl.load(res_ptr + orow * res_ld + rows, mask=mask & use_res, other=0.0)
                 tl.store(out_ptr + orow.to(tl.int64) * out_ld + rows, y + res, mask=mask)
             acc = tl.zeros((BR, TB), tl.float32)
@@ -369,13 +381,31 @@ def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, E
 
 
 @triton.jit
+def streams_two(flags, PAIRS: tl.constexpr):
+    """Whether a task streams two matrices: gate|up (SILU_MUL), or with PAIRS a router's weights' high and low
+    parts (PAIR: the kernel of a plan without PAIR tasks compiles none of it)."""
+    if PAIRS:
+        return has(flags, FLAG_LINEAR_SILU_MUL) | has(flags, FLAG_LINEAR_PAIR)
+    else:
+        return has(flags, FLAG_LINEAR_SILU_MUL)
+
+
+@triton.jit
+def pair_flag(flags, PAIRS: tl.constexpr):
+    if PAIRS:
+        return has(flags, FLAG_LINEAR_PAIR)
+    else:
+        return False
+
+
+@triton.jit
 def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
          DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr, PFD: tl.constexpr = 0,
-         EF: tl.constexpr = 0):
+         EF: tl.constexpr = 0, PAIRS: tl.constexpr = 0):
     flags = fld(word, LINEAR_FLAGS)
     stream_chunks(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
                   A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
                   fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), aligned_base(W, word, LINEAR_W_OFF, ALIGN),
-                  aligned_base(W, word, LINEAR_W2_OFF, ALIGN), has(flags, FLAG_LINEAR_SILU_MUL), fld(word, LINEAR_R0),
+                  aligned_base(W, word, LINEAR_W2_OFF, ALIGN), streams_two(flags, PAIRS), fld(word, LINEAR_R0),
                   fld(word, LINEAR_R1), fld(word, LINEAR_K), w, has(flags, FLAG_LINEAR_NORM), ffld(word, LINEAR_EPS),
-                  BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF)
+                  BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, PAIRS, pair_flag(flags, PAIRS))
