@@ -69,26 +69,27 @@ class Tiler:
         return [Tile({"r0": r0, "r1": r1}, weight_bytes, 4 * (r1 - r0) * cols, flops_per_row * (r1 - r0))
                 for r0, r1 in _blocks(rows, self.opts.act_rows)]
 
-    def weight_rows_per_task(self, bytes_per_row: int, rows: int, copies: int = 1) -> int:
+    def weight_rows_per_task(self, bytes_per_row: int, rows: int, copies: int = 1, align: int = 0) -> int:
         """Rows per task: tile_bytes of weights; with `spread`, fewer, so that the op (`copies` times
-        over, e.g. once per expert slot) makes up to `spread` tasks of at least min_tile_bytes."""
+        over, e.g. once per expert slot) makes up to `spread` tasks of at least min_tile_bytes; a multiple
+        of `align` rows (default: row_align)."""
         n = max(1, self.opts.tile_bytes // max(1, bytes_per_row))
         if self.opts.spread:
             want = max(1, self.opts.spread // copies)
             n = min(n, max(-(-rows // want), self.opts.min_tile_bytes // max(1, bytes_per_row)))
         if n >= rows:
             return rows
-        align = self.opts.row_align
+        align = align or self.opts.row_align
         per = max(align, n // align * align) if rows > align else rows
         if self.opts.balance and self.opts.spread > 0 and rows > align:
-            per = self.balanced_rows(per, rows, copies, bytes_per_row)
+            per = self.balanced_rows(per, rows, copies, bytes_per_row, align)
         return per
 
-    def balanced_rows(self, per: int, rows: int, copies: int, bytes_per_row: int) -> int:
+    def balanced_rows(self, per: int, rows: int, copies: int, bytes_per_row: int, align: int) -> int:
         """Rows per task whose phase (rounds of tasks over `spread` workers x a task's bytes and fixed
         cost) is the shortest, keeping `per` unless another is strictly shorter; ties go to fewer,
         larger tasks."""
-        align, spread = self.opts.row_align, self.opts.spread
+        spread = self.opts.spread
 
         def phase(p: int) -> int:
             return -(-copies * -(-rows // p) // spread) * (p * bytes_per_row + self.opts.task_overhead_bytes)
@@ -122,7 +123,10 @@ class Tiler:
         a = op.attrs
         N, K, rows = a["N"], a["K"], a["rows"]
         nweights = 2 if op.flags & {"SILU_MUL", "PAIR"} else 1
-        per = self.weight_rows_per_task(K * self.wbytes * nweights, rows)
+        # a router's weights as a high and a low part (PAIR) take half the rows per task, so its tasks stream
+        # what the one-part router's did (its 64 rows: 8 tasks of 8, not 4 of 16 with twice the bytes)
+        per = self.weight_rows_per_task(K * self.wbytes * nweights, rows,
+                                        align=max(1, self.opts.row_align // 2) if "PAIR" in op.flags else 0)
         return [Tile({"r0": r0, "r1": r1}, (r1 - r0) * K * self.wbytes * nweights, 4 * N * (K + 2 * (r1 - r0)),
                      2 * N * K * (r1 - r0) * nweights) for r0, r1 in _blocks(rows, per)]
 
