@@ -145,7 +145,7 @@ def attention_split(cfg: ModelConfig, shape: StepShape, workers: int) -> int:
     dsv2-lite at ctx 4096: 128 tasks of 32 positions (64 of 64 until session 15: -1.2%)."""
     groups = 1 if cfg.is_mla else cfg.num_key_value_heads
     splits = max(1, workers // (shape.B * groups))
-    block = 32 if cfg.is_mla else 64
+    block = 32 if cfg.is_mla and cfg.kv_lora_rank > 128 else 64  # runtime.block_sizes' BJ: 32 when dmax > 128
     return max(block, block * math.ceil(shape.max_len / splits / block))
 
 

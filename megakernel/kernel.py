@@ -30,8 +30,9 @@ from .ops.fields import (OP_ACCEPT, OP_ARGMAX, OP_ATTENTION, OP_ATTN_COMBINE, OP
 @triton.jit
 def next_word_to_l1(word, t, end, WORDS: tl.constexpr, WPF: tl.constexpr):
     """Launch variant WPF, right after a task's wait: the next task's word asked of the L1.  The wait's
-    acquire has just invalidated this SM's L1, and nothing else does before the next task's wait, so the next
-    task's first loads (its opcode, the fields it reads before waiting) find the word there."""
+    acquire has just invalidated this SM's L1; the next task's first loads (its opcode, the fields it reads
+    before waiting) then find the word there, unless something in between acquires again (the helper
+    bodies' system-scope polls), which costs only the prefetch.  Task words never change during a launch."""
     if WPF:
         if t + 1 < end:
             prefetch_word_l1(word + WORDS)
@@ -62,7 +63,7 @@ def linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS: tl.con
     then the body.  (ok, ready time)."""
     w = linear.prefetch(word, W, BR, KC, ALIGN, EF)
     if PFD > 0:
-        linear.prefetch_blocks(word, W, BR, ALIGN, PFD)
+        linear.prefetch_blocks(word, W, BR, ALIGN, PFD, PAIRS)
     ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
     t_ready = now_ns(USE_TIMER)
     next_word_to_l1(word, t, end, WORDS, WPF)
@@ -99,10 +100,10 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
         if PF == 2:  # the next task's weights asked of the L2 a whole task ahead
             if t + 1 < end:
                 if tl.load(word + WORDS) == OP_LINEAR:
-                    linear.prefetch_task(word + WORDS, W, ALIGN)
+                    linear.prefetch_task(word + WORDS, W, ALIGN, PAIRS)
         if op == OP_LINEAR:
             if PF == 1 or (PF == 2 and t == start):
-                linear.prefetch_task(word, W, ALIGN)
+                linear.prefetch_task(word, W, ALIGN, PAIRS)
             if NARROW and linear.needs_narrow(word, BR, KC):  # a launch variant: a copy with 4·BR x KC/4 chunks
                 ok, t_ready = linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
                                           MAX_SPINS, USE_TIMER, BR * 4, KC // 4, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD,
@@ -121,7 +122,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
         else:
             if APF:  # the split's cache rows asked of the L2 while the task waits (a launch variant)
                 if op == OP_ATTENTION:
-                    attention.prefetch_split(word, C, ALIGN)
+                    attention.prefetch_split(word, I, C, ALIGN)
             ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
             t_ready = now_ns(USE_TIMER)
             next_word_to_l1(word, t, end, WORDS, WPF)

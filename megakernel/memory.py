@@ -99,14 +99,15 @@ class Memory:
 
 
 def scaled_part(w: torch.Tensor, g: torch.Tensor, part: str, dtype: torch.dtype) -> torch.Tensor:
-    """W·diag(g), in fp32 (a bf16 times a bf16 is exact there), or with part "hi" / "lo" its rounding to
-    `dtype` / what that rounding left out: hi + lo is W·diag(g) within dtype's rounding of lo (fusion rule
+    """W·diag(g), in fp32 (a bf16 times a bf16 is exact there), or with part "hi" / "lo" its rounding to bf16
+    (fp16 for an fp16 arena) / what that rounding left out, in fp32: packed into a bf16 arena hi + lo is
+    W·diag(g) within the rounding of lo (~2^-16 of it), in an fp32 arena exactly.  The split is at bf16 in an
+    fp32 arena too, so the CPU tests' fp32 models stream a low part that is not zero (fusion rule
     norm_beside_experts' router)."""
     full = w.float() * g.float()
-    if part == "hi":
-        return full.to(dtype)
-    if part == "lo":
-        return full - full.to(dtype).float()
+    if part in ("hi", "lo"):
+        hi = full.to(torch.float16 if dtype == torch.float16 else torch.bfloat16).float()
+        return hi if part == "hi" else full - hi
     return full
 
 

@@ -293,9 +293,11 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
                    f"bulk prefetches need 16-byte aligned rows, and ALIGN={blocks['ALIGN']} x {weight_bytes}-byte "
                    "weights are not")
             raise MegakernelError(f"block override {key}={blocks[key]}: {why}")
+    if blocks["PAIRS"] not in (0, 1):
+        raise MegakernelError(f"block override PAIRS={blocks['PAIRS']}: 0, or 1 (LINEAR[PAIR] compiled in)")
     if blocks["PAIRS"] < fitted["PAIRS"]:
         raise MegakernelError("block override PAIRS=0: this plan has LINEAR[PAIR] tasks (a router's weights as a high "
-                              "and a low part), which the kernel would sum as SiLU·mul")
+                              "and a low part), whose low part a kernel without PAIRS would not read")
     if blocks["HELPER_SIDE"] < fitted["HELPER_SIDE"]:
         raise MegakernelError("block override HELPER_SIDE=0: this plan has a persistent helper's HELPER_RECV and "
                               "HELPER_SEND tasks")

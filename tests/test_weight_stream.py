@@ -104,7 +104,8 @@ def test_weight_stream_stores_one_token_in_place():
 def test_weight_stream_prefetch_ahead_changes_nothing():
     """PFD (inline PTX, GPU only): asking the L2 for the row blocks 1 or 3 ahead, alone and beside a second
     chunk in registers (DEPTH 2), moves no sum: every shape's rows equal the stream's without it, bit for bit,
-    and nothing else is written (the prefetches stop at the slice's last row)."""
+    and nothing else is written.  (A prefetch writes nothing, so this cannot see one past the slice's last row;
+    linear.prefetch_block stops there by construction.)"""
     for shape in SHAPES:
         for tb, rowvec in ((1, 2), (2, 0)):
             base, _, _ = _run("cuda", tb, torch.bfloat16, *shape, rowvec=rowvec, ahead=1)

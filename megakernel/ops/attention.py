@@ -182,18 +182,24 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
 
 
 @triton.jit
-def prefetch_split(word, C, ALIGN: tl.constexpr):
-    """Launch variant APF: the split's cache rows asked of the L2 before the task's dependency wait (one bulk
+def prefetch_split(word, I, C, ALIGN: tl.constexpr):
+    """Launch variant APF: an MLA split's cache rows asked of the L2 before the task's dependency wait (one bulk
     prefetch, thread 0).  Always safe: rows an earlier step wrote are final, and a row this step writes
     reaches the L2 after the prefetch or over it (the L2 is where every SM's writes land; the body loads
-    after its acquire, which invalidated this SM's L1), so the body's loads find fresh rows, sooner."""
-    S, b, split_len = fld(word, ATTENTION_S), fld(word, ATTENTION_B), fld(word, ATTENTION_SPLIT_LEN)
-    width = aligned(fld(word, ATTENTION_WIDTH), ALIGN)
-    j0 = fld(word, ATTENTION_SPLIT) * split_len
-    rows = tl.minimum(split_len, S - j0)
-    cache = C + aligned(off(word, ATTENTION_CACHE_OFF), ALIGN) + (b.to(tl.int64) * S + j0) * width
-    if rows > 0:
-        prefetch_l2(cache, rows * width * (C.dtype.element_ty.primitive_bitwidth // 8))
+    after its acquire, which invalidated this SM's L1), so the body's loads find fresh rows, sooner.  Rows
+    stop at the positions the step may read: the cache length is read before the wait, so it may be a
+    step old, which only changes what is asked for.  GQA tasks ask for nothing (a row holds every KV head's
+    keys and values; a task reads one head's)."""
+    if has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_MLA):
+        S, b, split_len = fld(word, ATTENTION_S), fld(word, ATTENTION_B), fld(word, ATTENTION_SPLIT_LEN)
+        width = aligned(fld(word, ATTENTION_WIDTH), ALIGN)
+        j0 = fld(word, ATTENTION_SPLIT) * split_len
+        limit = tl.load(I + off(word, ATTENTION_CL_OFF) + b) + fld(word, ATTENTION_POS_OFFSET) + fld(word, ATTENTION_T)
+        rows = tl.maximum(tl.minimum(tl.minimum(split_len, S - j0), limit - j0), 0)
+        cache = C + aligned(off(word, ATTENTION_CACHE_OFF), ALIGN) + (b.to(tl.int64) * S + j0) * width
+        if rows > 0:
+            nbytes = rows.to(tl.int64) * width * (C.dtype.element_ty.primitive_bitwidth // 8)
+            prefetch_l2(cache, tl.minimum(nbytes, 1 << 30).to(tl.int32))  # a hint: at most 1 GiB of it
 
 
 @triton.jit

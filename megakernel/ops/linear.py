@@ -350,22 +350,22 @@ def prefetch_block(w_ptr, w2_ptr, two, row0, r1, K, BR: tl.constexpr, ALIGN: tl.
 
 
 @triton.jit
-def prefetch_task(word, W, ALIGN: tl.constexpr):
+def prefetch_task(word, W, ALIGN: tl.constexpr, PAIRS: tl.constexpr = 0):
     """A LINEAR task's whole weight slice asked of the L2 (launch variant PF)."""
     prefetch_rows(aligned_base(W, word, LINEAR_W_OFF, ALIGN), aligned_base(W, word, LINEAR_W2_OFF, ALIGN),
-                  has(fld(word, LINEAR_FLAGS), FLAG_LINEAR_SILU_MUL), fld(word, LINEAR_R0), fld(word, LINEAR_R1),
+                  streams_two(fld(word, LINEAR_FLAGS), PAIRS), fld(word, LINEAR_R0), fld(word, LINEAR_R1),
                   fld(word, LINEAR_K), ALIGN)
 
 
 @triton.jit
-def prefetch_blocks(word, W, BR: tl.constexpr, ALIGN: tl.constexpr, PFD: tl.constexpr):
+def prefetch_blocks(word, W, BR: tl.constexpr, ALIGN: tl.constexpr, PFD: tl.constexpr, PAIRS: tl.constexpr = 0):
     """Launch variant PFD: a LINEAR task's first PFD row blocks asked of the L2 before its dependency wait
-    (the stream asks for the rest as it goes)."""
+    (the stream asks for the rest as it goes; it asks for these again before its loop, which costs a
+    prefetch of lines already on their way)."""
     flags, r0 = fld(word, LINEAR_FLAGS), fld(word, LINEAR_R0)
     for b in tl.static_range(PFD):
         prefetch_block(aligned_base(W, word, LINEAR_W_OFF, ALIGN), aligned_base(W, word, LINEAR_W2_OFF, ALIGN),
-                       has(flags, FLAG_LINEAR_SILU_MUL), r0 + b * BR, fld(word, LINEAR_R1), fld(word, LINEAR_K), BR,
-                       ALIGN)
+                       streams_two(flags, PAIRS), r0 + b * BR, fld(word, LINEAR_R1), fld(word, LINEAR_K), BR, ALIGN)
 
 
 @triton.jit
