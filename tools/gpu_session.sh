@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a GPU session checks (device time is the scarce resource):
 #   [MODELS="..."] [TS="1 6"] [VARIANTS="..."] [PLAN_VARIANTS="..."] [BASELINES="eager graph compile"] [JOBS=8]
-#   [TESTS_K="..."] [TESTS_TIMEOUT=570] [BENCH_TIMEOUT=560] bash tools/gpu_session.sh PARTS [OUT_DIR]
+#   [TESTS_K="..."] [TESTS_PROCS=3] [TESTS_TIMEOUT=570] [BENCH_TIMEOUT=560] bash tools/gpu_session.sh PARTS [OUT_DIR]
 # PARTS: a comma list of
 #   tests    the gpu-marked tests (TESTS_K: a pytest -k selection of them);
 #   bench    floors, plain-PyTorch baselines, the megakernel, launch/plan variants and a per-op
@@ -49,7 +49,12 @@ export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$out/gpu.txt"
 bash tools/triton_cache.sh restore || true
 if [[ "$parts" == *,tests,* ]]; then
-    timeout "${TESTS_TIMEOUT:-570}" python3 -m pytest -m gpu tests/test_gpu.py tests/test_weight_stream.py tests/test_helper.py \
+    # pytest-xdist (on the GPU machine's image) runs TESTS_PROCS test processes on the one GPU, so their kernels
+    # compile side by side (session 15: 40 tests in 357 s with 3)
+    procs=""
+    python3 -c "import xdist" 2>/dev/null && procs="-n ${TESTS_PROCS:-3}"
+    # shellcheck disable=SC2086
+    timeout "${TESTS_TIMEOUT:-570}" python3 -m pytest $procs -m gpu tests/test_gpu.py tests/test_weight_stream.py tests/test_helper.py \
         tests/test_gluon_stream.py -v \
         -p no:cacheprovider --durations=25 ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
         | tee "$out/gpu_tests.log" | tail -40 || worst $?
