@@ -213,7 +213,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # dsv2-lite (docs/PERF.md session 15); the interpreter's ROWVEC=0 epilogue ignores it
                 AHEAD=1,
                 # 1: LINEAR and expert slices that load a fifth fewer weights in 4·BR x KC/4 chunks stream
-                # those (linear.narrow; a launch variant, not yet timed)
+                # those (linear.narrow; a launch variant: +0.8% on dsv2-lite, docs/PERF.md session 15)
                 NARROW=0,
                 # 1: one token's slot table from its experts' ranks in registers: the same tables, -1.4% on
                 # dsv2-lite (docs/PERF.md session 15)
@@ -223,14 +223,14 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 PFD=0,
                 # launch variants for the L2's residency of what every hop reads (not yet timed): EF 1, the weight
                 # stream loads with the evict-first policy; WPF 1 (inline PTX), the next task's word asked of the L1
-                # right after a task's wait; APF 1 (inline PTX), an attention split's cache rows asked of the L2
-                # before its wait
+                # right after a task's wait; APF 1 (inline PTX), an MLA attention split's cache rows asked of the
+                # L2 before its wait
                 EF=0, WPF=0, APF=0,
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2",
                 # a persistent helper kernel's plan: HELPER_RECV / HELPER_SEND compiled in (only there)
                 HELPER_SIDE=int(any(t.op.name == "HELPER_RECV" for t in tasks)),
                 # LINEAR[PAIR] (norm_beside_experts' router, on exact scaled weights) compiled in (only where used)
-                PAIRS=int(any(t.op.name == "LINEAR" and t.has("PAIR") for t in tasks)),
+                HILO=int(any(t.op.name == "LINEAR" and t.has("PAIR") for t in tasks)),
                 # attention compiled for the plan's one kind (MLA or GQA), else the flag read per task
                 ATT_KIND=att_kinds.pop() if len(att_kinds) == 1 else 0)
 
@@ -268,7 +268,9 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
     if blocks["ROWVEC"] == 2 and INTERPRET:
         raise MegakernelError("block override ROWVEC=2: the Triton interpreter runs no inline PTX")
     for flag, what in (("AHEAD", "a listed token's out row looked up a step ahead"),
-                       ("ROUTE1", "one token's slot table from registers"), ("NARROW", "narrow chunks")):
+                       ("ROUTE1", "one token's slot table from registers"), ("NARROW", "narrow chunks"),
+                       ("EF", "evict-first weight loads"), ("WPF", "the next task word's prefetch"),
+                       ("APF", "attention's cache prefetch"), ("HILO", "LINEAR[PAIR] compiled in")):
         if blocks[flag] not in (0, 1):
             raise MegakernelError(f"block override {flag}={blocks[flag]}: 0, or 1 ({what})")
     if blocks["NARROW"] and blocks["KC"] // 4 < 2 * blocks["ALIGN"]:
@@ -281,10 +283,6 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
                               "start) or 2 (the next task's too)")
     if blocks["PFD"] not in (0, 1, 2, 3, 4):
         raise MegakernelError(f"block override PFD={blocks['PFD']}: 0 (no rolling L2 prefetch) or 1-4 row blocks ahead")
-    for flag, what in (("EF", "evict-first weight loads"), ("WPF", "the next task word's prefetch"),
-                       ("APF", "attention's cache prefetch")):
-        if blocks[flag] not in (0, 1):
-            raise MegakernelError(f"block override {flag}={blocks[flag]}: 0, or 1 ({what})")
     if blocks["WPF"] and INTERPRET:
         raise MegakernelError("block override WPF=1: the Triton interpreter runs no inline PTX")
     for key in ("PF", "PFD", "APF"):  # bulk L2 prefetches (inline PTX) of whole weight or cache rows
@@ -293,11 +291,9 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
                    f"bulk prefetches need 16-byte aligned rows, and ALIGN={blocks['ALIGN']} x {weight_bytes}-byte "
                    "weights are not")
             raise MegakernelError(f"block override {key}={blocks[key]}: {why}")
-    if blocks["PAIRS"] not in (0, 1):
-        raise MegakernelError(f"block override PAIRS={blocks['PAIRS']}: 0, or 1 (LINEAR[PAIR] compiled in)")
-    if blocks["PAIRS"] < fitted["PAIRS"]:
-        raise MegakernelError("block override PAIRS=0: this plan has LINEAR[PAIR] tasks (a router's weights as a high "
-                              "and a low part), whose low part a kernel without PAIRS would not read")
+    if blocks["HILO"] < fitted["HILO"]:
+        raise MegakernelError("block override HILO=0: this plan has LINEAR[PAIR] tasks (a router's weights as a high "
+                              "and a low part), whose low part a kernel without HILO would not read")
     if blocks["HELPER_SIDE"] < fitted["HELPER_SIDE"]:
         raise MegakernelError("block override HELPER_SIDE=0: this plan has a persistent helper's HELPER_RECV and "
                               "HELPER_SEND tasks")
@@ -347,6 +343,15 @@ class LaunchConfig:
     blocks: dict | None = None  # overrides of block_sizes()
 
 
+# the plan's buffers the kernel takes after words, queue_ptr, counters, worker_epoch, err (int32) and prof (int64)
+KERNEL_BUFFERS = (Buf.W, Buf.WF, Buf.A, Buf.I, Buf.C, Buf.H)
+
+
+def buffer_dtype(buf: int, dtype: torch.dtype) -> torch.dtype:
+    """A buffer's element type (memory.Memory allocates them so): weights and cache in the model dtype."""
+    return dtype if buf in (Buf.W, Buf.C) else torch.int32 if buf in (Buf.I, Buf.H) else torch.float32
+
+
 def wait_bound_s(tasks: list[Decoded], config: LaunchConfig) -> float:
     """The longest a task may wait for one counter.  A task after a HELPER_WAIT may wait for as long as
     the helper may take, and then some: its bound must not fire before the helper's (which names the call)."""
@@ -380,11 +385,8 @@ def precompile(plan: Plan, dtype: torch.dtype, config: LaunchConfig | None = Non
     tasks = [decode(w) for w in plan.words]
     blocks = launch_blocks(tasks, dtype, config)
     dev = torch.device(device)
-    i32 = [torch.zeros(64, dtype=torch.int32, device=dev) for _ in range(5)]  # words .. err
-    args = (*i32, torch.zeros(64, dtype=torch.int64, device=dev), torch.zeros(64, dtype=dtype, device=dev),
-            torch.zeros(64, dtype=torch.float32, device=dev), torch.zeros(64, dtype=torch.float32, device=dev),
-            torch.zeros(64, dtype=torch.int32, device=dev), torch.zeros(64, dtype=dtype, device=dev),
-            torch.zeros(64, dtype=torch.int32, device=dev))  # W, WF, A, I, C, HB as Megakernel._args orders them
+    dtypes = [torch.int32] * 5 + [torch.int64] + [buffer_dtype(b, dtype) for b in KERNEL_BUFFERS]  # as _args orders
+    args = [torch.zeros(64, dtype=t, device=dev) for t in dtypes]
     return megakernel.warmup(*args, **kernel_constants(blocks, wait_bound_s(tasks, config), config, dev.type == "cuda"),
                              grid=(plan.workers,), num_warps=config.num_warps, num_stages=config.num_stages)
 
@@ -427,9 +429,8 @@ class Megakernel(PlanRunner):
 
     # ---- launching -------------------------------------------------------------
     def _args(self):
-        m = self.mem.bufs
         return (self.words, self.queue_ptr, self.counters, self.worker_epoch, self.err, self.prof,
-                m[Buf.W], m[Buf.WF], m[Buf.A], m[Buf.I], m[Buf.C], m[Buf.H])
+                *(self.mem.bufs[b] for b in KERNEL_BUFFERS))
 
     def _constexprs(self) -> dict:
         return kernel_constants(self.blocks, self.wait_bound_s, self.config, self.device.type == "cuda")

@@ -92,12 +92,12 @@ def test_kernel_norms_folded_into_linears(name, blocks):
 @pytest.mark.parametrize("T,B,blocks", [(2, 2, None), (1, 1, dict(TB=1, ROWVEC=1))])
 def test_kernel_router_folds_its_norm_exactly(T, B, blocks):
     """Fusion rule norm_beside_experts (opt-in): the router is LINEAR[NORM, PAIR], its folded weights a high
-    and a low part whose sums the kernel adds (PAIRS compiled in), in the token-group epilogue and in one
+    and a low part whose sums the kernel adds (HILO compiled in), in the token-group epilogue and in one
     token's row-vector one; the routing tables and logits equal the interpreter's.  The split is at bf16 in
     this fp32 arena too, so the low part is not zero: a kernel that dropped it would differ."""
     cfg, plan, interp, mk = _pair("tiny-moe", T=T, B=B, blocks=blocks, rules=RULES)
     pairs = [decode(w) for w in plan.words if decode(w).op.name == "LINEAR" and decode(w).has("PAIR")]
-    assert mk.blocks["PAIRS"] == 1 and pairs
+    assert mk.blocks["HILO"] == 1 and pairs
     lo = next(s for s in plan.weights if s.name.endswith("~lo"))
     assert mk.mem.bufs[lo.buf][lo.offset: lo.offset + lo.rows * lo.cols].abs().max() > 0
     _compare(cfg, interp, mk, torch.tensor([3, 9][:B]))

@@ -156,22 +156,21 @@ def probe_kernel(model: str, variants: list[str], lines: bool = False) -> None:
     import torch
 
     from graph.compile import CompileOptions, compile_step
-    from graph.isa import MAX_WAITS, WORDS, decode
+    from graph.isa import decode
     from graph.lower import StepShape
     from megakernel.kernel import megakernel
-    from megakernel.runtime import block_sizes
+    from megakernel.runtime import LaunchConfig, kernel_constants, launch_blocks
     from model import preset
 
     plan = compile_step(preset(model), StepShape(T=1, B=1, max_len=4096), CompileOptions(workers=132))
-    fitted = block_sizes([decode(w) for w in plan.words], torch.bfloat16)
+    tasks = [decode(w) for w in plan.words]
     pointers = {"words": "*i32", "queue_ptr": "*i32", "counters": "*i32", "worker_epoch": "*i32", "err": "*i32",
                 "prof": "*i64", "W": "*bf16", "WF": "*fp32", "A": "*fp32", "I": "*i32", "C": "*bf16", "HB": "*i32"}
     for spec in variants or [""]:
-        const = dict(WORDS=WORDS, MAX_WAITS=MAX_WAITS, TIMEOUT_NS=250_000_000, MAX_SPINS=200_000,
-                     HELPER_NS=1_000_000_000, USE_TIMER=True,
-                     PROFILE=False, **fitted)
-        const.update(parse_variant(spec))
-        num_warps = const.pop("num_warps", 8)  # a launch option, not a constant of the kernel
+        blocks = parse_variant(spec)
+        num_warps = blocks.pop("num_warps", 8)  # a launch option, not a constant of the kernel
+        config = LaunchConfig(blocks=blocks)  # the constants a Megakernel of this plan would launch with
+        const = kernel_constants(launch_blocks(tasks, torch.bfloat16, config), config.timeout_s, config, on_cuda=True)
         info, sass = compile_sass(megakernel, pointers, [], const, num_warps)
         print(f"kernel {model} {spec or 'fitted'}: {info}")
         if lines:

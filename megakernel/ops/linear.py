@@ -178,7 +178,7 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
                   w_ptr, w2_ptr, two, r0, r1, K, w, norm, eps, BR: tl.constexpr, KC: tl.constexpr,
                   ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr, BN: tl.constexpr,
                   ROWVEC: tl.constexpr = 0, AHEAD: tl.constexpr = 0, PFD: tl.constexpr = 0, EF: tl.constexpr = 0,
-                  PAIRS: tl.constexpr = 0, pair=False):
+                  HILO: tl.constexpr = 0, pair=False):
     """out[orow(n), r0:r1] = f(x[xrow(n)] @ W[r0:r1].T) for n < n_rows, f = identity, + residual, or
     SiLU(x@W.T) * (x@W2.T); with norm, each x@W.T scaled by x's rsqrt(mean(x²) + eps) first (the
     norm's weight is in W).  Rows come from a list (xrows_div > 0: row = list[n] // xrows_div, out row
@@ -202,7 +202,7 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     the first PFD blocks before the loop (a LINEAR task also before its dependency wait: prefetch_blocks), so
     a register load finds its chunk in the L2 or on its way: the stream keeps more bytes in flight than the
     one chunk its registers hold.
-    PAIRS 1 (the plan has LINEAR[PAIR] tasks; compiled out of every other kernel): with `pair`, W and W2 are one
+    HILO 1 (the plan has LINEAR[PAIR] tasks; compiled out of every other kernel): with `pair`, W and W2 are one
     matrix's high and low parts, streamed as gate|up are, and the two sums are added instead of SiLU·mul.
     w: step 0's weight chunk, already requested (before the dependency wait)."""
     nsub = 1 + two.to(tl.int32)
@@ -265,7 +265,7 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
                 y1 = tl.sum(acc, axis=1) * scale
                 if two:
                     y2 = tl.sum(acc2, axis=1) * scale
-                    if PAIRS:
+                    if HILO:
                         y1 = tl.where(pair, y1 + y2, silu(y1) * y2)
                     else:
                         y1 = silu(y1) * y2
@@ -285,7 +285,7 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
                     acc2 = acc2 * rs[None, :]
                 y = acc
                 if two:
-                    if PAIRS:
+                    if HILO:
                         y = tl.where(pair, acc + acc2, silu(acc) * acc2)
                     else:
                         y = silu(acc) * acc2
@@ -350,22 +350,22 @@ def prefetch_block(w_ptr, w2_ptr, two, row0, r1, K, BR: tl.constexpr, ALIGN: tl.
 
 
 @triton.jit
-def prefetch_task(word, W, ALIGN: tl.constexpr, PAIRS: tl.constexpr = 0):
+def prefetch_task(word, W, ALIGN: tl.constexpr, HILO: tl.constexpr = 0):
     """A LINEAR task's whole weight slice asked of the L2 (launch variant PF)."""
     prefetch_rows(aligned_base(W, word, LINEAR_W_OFF, ALIGN), aligned_base(W, word, LINEAR_W2_OFF, ALIGN),
-                  streams_two(fld(word, LINEAR_FLAGS), PAIRS), fld(word, LINEAR_R0), fld(word, LINEAR_R1),
+                  streams_two(fld(word, LINEAR_FLAGS), HILO), fld(word, LINEAR_R0), fld(word, LINEAR_R1),
                   fld(word, LINEAR_K), ALIGN)
 
 
 @triton.jit
-def prefetch_blocks(word, W, BR: tl.constexpr, ALIGN: tl.constexpr, PFD: tl.constexpr, PAIRS: tl.constexpr = 0):
+def prefetch_blocks(word, W, BR: tl.constexpr, ALIGN: tl.constexpr, PFD: tl.constexpr, HILO: tl.constexpr = 0):
     """Launch variant PFD: a LINEAR task's first PFD row blocks asked of the L2 before its dependency wait
     (the stream asks for the rest as it goes; it asks for these again before its loop, which costs a
     prefetch of lines already on their way)."""
     flags, r0 = fld(word, LINEAR_FLAGS), fld(word, LINEAR_R0)
     for b in tl.static_range(PFD):
         prefetch_block(aligned_base(W, word, LINEAR_W_OFF, ALIGN), aligned_base(W, word, LINEAR_W2_OFF, ALIGN),
-                       streams_two(flags, PAIRS), r0 + b * BR, fld(word, LINEAR_R1), fld(word, LINEAR_K), BR, ALIGN)
+                       streams_two(flags, HILO), r0 + b * BR, fld(word, LINEAR_R1), fld(word, LINEAR_K), BR, ALIGN)
 
 
 @triton.jit
@@ -381,18 +381,18 @@ def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, E
 
 
 @triton.jit
-def streams_two(flags, PAIRS: tl.constexpr):
-    """Whether a task streams two matrices: gate|up (SILU_MUL), or with PAIRS a router's weights' high and low
+def streams_two(flags, HILO: tl.constexpr):
+    """Whether a task streams two matrices: gate|up (SILU_MUL), or with HILO a router's weights' high and low
     parts (PAIR: the kernel of a plan without PAIR tasks compiles none of it)."""
-    if PAIRS:
+    if HILO:
         return has(flags, FLAG_LINEAR_SILU_MUL) | has(flags, FLAG_LINEAR_PAIR)
     else:
         return has(flags, FLAG_LINEAR_SILU_MUL)
 
 
 @triton.jit
-def pair_flag(flags, PAIRS: tl.constexpr):
-    if PAIRS:
+def pair_flag(flags, HILO: tl.constexpr):
+    if HILO:
         return has(flags, FLAG_LINEAR_PAIR)
     else:
         return False
@@ -401,11 +401,11 @@ def pair_flag(flags, PAIRS: tl.constexpr):
 @triton.jit
 def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
          DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr, PFD: tl.constexpr = 0,
-         EF: tl.constexpr = 0, PAIRS: tl.constexpr = 0):
+         EF: tl.constexpr = 0, HILO: tl.constexpr = 0):
     flags = fld(word, LINEAR_FLAGS)
     stream_chunks(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
                   A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
                   fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), aligned_base(W, word, LINEAR_W_OFF, ALIGN),
-                  aligned_base(W, word, LINEAR_W2_OFF, ALIGN), streams_two(flags, PAIRS), fld(word, LINEAR_R0),
+                  aligned_base(W, word, LINEAR_W2_OFF, ALIGN), streams_two(flags, HILO), fld(word, LINEAR_R0),
                   fld(word, LINEAR_R1), fld(word, LINEAR_K), w, has(flags, FLAG_LINEAR_NORM), ffld(word, LINEAR_EPS),
-                  BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, PAIRS, pair_flag(flags, PAIRS))
+                  BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, HILO, pair_flag(flags, HILO))
