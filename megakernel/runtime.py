@@ -194,6 +194,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     # the attention combine: all splits of a task's columns in one load where 8K values allow
     bcw = min(combine_cols, max(16, 8192 // splits))
     # bf16 weights: activations enter the tensor cores as a bf16 (high, low) pair, ~16 mantissa bits
+    alignment_bytes = alignment(tasks) * dtype.itemsize  # bulk prefetches (APF) need 16-byte aligned rows
     return dict(BR=br, KC=kc, STAGES=stages, BD=256, BH=32, BM=bm, BJ=bj, DMAX=dmax, RMAX=rmax, BI=bi, BO=bo, BIT=bit, BOT=bot,
                 BE=experts, BP=min(256, pairs), BW=width, ALIGN=alignment(tasks), BT=spec_t,
                 # whole rows per load where registers allow: each block is one memory round trip
@@ -221,11 +222,14 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # > 0: the weight stream asks the L2 for the row block this many blocks ahead (a launch variant,
                 # compiled only: inline PTX; 1-3 were 0 to +7% slower in session 15)
                 PFD=0,
-                # launch variants for the L2's residency of what every hop reads (not yet timed): EF 1, the weight
-                # stream loads with the evict-first policy; WPF 1 (inline PTX), the next task's word asked of the L1
-                # right after a task's wait; APF 1 (inline PTX), an MLA attention split's cache rows asked of the
-                # L2 before its wait
-                EF=0, WPF=0, APF=0,
+                # the L2's residency of what every hop reads (a step streams ~5 GB through a 50 MB L2): EF 1, the
+                # weight stream loads with the evict-first policy (-7.8% on dsv2-lite, -1.7% on llama-1b; 2, a
+                # launch variant: per-head matmul weights and attention's cache rows too); WPF 1 (inline PTX), the
+                # next task's word asked of the L1 right after a task's wait; APF 1 (inline PTX), an MLA attention
+                # split's cache rows asked of the L2 before its wait (compiled out of GQA-only plans).  All three:
+                # -10.2% and -3.7%, the same bits (docs/PERF.md session 16).  No inline PTX in the interpreter
+                EF=1, WPF=0 if INTERPRET else 1,
+                APF=int(not INTERPRET and alignment_bytes % 16 == 0),
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2",
                 # a persistent helper kernel's plan: HELPER_RECV / HELPER_SEND compiled in (only there)
                 HELPER_SIDE=int(any(t.op.name == "HELPER_RECV" for t in tasks)),
@@ -269,10 +273,13 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
         raise MegakernelError("block override ROWVEC=2: the Triton interpreter runs no inline PTX")
     for flag, what in (("AHEAD", "a listed token's out row looked up a step ahead"),
                        ("ROUTE1", "one token's slot table from registers"), ("NARROW", "narrow chunks"),
-                       ("EF", "evict-first weight loads"), ("WPF", "the next task word's prefetch"),
+                       ("WPF", "the next task word's prefetch"),
                        ("APF", "attention's cache prefetch"), ("HILO", "LINEAR[PAIR] compiled in")):
         if blocks[flag] not in (0, 1):
             raise MegakernelError(f"block override {flag}={blocks[flag]}: 0, or 1 ({what})")
+    if blocks["EF"] not in (0, 1, 2):
+        raise MegakernelError(f"block override EF={blocks['EF']}: 0, 1 (evict-first weight stream) or 2 (per-head "
+                              "matmul weights and attention's cache rows too)")
     if blocks["NARROW"] and blocks["KC"] // 4 < 2 * blocks["ALIGN"]:
         raise MegakernelError(f"block override NARROW=1 needs KC/4 >= 2 x ALIGN (KC={blocks['KC']}, "
                               f"ALIGN={blocks['ALIGN']})")

@@ -56,9 +56,9 @@ assert "ld.acquire.sys.global.b32" in copy.asm["ptx"]
 # stores in place, NARROW's second chunk shape, ROUTE1's slot table from registers (BE <= 64), PFD's rolling
 # L2 prefetch of the row blocks ahead (PF off: every bulk prefetch here is the stream's)
 one = dict(const, TB=1, BE=64, BP=8, PF=0, DEPTH=1, ROWVEC=2, AHEAD=1, NARROW=1, ROUTE1=1, PFD=2, ATT_KIND=1)
-# and the L2-residency variants: evict-first weight loads, the next task word into the L1, attention's cache rows
-# into the L2 (APF's prefetch counts among the bulk prefetches below)
-one.update(EF=1, WPF=1, APF=1)
+# and the L2's residency hints: evict-first weights and cache rows (EF=2), the next task word into the L1,
+# attention's cache rows into the L2 (APF's prefetch counts among the bulk prefetches below)
+one.update(EF=2, WPF=1, APF=1)
 k1 = triton.compile(ASTSource(fn=megakernel, signature=sig, constexprs=one, attrs=attrs),
                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 1})
 assert "st.global.f32" in k1.asm["ptx"] and k1.asm["cubin"]

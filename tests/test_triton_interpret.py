@@ -75,15 +75,15 @@ def test_kernel_small_blocks(name):
 
 
 @pytest.mark.parametrize("name,blocks", [("tiny-dense", None), ("tiny-dense", dict(BN=16, TB=2)),
-                                         ("tiny-moe", dict(TB=1, ROWVEC=1, AHEAD=1, NARROW=1, EF=1, BR=8, KC=128))])
+                                         ("tiny-moe", dict(TB=1, ROWVEC=1, AHEAD=1, NARROW=1, EF=2, BR=8, KC=128))])
 def test_kernel_norms_folded_into_linears(name, blocks):
     """Fusion rule norm_into_linear (a default rule): LINEAR[NORM] tasks scale their sums by each
     token's rsqrt(mean(x²) + eps), with the norm's weight packed into their columns; with small blocks
     the norm's row takes several BN chunks and the 4 tokens several TB groups (a scale per group);
     with TB=1 and ROWVEC=1 each token's rows (LINEAR and the experts') are stored as a vector, with the
     launch variants AHEAD (out rows looked up a step ahead), NARROW (the experts' slices, K = 32 and 64
-    against KC = 128, in 4·BR x KC/4 chunks) and EF (evict-first weight loads: a cache hint, which the
-    interpreter takes and ignores; test_kernel_compiles checks that it reaches the PTX)."""
+    against KC = 128, in 4·BR x KC/4 chunks) and EF=2 (evict-first weights and cache rows: a cache hint,
+    which the interpreter takes and ignores; test_kernel_compiles checks that it reaches the PTX)."""
     cfg, plan, interp, mk = _pair(name, blocks=blocks)
     assert any(decode(word).has("NORM") for word in plan.words if decode(word).op.name == "LINEAR")
     _compare(cfg, interp, mk, torch.tensor([2, 7]))
@@ -247,7 +247,7 @@ def test_block_overrides_that_would_change_the_result_are_refused():
                ({"PF": 1}, "PF=1: the Triton interpreter runs no inline PTX"),  # this suite runs interpreted
                ({"PFD": 5}, "PFD=5: 0 .no rolling L2 prefetch."),
                ({"PFD": 2}, "PFD=2: the Triton interpreter runs no inline PTX"),
-               ({"EF": 2}, "EF=2: 0, or 1"), ({"WPF": 1}, "WPF=1: the Triton interpreter runs no inline PTX"),
+               ({"EF": 3}, "EF=3: 0, 1 .evict-first weight stream. or 2"), ({"WPF": 1}, "WPF=1: the Triton interpreter runs no inline PTX"),
                ({"APF": 1}, "APF=1: the Triton interpreter runs no inline PTX"),
                ({"AHEAD": 2}, "AHEAD=2: 0, or 1"), ({"ROUTE1": 2}, "ROUTE1=2: 0, or 1"),
                ({"NARROW": 2}, "NARROW=2: 0, or 1"), ({"NARROW": 1, "KC": 16}, "NARROW=1 needs KC/4")]

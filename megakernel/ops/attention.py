@@ -75,30 +75,34 @@ def reference_combine(task, mem) -> None:
 # ---- GPU body ----------------------------------------------------------------------------
 @triton.jit
 def kv_block(cache, width, jb, j1, k_col, v_col, dim, d, dmask, e, emask, mla, BJ: tl.constexpr,
-             KIND: tl.constexpr):
+             KIND: tl.constexpr, EF: tl.constexpr = 0):
     """Cache positions jb..jb+BJ (< j1): keys, MLA rope keys, GQA values (MLA's values are its keys).
     KIND 1 (every task MLA) or 2 (none) leaves out the other kind's load: a load predicated off at
     run time still costs its address arithmetic and its registers (the values' 32 per thread made
-    MLA attention spill)."""
+    MLA attention spill).  EF 2 (a launch variant): evict-first, since a step reads each cache row once."""
+    ev: tl.constexpr = "evict_first" if EF >= 2 else ""
     js = jb + tl.arange(0, BJ)
     jmask = js < j1
     rows = cache + js[:, None].to(tl.int64) * width
-    keys = tl.load(rows + k_col + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
+    keys = tl.load(rows + k_col + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0, eviction_policy=ev)
     if KIND == 1:
-        kpe = tl.load(rows + dim + e[None, :], mask=jmask[:, None] & emask[None, :], other=0.0)
+        kpe = tl.load(rows + dim + e[None, :], mask=jmask[:, None] & emask[None, :], other=0.0, eviction_policy=ev)
         values = keys
     elif KIND == 2:
         kpe = keys  # never read
-        values = tl.load(rows + v_col + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
+        values = tl.load(rows + v_col + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0,
+                         eviction_policy=ev)
     else:
-        kpe = tl.load(rows + dim + e[None, :], mask=jmask[:, None] & emask[None, :] & mla, other=0.0)
-        values = tl.load(rows + v_col + d[None, :], mask=jmask[:, None] & dmask[None, :] & (mla == 0), other=0.0)
+        kpe = tl.load(rows + dim + e[None, :], mask=jmask[:, None] & emask[None, :] & mla, other=0.0,
+                      eviction_policy=ev)
+        values = tl.load(rows + v_col + d[None, :], mask=jmask[:, None] & dmask[None, :] & (mla == 0), other=0.0,
+                         eviction_policy=ev)
     return keys, kpe, values
 
 
 @triton.jit
 def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr,
-         STAGES: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr, KIND: tl.constexpr):
+         STAGES: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr, KIND: tl.constexpr, EF: tl.constexpr = 0):
     """STAGES 2: the next cache block is in flight while this one is reduced; 1: one at a time.
     KIND: 1 every attention task of the plan is MLA, 2 none is (compiled for that kind alone), 0 read
     the flag per task."""
@@ -148,11 +152,11 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
         m_i = tl.full((BM,), float("-inf"), tl.float32)
         l_i = tl.zeros((BM,), tl.float32)
         acc = tl.zeros((BM, DMAX), tl.float32)
-        keys, kpe, values = kv_block(cache, width, j0, j1, k_col, v_col, dim, d, dmask, e, emask, mla, BJ, KIND)
+        keys, kpe, values = kv_block(cache, width, j0, j1, k_col, v_col, dim, d, dmask, e, emask, mla, BJ, KIND, EF)
         for jb in range(j0, j1, BJ):
             if STAGES > 1:  # request the next block before this one's arithmetic
                 keys_n, kpe_n, values_n = kv_block(cache, width, jb + BJ, j1, k_col, v_col, dim, d, dmask, e, emask,
-                                                   mla, BJ, KIND)
+                                                   mla, BJ, KIND, EF)
             js = jb + tl.arange(0, BJ)
             jmask = js < j1
             s = mma(q, tl.trans(keys), tl.zeros((BM, BJ), tl.float32), DOT_PREC)
@@ -172,7 +176,7 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
                 keys, kpe, values = keys_n, kpe_n, values_n
             else:
                 keys, kpe, values = kv_block(cache, width, jb + BJ, j1, k_col, v_col, dim, d, dmask, e, emask, mla, BJ,
-                                             KIND)
+                                             KIND, EF)
         has_keys = l_i > 0
         o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
         lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))

@@ -35,7 +35,7 @@ def step_coords(s, h0, nob, nib, ngroups, o0, BI: tl.constexpr, BO: tl.constexpr
 
 @triton.jit
 def weight_tile(s, total, h0, nob, nib, ngroups, w_ptr, w_hs, w_ld, i_dim, o0, o1, BI: tl.constexpr, BO: tl.constexpr,
-                TRANS: tl.constexpr):
+                TRANS: tl.constexpr, EF: tl.constexpr = 0):
     """Step s's [BI, BO] weight tile (steps: head, output block, token group, input block, innermost last).
     Unmasked, like the weight stream's chunks, so each thread's vector is one load: the strided index
     is clamped to its last valid value, the contiguous one reads on past the block (at most BI or BO
@@ -50,7 +50,9 @@ def weight_tile(s, total, h0, nob, nib, ngroups, w_ptr, w_hs, w_ld, i_dim, o0, o
         w_offs = tl.minimum(o, o1 - 1)[None, :] * w_ld + i[:, None]
     else:
         w_offs = tl.minimum(i, i_dim - 1)[:, None] * w_ld + o[None, :]
-    return tl.load(w_ptr + h * w_hs.to(tl.int64) + w_offs, mask=on, other=0.0)
+    # EF 2 (a launch variant): evict-first, as EF 1 loads the weight stream (a step reads each weight once)
+    return tl.load(w_ptr + h * w_hs.to(tl.int64) + w_offs, mask=on, other=0.0,
+                   eviction_policy="evict_first" if EF >= 2 else "")
 
 
 @triton.jit
@@ -72,17 +74,18 @@ def transposed(word):
 
 
 @triton.jit
-def prefetch(word, W, BI: tl.constexpr, BO: tl.constexpr, ALIGN: tl.constexpr, TRANS: tl.constexpr):
+def prefetch(word, W, BI: tl.constexpr, BO: tl.constexpr, ALIGN: tl.constexpr, TRANS: tl.constexpr,
+             EF: tl.constexpr = 0):
     """The task's first weight tile, requested before its dependency wait (weights never depend on
     activations): a q_absorb task is a single tile, so its wait hides all of its weight latency."""
     w_ptr, w_hs, w_ld, h0, h1, i_dim, o0, o1, N = task_fields(word, W, ALIGN)
     nib, nob = tl.cdiv(i_dim, BI), tl.cdiv(o1 - o0, BO)
-    return weight_tile(0, 1, h0, nob, nib, 1, w_ptr, w_hs, w_ld, i_dim, o0, o1, BI, BO, TRANS)
+    return weight_tile(0, 1, h0, nob, nib, 1, w_ptr, w_hs, w_ld, i_dim, o0, o1, BI, BO, TRANS, EF)
 
 
 @triton.jit
 def body(word, W, A, w, BI: tl.constexpr, BO: tl.constexpr, ALIGN: tl.constexpr, TRANS: tl.constexpr,
-         TB: tl.constexpr):
+         TB: tl.constexpr, EF: tl.constexpr = 0):
     """Per head and token, a GEMV on CUDA cores over whole [BI, BO] weight tiles (fp32 sums in a
     fixed order: batch invariant).  One flat loop over (head, output block, group of TB tokens,
     input block) requests the next step's tile before multiplying the current one by each token of
@@ -96,7 +99,8 @@ def body(word, W, A, w, BI: tl.constexpr, BO: tl.constexpr, ALIGN: tl.constexpr,
     acc = tl.zeros((TB, BO), tl.float32)  # a row of sums per token of the group
     tok = tl.arange(0, TB)[:, None]
     for s in range(total):
-        w_next = weight_tile(s + 1, total, h0, nob, nib, ngroups, w_ptr, w_hs, w_ld, i_dim, o0, o1, BI, BO, TRANS)
+        w_next = weight_tile(s + 1, total, h0, nob, nib, ngroups, w_ptr, w_hs, w_ld, i_dim, o0, o1, BI, BO, TRANS,
+                             EF)
         ib, g, ob, h = step_coords(s, h0, nob, nib, ngroups, o0, BI, BO)
         i = ib + tl.arange(0, BI)
         wf = w.to(tl.float32)
