@@ -148,9 +148,10 @@ def test_norms_fold_into_the_linears_that_read_them():
 
 def test_a_moe_norm_stays_for_the_routed_experts_and_folds_into_the_router():
     """Rule norm_beside_experts (opt-in): a MoE layer's post-attention norm is read by the router, the
-    shared experts and the routed experts.  The first two fold it (LINEAR[NORM] on scaled weights; the router's
-    as a high and a low part, LINEAR[NORM, PAIR]), the routed experts still read the norm's output, and the
-    router no longer waits for the norm; the interpreter still equals the reference."""
+    shared experts and the routed experts.  The router alone folds it (LINEAR[NORM, PAIR]: its scaled weights
+    as a high and a low part), every expert still reads the norm's output (the default plan's inputs: session
+    16's shared-expert fold moved a greedy token on the GPU), and the router no longer waits for the norm; the
+    interpreter still equals the reference."""
 
     from model import init_weights
 
@@ -166,15 +167,16 @@ def test_a_moe_norm_stays_for_the_routed_experts_and_folds_into_the_router():
     for layer in moe_layers:
         norm, router = by_label[f"L{layer}.post_attn_norm"], by_label[f"L{layer}.moe.router"]
         shared = by_label[f"L{layer}.moe.shared.gate_up"]
-        assert router.has("NORM") and router.has("PAIR") and shared.has("NORM") and not shared.has("PAIR")
+        assert router.has("NORM") and router.has("PAIR") and not shared.has("NORM")
         experts = by_label[f"L{layer}.moe.gate_up"]
         assert norm.op.name == "RMSNORM" and experts.op.name == "EXPERT_LINEAR"
-        assert (experts["x.buf"], experts["x.off"]) == (norm["out.buf"], norm["out.off"])  # the norm's rows
+        for reader in (experts, shared):  # the norm's rows
+            assert (reader["x.buf"], reader["x.off"]) == (norm["out.buf"], norm["out.off"])
         norm_counter = next(i for i, label in enumerate(plan.counter_labels) if label == f"L{layer}.post_attn_norm")
         assert norm_counter not in [c for c, _ in router.waits]
         g = f"model.layers.{layer}.post_attention_layernorm.weight"
         assert {f"model.layers.{layer}.mlp.gate.weight*{g}~{part}" for part in ("hi", "lo")} <= names
-        assert f"model.layers.{layer}.mlp.shared_experts.gate_proj.weight*{g}" in names
+        assert not any(name.startswith(f"model.layers.{layer}.mlp.shared_experts.") and "*" in name for name in names)
 
     _interpreter_equals_reference(cfg, plan, init_weights(cfg, seed=3), seed=1, lens=[2, 7])
 
