@@ -224,10 +224,11 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 PFD=0,
                 # the L2's residency of what every hop reads (a step streams ~5 GB through a 50 MB L2): EF 1, the
                 # weight stream loads with the evict-first policy (-7.8% on dsv2-lite, -1.7% on llama-1b; 2, a
-                # launch variant: per-head matmul weights and attention's cache rows too); WPF 1 (inline PTX), the
-                # next task's word asked of the L1 right after a task's wait; APF 1 (inline PTX), an MLA attention
-                # split's cache rows asked of the L2 before its wait (compiled out of GQA-only plans).  All three:
-                # -10.2% and -3.7%, the same bits (docs/PERF.md session 16).  No inline PTX in the interpreter
+                # launch variant: per-head matmul weights and attention's cache rows too, 0 and +0.7%); WPF 1
+                # (inline PTX), the next task's word asked of the L1 right after a task's wait; APF 1 (inline PTX),
+                # an MLA attention split's cache rows asked of the L2 before its wait (compiled out of GQA-only
+                # plans).  All three: -10.2% and -3.7%, the same bits (docs/PERF.md session 16).  No inline PTX in
+                # the interpreter
                 EF=1, WPF=0 if INTERPRET else 1,
                 APF=int(not INTERPRET and alignment_bytes % 16 == 0),
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2",

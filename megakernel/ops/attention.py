@@ -187,7 +187,7 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
 
 @triton.jit
 def prefetch_split(word, I, C, ALIGN: tl.constexpr):
-    """Launch variant APF: an MLA split's cache rows asked of the L2 before the task's dependency wait (one bulk
+    """APF (on by default on the GPU): an MLA split's cache rows asked of the L2 before the task's dependency wait (one bulk
     prefetch, thread 0).  Always safe: rows an earlier step wrote are final, and a row this step writes
     reaches the L2 after the prefetch or over it (the L2 is where every SM's writes land; the body loads
     after its acquire, which invalidated this SM's L1), so the body's loads find fresh rows, sooner.  Rows

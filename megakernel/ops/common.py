@@ -60,7 +60,7 @@ def prefetch_l2(ptr, nbytes):
 @triton.jit
 def prefetch_word_l1(ptr):
     """The two 128-byte lines of a task word (64 int32s from ptr, 256-byte aligned) asked of this SM's L1,
-    issued by thread 0.  Compiled only (inline PTX): launch variant WPF."""
+    issued by thread 0.  Compiled only (inline PTX): WPF, on by default on the GPU."""
     tl.inline_asm_elementwise(
         "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
         "@p prefetch.global.L1 [$1]; @p prefetch.global.L1 [$1+128]; mov.u32 $0, 0; }",

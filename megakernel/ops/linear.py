@@ -52,7 +52,7 @@ def weight_rows(w_ptr, row0, r1, K, kb, BR: tl.constexpr, KC: tl.constexpr, ALIG
     multiples of ALIGN (checked on the host).  Unmasked, so each vector is one load from a base
     register: rows past r1 read row r1 - 1 again (their sums are never stored) and columns past K
     read on into the next row, at most KC past the matrix (the arena has that much slack:
-    memory.STREAM_SLACK); the activations are zero there.  EF 1 (a launch variant): loaded with the L2's
+    memory.STREAM_SLACK); the activations are zero there.  EF 1 (the default): loaded with the L2's
     evict-first policy (a step reads each weight once), so the stream does not push the task words,
     counters and activations that every hop reads out of the L2."""
     K = aligned(K, ALIGN)
