@@ -215,7 +215,7 @@ def _feeds_route(ctx: _Ctx, op: Op) -> bool:
 
 
 def _norm_into_linear(ctx: _Ctx, beside_experts: bool = False) -> str | None:
-    """beside_experts: only norms that routed experts read too, folded into their other (LINEAR) readers."""
+    """beside_experts: only norms that routed experts read too, folded into the router alone."""
     for norm in ctx.g.ops:
         if norm.opcode != "RMSNORM" or "ADD" in norm.flags or not _whole(ctx, norm.writes["out"]):
             continue
