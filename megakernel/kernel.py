@@ -29,9 +29,9 @@ from .ops.fields import (OP_ACCEPT, OP_ARGMAX, OP_ATTENTION, OP_ATTN_COMBINE, OP
 
 @triton.jit
 def next_word_to_l1(word, t, end, WORDS: tl.constexpr, WPF: tl.constexpr):
-    """WPF (on by default on the GPU), right after a task's wait: the next task's word asked of the L1.  The wait's
-    acquire has just invalidated this SM's L1; the next task's first loads (its opcode, the fields it reads
-    before waiting) then find the word there, unless something in between acquires again (the helper
+    """WPF (on by default on the GPU), right after a task's wait: the next task's word asked of the L1.  The
+    wait's acquire has just invalidated this SM's L1; the next task's first loads (its opcode, the fields it
+    reads before waiting) then find the word there, unless something in between acquires again (the helper
     bodies' system-scope polls), which costs only the prefetch.  Task words never change during a launch."""
     if WPF:
         if t + 1 < end:

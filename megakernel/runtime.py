@@ -194,9 +194,9 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     # the attention combine: all splits of a task's columns in one load where 8K values allow
     bcw = min(combine_cols, max(16, 8192 // splits))
     # bf16 weights: activations enter the tensor cores as a bf16 (high, low) pair, ~16 mantissa bits
-    alignment_bytes = alignment(tasks) * dtype.itemsize  # bulk prefetches (APF) need 16-byte aligned rows
+    align = alignment(tasks)
     return dict(BR=br, KC=kc, STAGES=stages, BD=256, BH=32, BM=bm, BJ=bj, DMAX=dmax, RMAX=rmax, BI=bi, BO=bo, BIT=bit, BOT=bot,
-                BE=experts, BP=min(256, pairs), BW=width, ALIGN=alignment(tasks), BT=spec_t,
+                BE=experts, BP=min(256, pairs), BW=width, ALIGN=align, BT=spec_t,
                 # whole rows per load where registers allow: each block is one memory round trip
                 BSC=min(splits, max(1, 8192 // bcw)), BCW=bcw, BN=min(norm_width, 8192), BK=topk, CPF=0,
                 SAMPLE=sample, BV=1024, TB=tb,
@@ -230,7 +230,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # plans).  All three: -10.2% and -3.7%, the same bits (docs/PERF.md session 16).  No inline PTX in
                 # the interpreter
                 EF=1, WPF=0 if INTERPRET else 1,
-                APF=int(not INTERPRET and alignment_bytes % 16 == 0),
+                APF=int(bulk_prefetch_refusal(align, dtype.itemsize) is None),
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2",
                 # a persistent helper kernel's plan: HELPER_RECV / HELPER_SEND compiled in (only there)
                 HELPER_SIDE=int(any(t.op.name == "HELPER_RECV" for t in tasks)),
@@ -238,6 +238,15 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 HILO=int(any(t.op.name == "LINEAR" and t.has("PAIR") for t in tasks)),
                 # attention compiled for the plan's one kind (MLA or GQA), else the flag read per task
                 ATT_KIND=att_kinds.pop() if len(att_kinds) == 1 else 0)
+
+
+def bulk_prefetch_refusal(align: int, weight_bytes: int) -> str | None:
+    """Why bulk L2 prefetches (PF, PFD, APF: inline PTX of whole 16-byte aligned rows) cannot run, or None."""
+    if INTERPRET:
+        return "the Triton interpreter runs no inline PTX"
+    if align * weight_bytes % 16:
+        return f"bulk prefetches need 16-byte aligned rows, and ALIGN={align} x {weight_bytes}-byte weights are not"
+    return None
 
 
 def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> None:
@@ -294,10 +303,8 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
     if blocks["WPF"] and INTERPRET:
         raise MegakernelError("block override WPF=1: the Triton interpreter runs no inline PTX")
     for key in ("PF", "PFD", "APF"):  # bulk L2 prefetches (inline PTX) of whole weight or cache rows
-        if blocks[key] and (INTERPRET or blocks["ALIGN"] * weight_bytes % 16):
-            why = ("the Triton interpreter runs no inline PTX" if INTERPRET else
-                   f"bulk prefetches need 16-byte aligned rows, and ALIGN={blocks['ALIGN']} x {weight_bytes}-byte "
-                   "weights are not")
+        why = bulk_prefetch_refusal(blocks["ALIGN"], weight_bytes)
+        if blocks[key] and why:
             raise MegakernelError(f"block override {key}={blocks[key]}: {why}")
     if blocks["HILO"] < fitted["HILO"]:
         raise MegakernelError("block override HILO=0: this plan has LINEAR[PAIR] tasks (a router's weights as a high "

@@ -159,7 +159,7 @@ def probe_kernel(model: str, variants: list[str], lines: bool = False) -> None:
     from graph.isa import decode
     from graph.lower import StepShape
     from megakernel.kernel import megakernel
-    from megakernel.runtime import LaunchConfig, kernel_constants, launch_blocks
+    from megakernel.runtime import LaunchConfig, kernel_constants, launch_blocks, wait_bound_s
     from model import preset
 
     plan = compile_step(preset(model), StepShape(T=1, B=1, max_len=4096), CompileOptions(workers=132))
@@ -170,7 +170,8 @@ def probe_kernel(model: str, variants: list[str], lines: bool = False) -> None:
         blocks = parse_variant(spec)
         num_warps = blocks.pop("num_warps", 8)  # a launch option, not a constant of the kernel
         config = LaunchConfig(blocks=blocks)  # the constants a Megakernel of this plan would launch with
-        const = kernel_constants(launch_blocks(tasks, torch.bfloat16, config), config.timeout_s, config, on_cuda=True)
+        const = kernel_constants(launch_blocks(tasks, torch.bfloat16, config), wait_bound_s(tasks, config), config,
+                                 on_cuda=True)
         info, sass = compile_sass(megakernel, pointers, [], const, num_warps)
         print(f"kernel {model} {spec or 'fitted'}: {info}")
         if lines:

@@ -187,13 +187,13 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
 
 @triton.jit
 def prefetch_split(word, I, C, ALIGN: tl.constexpr):
-    """APF (on by default on the GPU): an MLA split's cache rows asked of the L2 before the task's dependency wait (one bulk
-    prefetch, thread 0).  Always safe: rows an earlier step wrote are final, and a row this step writes
-    reaches the L2 after the prefetch or over it (the L2 is where every SM's writes land; the body loads
-    after its acquire, which invalidated this SM's L1), so the body's loads find fresh rows, sooner.  Rows
-    stop at the positions the step may read: the cache length is read before the wait, so it may be a
-    step old, which only changes what is asked for.  GQA tasks ask for nothing (a row holds every KV head's
-    keys and values; a task reads one head's)."""
+    """APF (on by default on the GPU): an MLA split's cache rows asked of the L2 before the task's dependency
+    wait (one bulk prefetch, thread 0).  Always safe: rows an earlier step wrote are final, and a row this step
+    writes reaches the L2 after the prefetch or over it (the L2 is where every SM's writes land; the body loads
+    after its acquire, which invalidated this SM's L1), so the body's loads find fresh rows, sooner.  Rows stop
+    at the positions the step may read: the cache length is read before the wait, so it may be a step old, which
+    only changes what is asked for.  GQA tasks ask for nothing (a row holds every KV head's keys and values; a
+    task reads one head's)."""
     if has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_MLA):
         S, b, split_len = fld(word, ATTENTION_S), fld(word, ATTENTION_B), fld(word, ATTENTION_SPLIT_LEN)
         width = aligned(fld(word, ATTENTION_WIDTH), ALIGN)
