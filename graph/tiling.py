@@ -17,7 +17,9 @@ from .isa import Buf
 @dataclass
 class TilingOptions:
     tile_bytes: int = 256 * 1024  # weight bytes one task streams
-    row_align: int = 16  # weight rows per task are a multiple of this (or all rows)
+    # weight rows per task are a multiple of this (or all rows): the stream's row block (BR = 8 at KC = 2048).
+    # 16 until session 17: with siblings, llama-1b's q|k|v make 86 + 22 + 22 tasks for 132 workers, not 64 + 16 + 16
+    row_align: int = 8
     act_rows: int = 16  # activation rows per task for row-parallel ops
     attn_heads: int = 0  # query heads per attention task (0: all for MLA, one KV group for GQA)
     rope_heads: int = 0  # heads per ROPE task (0: all of a row's heads in one task)
@@ -32,6 +34,11 @@ class TilingOptions:
     # (dsv2-lite 4.136 -> 3.693 ms, llama-1b 1.337 -> 1.319 at 384 KB: docs/PERF.md session 14)
     balance: int = 1
     balance_bytes: int = 512 * 1024
+    # with spread: LINEAR ops that read the same input (a layer's q, k and v projections) and would together
+    # make more tasks than `spread` share the workers in proportion to their weight bytes, so the phase they
+    # run in side by side is one round (llama-1b's q|k|v made 128 + 32 + 32 tasks for 132 workers).  With 8-row
+    # alignment, GQA's cache prefetch and 128-position key blocks: llama-1b -3.3% (docs/PERF.md session 17)
+    siblings: int = 1
     # a streamed task's fixed cost as weight bytes (~1 us of a worker's stream: session 14's fit of
     # streamed tasks; CostModel.task_overhead's 3 us also covers the round trips of one-task ops)
     task_overhead_bytes: int = 32 * 1024
@@ -59,6 +66,25 @@ def _blocks(n: int, size: int) -> list[tuple[int, int]]:
 class Tiler:
     def __init__(self, graph: Graph, opts: TilingOptions, wbytes: int):
         self.g, self.opts, self.wbytes = graph, opts, wbytes
+        self.spread_of: dict[int, int] = {}  # op id -> its share of the workers (TilingOptions.siblings)
+        if opts.siblings and opts.spread > 0 and graph is not None:  # (a Tiler for row arithmetic alone has none)
+            self.spread_of = self.sibling_spreads()
+
+    def sibling_spreads(self) -> dict[int, int]:
+        """Workers per LINEAR op where ops reading the same input would make more than `spread` tasks together:
+        each op's share in proportion to its weight bytes (at least one)."""
+        groups: dict[str, list[Op]] = {}
+        for op in self.g.ops:
+            if op.opcode == "LINEAR":
+                groups.setdefault(op.reads["x"].tensor, []).append(op)
+        shares = {}
+        for ops in groups.values():
+            if len(ops) < 2 or sum(len(self.tile_linear(op)) for op in ops) <= self.opts.spread:
+                continue
+            nbytes = {op.id: self.weight_bytes(op, "w") * (2 if "w2" in op.reads else 1) for op in ops}
+            total = sum(nbytes.values())
+            shares.update({i: max(1, self.opts.spread * b // max(1, total)) for i, b in nbytes.items()})
+        return shares
 
     def weight_bytes(self, op: Op, key: str) -> int:
         t = self.g.tensors[op.reads[key].tensor]
@@ -69,27 +95,28 @@ class Tiler:
         return [Tile({"r0": r0, "r1": r1}, weight_bytes, 4 * (r1 - r0) * cols, flops_per_row * (r1 - r0))
                 for r0, r1 in _blocks(rows, self.opts.act_rows)]
 
-    def weight_rows_per_task(self, bytes_per_row: int, rows: int, copies: int = 1, align: int = 0) -> int:
-        """Rows per task: tile_bytes of weights; with `spread`, fewer, so that the op (`copies` times
-        over, e.g. once per expert slot) makes up to `spread` tasks of at least min_tile_bytes; a multiple
-        of `align` rows (default: row_align)."""
+    def weight_rows_per_task(self, bytes_per_row: int, rows: int, copies: int = 1, align: int = 0,
+                             spread: int = 0) -> int:
+        """Rows per task: tile_bytes of weights; with `spread` (the options', unless given), fewer, so that
+        the op (`copies` times over, e.g. once per expert slot) makes up to `spread` tasks of at least
+        min_tile_bytes; a multiple of `align` rows (default: row_align)."""
+        spread = spread or self.opts.spread
         n = max(1, self.opts.tile_bytes // max(1, bytes_per_row))
-        if self.opts.spread:
-            want = max(1, self.opts.spread // copies)
+        if spread:
+            want = max(1, spread // copies)
             n = min(n, max(-(-rows // want), self.opts.min_tile_bytes // max(1, bytes_per_row)))
         if n >= rows:
             return rows
         align = align or self.opts.row_align
         per = max(align, n // align * align) if rows > align else rows
-        if self.opts.balance and self.opts.spread > 0 and rows > align:
-            per = self.balanced_rows(per, rows, copies, bytes_per_row, align)
+        if self.opts.balance and spread > 0 and rows > align:
+            per = self.balanced_rows(per, rows, copies, bytes_per_row, align, spread)
         return per
 
-    def balanced_rows(self, per: int, rows: int, copies: int, bytes_per_row: int, align: int) -> int:
+    def balanced_rows(self, per: int, rows: int, copies: int, bytes_per_row: int, align: int, spread: int) -> int:
         """Rows per task whose phase (rounds of tasks over `spread` workers x a task's bytes and fixed
         cost) is the shortest, keeping `per` unless another is strictly shorter; ties go to fewer,
         larger tasks."""
-        spread = self.opts.spread
 
         def phase(p: int) -> int:
             return -(-copies * -(-rows // p) // spread) * (p * bytes_per_row + self.opts.task_overhead_bytes)
@@ -126,7 +153,8 @@ class Tiler:
         # a router's weights as a high and a low part (PAIR) take half the rows per task, so its tasks stream
         # what the one-part router's did (its 64 rows: 8 tasks of 8, not 4 of 16 with twice the bytes)
         per = self.weight_rows_per_task(K * self.wbytes * nweights, rows,
-                                        align=max(1, self.opts.row_align // 2) if "PAIR" in op.flags else 0)
+                                        align=max(1, self.opts.row_align // 2) if "PAIR" in op.flags else 0,
+                                        spread=self.spread_of.get(op.id, 0))
         return [Tile({"r0": r0, "r1": r1}, (r1 - r0) * K * self.wbytes * nweights, 4 * N * (K + 2 * (r1 - r0)),
                      2 * N * K * (r1 - r0) * nweights) for r0, r1 in _blocks(rows, per)]
 

@@ -85,7 +85,8 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                SAMPLE: tl.constexpr, BV: tl.constexpr, TB: tl.constexpr, PF: tl.constexpr, DEPTH: tl.constexpr,
                ALIGN: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr, ATT_KIND: tl.constexpr,
                ROWVEC: tl.constexpr, AHEAD: tl.constexpr, NARROW: tl.constexpr, ROUTE1: tl.constexpr, PFD: tl.constexpr,
-               EF: tl.constexpr, WPF: tl.constexpr, APF: tl.constexpr, HILO: tl.constexpr, HELPER_SIDE: tl.constexpr):
+               EF: tl.constexpr, WPF: tl.constexpr, APF: tl.constexpr, PFK: tl.constexpr, HILO: tl.constexpr,
+               HELPER_SIDE: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
     end = tl.load(queue_ptr + pid + 1)
@@ -104,6 +105,8 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
         if op == OP_LINEAR:
             if PF == 1 or (PF == 2 and t == start):
                 linear.prefetch_task(word, W, ALIGN, HILO)
+            if PFK > 0:  # a launch variant: the task's next PFK KB asked of the L2 while it waits
+                linear.prefetch_ahead(word, W, BR, ALIGN, PFK, HILO)
             if NARROW and linear.needs_narrow(word, BR, KC):  # a launch variant: a copy with 4·BR x KC/4 chunks
                 ok, t_ready = linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
                                           MAX_SPINS, USE_TIMER, BR * 4, KC // 4, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD,
@@ -120,9 +123,9 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                 ok, t_ready = head_matmul_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
                                                MAX_SPINS, USE_TIMER, BI, BO, ALIGN, False, TB, WORDS, WPF, EF)
         else:
-            if APF and ATT_KIND != 2:  # an MLA split's cache rows asked of the L2 while the task waits
+            if APF == 2 or (APF == 1 and ATT_KIND != 2):  # a split's cache rows asked of the L2 while it waits
                 if op == OP_ATTENTION:
-                    attention.prefetch_split(word, I, C, ALIGN)
+                    attention.prefetch_split(word, I, C, ALIGN, DMAX, APF, ATT_KIND)
             ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
             t_ready = now_ns(USE_TIMER)
             next_word_to_l1(word, t, end, WORDS, WPF)

@@ -171,10 +171,10 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     # (T x its heads, e.g. 6 x 4 at T=6) take one block up to 64; MLA's 512-wide rows keep 16, where
     # each doubling of BM costs another 32 accumulator registers in the heaviest body
     bm = 16 if dmax > 128 else min(64, att_rows)
-    # cache positions per block: GQA's 64-wide rows take 64 at once (llama-1b -6.7%, docs/PERF.md session 11
-    # call 2; one BJ for every plan of a kind, so a token's sums do not depend on T or B); MLA's 512-wide
-    # latent rows keep 32 (64 spilled 388 bytes in the heaviest body, session 5)
-    bj = 32 if dmax > 128 else 64
+    # cache positions per block: GQA's 64-wide rows take 128 at once (64: llama-1b -6.7%, docs/PERF.md session 11
+    # call 2; 128 with APF=2: -1%, session 17; one BJ for every plan of a kind, so a token's sums do not depend
+    # on T or B); MLA's 512-wide latent rows keep 32 (64 spilled 388 bytes in the heaviest body, session 5)
+    bj = 32 if dmax > 128 else 128
     # 16K weights per step: 128 bytes per thread, one row per warp at KC = 2048 (docs/PERF.md run 13);
     # no wider than the widest matrix (small models: more rows per step instead of columns that
     # would only be multiplied by zero)
@@ -222,15 +222,18 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # > 0: the weight stream asks the L2 for the row block this many blocks ahead (a launch variant,
                 # compiled only: inline PTX; 1-3 were 0 to +7% slower in session 15)
                 PFD=0,
+                # > 0: a LINEAR task's next PFK KB of weights (after its first row block) asked of the L2 before its
+                # wait (a launch variant, compiled only: inline PTX)
+                PFK=0,
                 # the L2's residency of what every hop reads (a step streams ~5 GB through a 50 MB L2): EF 1, the
                 # weight stream loads with the evict-first policy (-7.8% on dsv2-lite, -1.7% on llama-1b; 2, a
                 # launch variant: per-head matmul weights and attention's cache rows too, 0 and +0.7%); WPF 1
                 # (inline PTX), the next task's word asked of the L1 right after a task's wait; APF 1 (inline PTX),
-                # an MLA attention split's cache rows asked of the L2 before its wait (compiled out of GQA-only
-                # plans).  All three: -10.2% and -3.7%, the same bits (docs/PERF.md session 16).  No inline PTX in
-                # the interpreter
+                # an MLA attention split's cache rows asked of the L2 before its wait; 2, GQA's head lines too (-0.7% on
+                # llama-1b, session 17).  All three: -10.2% and -3.7%, the same bits (docs/PERF.md session 16).  No
+                # inline PTX in the interpreter
                 EF=1, WPF=0 if INTERPRET else 1,
-                APF=int(bulk_prefetch_refusal(align, dtype.itemsize) is None),
+                APF=2 * int(bulk_prefetch_refusal(align, dtype.itemsize) is None),
                 DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2",
                 # a persistent helper kernel's plan: HELPER_RECV / HELPER_SEND compiled in (only there)
                 HELPER_SIDE=int(any(t.op.name == "HELPER_RECV" for t in tasks)),
@@ -283,10 +286,12 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
         raise MegakernelError("block override ROWVEC=2: the Triton interpreter runs no inline PTX")
     for flag, what in (("AHEAD", "a listed token's out row looked up a step ahead"),
                        ("ROUTE1", "one token's slot table from registers"), ("NARROW", "narrow chunks"),
-                       ("WPF", "the next task word's prefetch"),
-                       ("APF", "attention's cache prefetch"), ("HILO", "LINEAR[PAIR] compiled in")):
+                       ("WPF", "the next task word's prefetch"), ("HILO", "LINEAR[PAIR] compiled in")):
         if blocks[flag] not in (0, 1):
             raise MegakernelError(f"block override {flag}={blocks[flag]}: 0, or 1 ({what})")
+    if blocks["APF"] not in (0, 1, 2):
+        raise MegakernelError(f"block override APF={blocks['APF']}: 0, 1 (MLA attention's cache rows asked of the L2 "
+                              "before the wait) or 2 (GQA's head lines too)")
     if blocks["EF"] not in (0, 1, 2):
         raise MegakernelError(f"block override EF={blocks['EF']}: 0, 1 (evict-first weight stream) or 2 (per-head "
                               "matmul weights and attention's cache rows too)")
@@ -302,7 +307,9 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
         raise MegakernelError(f"block override PFD={blocks['PFD']}: 0 (no rolling L2 prefetch) or 1-4 row blocks ahead")
     if blocks["WPF"] and INTERPRET:
         raise MegakernelError("block override WPF=1: the Triton interpreter runs no inline PTX")
-    for key in ("PF", "PFD", "APF"):  # bulk L2 prefetches (inline PTX) of whole weight or cache rows
+    if not 0 <= blocks["PFK"] <= 4096:
+        raise MegakernelError(f"block override PFK={blocks['PFK']}: 0 (off) or up to 4096 KB of a task's weights")
+    for key in ("PF", "PFD", "APF", "PFK"):  # bulk L2 prefetches (inline PTX) of whole weight or cache rows
         why = bulk_prefetch_refusal(blocks["ALIGN"], weight_bytes)
         if blocks[key] and why:
             raise MegakernelError(f"block override {key}={blocks[key]}: {why}")

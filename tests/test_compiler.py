@@ -278,12 +278,40 @@ def _phase(rows: int, per: int, copies: int, spread: int, bytes_per_row: int, ov
 
 
 def test_balanced_tiles_fill_the_workers_once():
-    """dsv2-lite's routed down projection, 6 slots of 2048 rows x 1408 bf16: 80-row tasks make 156 for
-    132 workers (two rounds); balanced, 96 rows make 132 (one round)."""
-    plain = Tiler(None, TilingOptions(spread=132, balance=0), 2)
+    """dsv2-lite's routed down projection, 6 slots of 2048 rows x 1408 bf16: 80-row tasks (16-row aligned, as in
+    session 14) make 156 for 132 workers (two rounds); balanced, 96 rows make 132 (one round), at either alignment."""
+    plain = Tiler(None, TilingOptions(spread=132, balance=0, row_align=16), 2)
     balanced = Tiler(None, TilingOptions(spread=132, balance=1), 2)
     assert plain.weight_rows_per_task(1408 * 2, 2048, copies=6) == 80
     assert balanced.weight_rows_per_task(1408 * 2, 2048, copies=6) == 96
+
+
+def _layer_tasks(plan, layer: int) -> dict:
+    counts = {}
+    for label in plan.task_labels:
+        if label.startswith(f"L{layer}."):
+            op = label.split("[")[0]
+            counts[op] = counts.get(op, 0) + 1
+    return counts
+
+
+def test_sibling_projections_share_the_workers():
+    """llama-1b's q, k and v projections read one input: tiled alone they make 128 + 32 + 32 tasks for 132
+    workers (two rounds) at 16-row alignment; with TilingOptions.siblings they share the workers by weight bytes
+    (8 : 2 : 2 MB), one round (86 + 22 + 22 at today's 8-row alignment).  dsv2-lite's q and kv_a projections
+    already make 132 together at 16 rows and keep their tiles."""
+    shape = StepShape(T=1, B=1, max_len=4097)
+    qkv = ("L5.attn.q_proj", "L5.attn.k_proj", "L5.attn.v_proj")
+    for siblings, want in ((0, (128, 32, 32)), (1, (64, 16, 16))):
+        plan = compile_step(preset("llama-1b"), shape, CompileOptions(tiling=TilingOptions(siblings=siblings,
+                                                                                       row_align=16)))
+        assert tuple(_layer_tasks(plan, 5)[op] for op in qkv) == want, siblings
+    plan = compile_step(preset("llama-1b"), shape)  # today's default: siblings, 8-row alignment
+    assert tuple(_layer_tasks(plan, 5)[op] for op in qkv) == (86, 22, 22)
+    mla = ("L5.attn.q_proj", "L5.attn.kv_a_proj")
+    counts = [tuple(_layer_tasks(compile_step(preset("dsv2-lite"), shape, CompileOptions(
+        tiling=TilingOptions(siblings=siblings, row_align=16))), 5)[op] for op in mla) for siblings in (0, 1)]
+    assert counts[0] == counts[1] == (96, 36)
 
 
 @settings(max_examples=200, deadline=None)

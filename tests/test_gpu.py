@@ -72,7 +72,7 @@ def test_large_megakernel_equals_interpreter(name, rules):
 def test_launch_variants_on_dsv2_lite():
     """Launch variants on dsv2-lite's shapes against the default kernel (AHEAD, ROUTE1 and the L2 hints EF=1,
     WPF, APF on): the paths they replaced (AHEAD=0: an expert tile's out row looked up at each row block's end;
-    ROUTE1=0: the slot table from the ids read back; EF=0, WPF=0, APF=0: no cache hints or prefetches), the
+    ROUTE1=0: the slot table from the ids read back; EF=0, WPF=0, APF=0, PFK=0: no cache hints or prefetches), the
     stream's deeper prefetches (PFD: L2 prefetch of the row blocks ahead; DEPTH=2: a second chunk in
     registers) and EF=2 (per-head matmul weights and attention's cache rows evict-first too) give the same
     logits bit for bit; NARROW (K = 1408 and 2816 slices in 4·BR x KC/4 chunks) sums each row's K in other
@@ -86,11 +86,29 @@ def test_launch_variants_on_dsv2_lite():
     lens = torch.tensor([200], device="cuda")
     want = mk.step(tokens, lens).logits.clone()
     for blocks, exact in ((dict(AHEAD=0, ROUTE1=0), True), (dict(PFD=2), True), (dict(DEPTH=2, PFD=1), True),
-                          (dict(EF=0, WPF=0, APF=0), True), (dict(EF=2), True),
+                          (dict(EF=0, WPF=0, APF=0, PFK=0), True), (dict(EF=2), True), (dict(PFK=256), True),
                           (dict(NARROW=1), False)):
         mk.cache().copy_(saved)
         got = Megakernel(plan, None, "cuda", share=mk.mem, config=LaunchConfig(blocks=blocks)).step(tokens, lens).logits
         assert torch.equal(got, want) if exact else rel_err(got, want) <= 1e-5, blocks
+
+
+def test_gqa_cache_prefetch_on_llama_1b():
+    """APF=2 (a GQA split's head lines asked of the L2 before its wait), APF=0 and PFK (a LINEAR task's next
+    weights asked of the L2 before its wait) on llama-1b's shapes (4 layers, B=2, a cache longer than a split) give
+    the default kernel's logits bit for bit: a prefetch moves no value."""
+    from megakernel.runtime import LaunchConfig, Megakernel
+    cfg, w, plan, mk = _setup("llama-1b", T=1, B=2, max_len=1024, layers=4,
+                              workers=torch.cuda.get_device_properties(0).multi_processor_count)
+    _random_cache(mk)
+    saved = mk.cache().clone()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 1), device="cuda")
+    lens = torch.tensor([700, 1000], device="cuda")
+    want = mk.step(tokens, lens).logits.clone()
+    for blocks in (dict(APF=2), dict(APF=0), dict(PFK=256)):
+        mk.cache().copy_(saved)
+        got = Megakernel(plan, None, "cuda", share=mk.mem, config=LaunchConfig(blocks=blocks)).step(tokens, lens).logits
+        assert torch.equal(got, want), blocks
 
 
 def _top2_gap(logits):
@@ -105,20 +123,24 @@ def _near_tie(logits, tol=BF16_TOL):
 
 
 # the large shapes as test_large builds them (the same kernels): B=1, dsv2-lite cut to 4 layers
-# tiny-moe with every rule: the gate for making the opt-in norm_beside_experts a default.  Its earlier versions
-# failed here (session 15: the router's W·diag(g) rounded to bf16; session 16: the router exact, the shared experts
-# folded, one token at step 9 with a margin of 0.054); in today's only the router folds (exactly), and every expert
-# reads the norm's rows.  For a MoE model the check holds for this draw, not for every draw: top-k routing turns a
-# ~1e-3 change into another expert set (docs/NOTES.md, session 16)
+# tiny-moe with every rule: the gate for making the opt-in norm_beside_experts a default.  No version has held it:
+# session 15's (the router's W·diag(g) rounded to bf16), session 16's (the router exact, the shared experts folded)
+# and session 17's (only the router folds, exactly, as LINEAR[PAIR]; every expert reads the norm's rows) each moved
+# one token, the same one in the last two (step 9, reference margin 0.054), so the shared experts' fold was not
+# the cause.  Kept as a strict xfail, so that a fold which holds the bar shows up as a pass to act on.  For a MoE
+# model the check holds for a draw, not for every draw: top-k routing turns a ~1e-3 change into another expert
+# set, and the default rules miss tokens on most CPU draws too (docs/NOTES.md, session 16)
+NOT_YET = pytest.mark.xfail(strict=True, reason="norm_beside_experts moves a tiny-moe token (step 9) on the GPU")
 TEACHER_CASES = ([(n, DEFAULT_RULES, 2, None) for n in TINY_PRESETS] + [("tiny-dense", UNFOLDED, 2, None),
-                                                                       ("tiny-moe", RULES, 2, None)]
+                                                                       pytest.param("tiny-moe", RULES, 2, None,
+                                                                                    marks=NOT_YET)]
                  + [(n, r, 1, 4 if n == "dsv2-lite" else None) for n in ("llama-1b", "dsv2-lite")
                     for r in (DEFAULT_RULES, UNFOLDED)])
 RULE_IDS = {DEFAULT_RULES: "default", UNFOLDED: "unfolded", RULES: "all_rules"}
 
 
 @pytest.mark.parametrize("name,rules,B,layers", TEACHER_CASES,
-                         ids=[f"{n}-{RULE_IDS[r]}" for n, r, _, _ in TEACHER_CASES])
+                         ids=[f"{n}-{RULE_IDS[r]}" for n, r, _, _ in (getattr(c, "values", c) for c in TEACHER_CASES)])
 def test_teacher_forced_greedy_64_steps(name, rules, B, layers):
     large = layers is not None or name == "llama-1b"
     max_len = 256 if large else 80

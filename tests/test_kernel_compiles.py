@@ -20,7 +20,7 @@ const = dict(WORDS=WORDS, MAX_WAITS=MAX_WAITS, TIMEOUT_NS=250_000_000, MAX_SPINS
              USE_TIMER=True, PROFILE=True,
              BR=8, KC=2048, STAGES=2, BD=256, BH=32, BM=16, BJ=32, DMAX=512, RMAX=64, BI=64, BO=128, BIT=256, BOT=64,
              BE=256, BP=256, BW=32, BSC=16, BCW=64, BN=2048, BK=8, CPF=1, SAMPLE=1, BV=1024, TB=8, PF=2, DEPTH=2, ALIGN=8, BT=16, DOT_PREC="tf32",
-             ATT_KIND=0, ROWVEC=1, AHEAD=1, NARROW=1, ROUTE1=1, PFD=0, EF=0, WPF=0, APF=0,
+             ATT_KIND=0, ROWVEC=1, AHEAD=1, NARROW=1, ROUTE1=1, PFD=0, EF=0, WPF=0, APF=0, PFK=0,
              HILO=1, HELPER_SIDE=1)
 sig.update({k: "constexpr" for k in const})
 # pointers are 16-byte aligned, as Triton's JIT finds them at launch
@@ -57,13 +57,15 @@ assert "ld.acquire.sys.global.b32" in copy.asm["ptx"]
 # L2 prefetch of the row blocks ahead (PF off: every bulk prefetch here is the stream's)
 one = dict(const, TB=1, BE=64, BP=8, PF=0, DEPTH=1, ROWVEC=2, AHEAD=1, NARROW=1, ROUTE1=1, PFD=2, ATT_KIND=1)
 # and the L2's residency hints: evict-first weights and cache rows (EF=2), the next task word into the L1,
-# attention's cache rows into the L2 (APF's prefetch counts among the bulk prefetches below)
-one.update(EF=2, WPF=1, APF=1)
+# attention's cache rows into the L2 (APF=2: MLA's in bulk, counted among the bulk prefetches below, and GQA's
+# head lines one per thread, so both attention kinds compiled in)
+one.update(EF=2, WPF=1, APF=2, ATT_KIND=0, PFK=128)
 k1 = triton.compile(ASTSource(fn=megakernel, signature=sig, constexprs=one, attrs=attrs),
                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 1})
 assert "st.global.f32" in k1.asm["ptx"] and k1.asm["cubin"]
 assert k1.asm["ptx"].count("cp.async.bulk.prefetch.L2.global") >= 5, k1.asm["ptx"].count("cp.async.bulk.prefetch.L2.global")
 assert "prefetch.global.L1" in k1.asm["ptx"] and "evict_first" in k1.asm["ptx"]
+assert "prefetch.global.L2 " in k1.asm["ptx"] and "prefetch.global.L2 " not in ptx
 assert "evict_first" not in ptx and "prefetch.global.L1" not in ptx  # off: the default stream is unchanged
 print("shared", k.metadata.shared)
 """

@@ -248,7 +248,8 @@ def test_block_overrides_that_would_change_the_result_are_refused():
                ({"PFD": 5}, "PFD=5: 0 .no rolling L2 prefetch."),
                ({"PFD": 2}, "PFD=2: the Triton interpreter runs no inline PTX"),
                ({"EF": 3}, "EF=3: 0, 1 .evict-first weight stream. or 2"), ({"WPF": 1}, "WPF=1: the Triton interpreter runs no inline PTX"),
-               ({"APF": 1}, "APF=1: the Triton interpreter runs no inline PTX"),
+               ({"APF": 1}, "APF=1: the Triton interpreter runs no inline PTX"), ({"APF": 3}, "APF=3: 0, 1"),
+               ({"PFK": 64}, "PFK=64: the Triton interpreter runs no inline PTX"), ({"PFK": -1}, "PFK=-1: 0 .off."),
                ({"AHEAD": 2}, "AHEAD=2: 0, or 1"), ({"ROUTE1": 2}, "ROUTE1=2: 0, or 1"),
                ({"NARROW": 2}, "NARROW=2: 0, or 1"), ({"NARROW": 1, "KC": 16}, "NARROW=1 needs KC/4")]
     for override, why in refused:

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import aligned, ffld, fld, has, mma, off, prefetch_l2
+from .common import aligned, ffld, fld, has, mma, off, prefetch_l2, prefetch_lines_l2
 from .fields import (ATTENTION_B, ATTENTION_CACHE_OFF, ATTENTION_CL_OFF, ATTENTION_DIM, ATTENTION_FLAGS,
                      ATTENTION_GROUP, ATTENTION_H0, ATTENTION_H1, ATTENTION_KV_HS, ATTENTION_LSE_OFF,
                      ATTENTION_NHEADS, ATTENTION_NSPLITS, ATTENTION_OP_OFF, ATTENTION_PE_COL0, ATTENTION_PE_HS,
@@ -186,24 +186,48 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
 
 
 @triton.jit
-def prefetch_split(word, I, C, ALIGN: tl.constexpr):
-    """APF (on by default on the GPU): an MLA split's cache rows asked of the L2 before the task's dependency
-    wait (one bulk prefetch, thread 0).  Always safe: rows an earlier step wrote are final, and a row this step
-    writes reaches the L2 after the prefetch or over it (the L2 is where every SM's writes land; the body loads
-    after its acquire, which invalidated this SM's L1), so the body's loads find fresh rows, sooner.  Rows stop
-    at the positions the step may read: the cache length is read before the wait, so it may be a step old, which
-    only changes what is asked for.  GQA tasks ask for nothing (a row holds every KV head's keys and values; a
-    task reads one head's)."""
-    if has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_MLA):
-        S, b, split_len = fld(word, ATTENTION_S), fld(word, ATTENTION_B), fld(word, ATTENTION_SPLIT_LEN)
-        width = aligned(fld(word, ATTENTION_WIDTH), ALIGN)
-        j0 = fld(word, ATTENTION_SPLIT) * split_len
-        limit = tl.load(I + off(word, ATTENTION_CL_OFF) + b) + fld(word, ATTENTION_POS_OFFSET) + fld(word, ATTENTION_T)
-        rows = tl.maximum(tl.minimum(tl.minimum(split_len, S - j0), limit - j0), 0)
-        cache = C + aligned(off(word, ATTENTION_CACHE_OFF), ALIGN) + (b.to(tl.int64) * S + j0) * width
-        if rows > 0:
+def prefetch_split(word, I, C, ALIGN: tl.constexpr, DMAX: tl.constexpr, APF: tl.constexpr, KIND: tl.constexpr):
+    """APF (on by default on the GPU): a split's cache rows asked of the L2 before the task's dependency wait.
+    Always safe: rows an earlier step wrote are final, and a row this step writes reaches the L2 after the
+    prefetch or over it (the L2 is where every SM's writes land; the body loads after its acquire, which
+    invalidated this SM's L1), so the body's loads find fresh rows, sooner.  Rows stop at the positions the step
+    may read: the cache length is read before the wait, so it may be a step old, which only changes what is
+    asked for.  MLA (APF >= 1): the rows in one bulk prefetch (thread 0).  GQA (APF 2): a row holds every KV
+    head's keys and values and a task reads one head's, so each thread asks for the lines of that head's key and
+    value in some rows (prefetch.global.L2, one instruction per line)."""
+    mla = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_MLA)
+    S, b, split_len = fld(word, ATTENTION_S), fld(word, ATTENTION_B), fld(word, ATTENTION_SPLIT_LEN)
+    width = aligned(fld(word, ATTENTION_WIDTH), ALIGN)
+    j0 = fld(word, ATTENTION_SPLIT) * split_len
+    limit = tl.load(I + off(word, ATTENTION_CL_OFF) + b) + fld(word, ATTENTION_POS_OFFSET) + fld(word, ATTENTION_T)
+    rows = tl.maximum(tl.minimum(tl.minimum(split_len, S - j0), limit - j0), 0)
+    cache = C + aligned(off(word, ATTENTION_CACHE_OFF), ALIGN) + (b.to(tl.int64) * S + j0) * width
+    if KIND != 2:
+        if mla & (rows > 0):
             nbytes = rows.to(tl.int64) * width * (C.dtype.element_ty.primitive_bitwidth // 8)
             prefetch_l2(cache, tl.minimum(nbytes, 1 << 30).to(tl.int32))  # a hint: at most 1 GiB of it
+    if APF == 2 and KIND != 1:
+        if (not mla) & (rows > 0):
+            head_lines(cache, rows, width, word, ALIGN, DMAX)
+
+
+@triton.jit
+def head_lines(cache, rows, width, word, ALIGN: tl.constexpr, DMAX: tl.constexpr):
+    """APF 2's GQA prefetch: in rows 0..rows of a split, the 128-byte lines that hold the task's KV head's key
+    and value columns (one every 128 bytes from the first column, and the last column's; a head of 64 bf16
+    columns is one line, or two where its start is not a line's)."""
+    LINE: tl.constexpr = 1024 // cache.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
+    NL: tl.constexpr = 2 * DMAX // LINE if DMAX >= LINE else 2  # a power of two, at least the lines a head spans
+    BJP: tl.constexpr = 128
+    dim, group = aligned(fld(word, ATTENTION_DIM), ALIGN), fld(word, ATTENTION_GROUP)
+    k_col = (fld(word, ATTENTION_H0) // group) * aligned(fld(word, ATTENTION_KV_HS), ALIGN)
+    v_col = aligned(fld(word, ATTENTION_V_COL0), ALIGN) + k_col
+    cols = tl.minimum(tl.arange(0, NL) * LINE, dim - 1)
+    for jb in range(0, rows, BJP):
+        js = tl.minimum(jb + tl.arange(0, BJP), rows - 1)  # past the split's end: its last row again
+        at = js[:, None].to(tl.int64) * width + cols[None, :]
+        prefetch_lines_l2(cache + k_col + at)
+        prefetch_lines_l2(cache + v_col + at)
 
 
 @triton.jit

@@ -58,6 +58,14 @@ def prefetch_l2(ptr, nbytes):
 
 
 @triton.jit
+def prefetch_lines_l2(ptrs):
+    """The 128-byte line of each pointer asked of the L2, one prefetch per element (each thread its own):
+    for rows whose wanted bytes are not contiguous (a GQA head's columns of a cache row).  Compiled only."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def prefetch_word_l1(ptr):
     """The two 128-byte lines of a task word (64 int32s from ptr, 256-byte aligned) asked of this SM's L1,
     issued by thread 0.  Compiled only (inline PTX): WPF, on by default on the GPU."""

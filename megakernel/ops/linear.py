@@ -358,6 +358,20 @@ def prefetch_task(word, W, ALIGN: tl.constexpr, HILO: tl.constexpr = 0):
 
 
 @triton.jit
+def prefetch_ahead(word, W, BR: tl.constexpr, ALIGN: tl.constexpr, PFK: tl.constexpr, HILO: tl.constexpr = 0):
+    """Launch variant PFK: the rows after a LINEAR task's first row block (which its registers request), up to
+    PFK KB of its weights, asked of the L2 before its dependency wait: the workers that wait on a layer's chain
+    fill the L2 with what they will stream next, a bounded amount (132 workers x 128 KB: a third of the L2)."""
+    flags, r0, r1, K = fld(word, LINEAR_FLAGS), fld(word, LINEAR_R0), fld(word, LINEAR_R1), fld(word, LINEAR_K)
+    two = streams_two(flags, HILO)
+    row_bytes = aligned(K, ALIGN) * (W.dtype.element_ty.primitive_bitwidth // 8) * (1 + two.to(tl.int32))
+    last = tl.minimum(r1, r0 + BR + tl.maximum(1, PFK * 1024 // row_bytes))
+    if r0 + BR < last:
+        prefetch_rows(aligned_base(W, word, LINEAR_W_OFF, ALIGN), aligned_base(W, word, LINEAR_W2_OFF, ALIGN), two,
+                      r0 + BR, last, K, ALIGN)
+
+
+@triton.jit
 def prefetch_blocks(word, W, BR: tl.constexpr, ALIGN: tl.constexpr, PFD: tl.constexpr, HILO: tl.constexpr = 0):
     """Launch variant PFD: a LINEAR task's first PFD row blocks asked of the L2 before its dependency wait
     (the stream asks for the rest as it goes; it asks for these again before its loop, which costs a
