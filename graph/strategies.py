@@ -98,7 +98,7 @@ def compile_options(draw) -> CompileOptions:
                              row_align=draw(st.sampled_from([1, 4, 16])), act_rows=draw(st.integers(1, 8)),
                              attn_heads=draw(st.integers(0, 4)), spread=draw(st.sampled_from([0, -1, 2, 5])),
                              rope_heads=draw(st.sampled_from([0, 1, 3])), balance=draw(st.sampled_from([0, 1])),
-                             siblings=draw(st.sampled_from([0, 1]))),
+                             siblings=draw(st.sampled_from([0, 1, 2]))),
         fusion_rules=rules or RULES,
     )
 

@@ -37,7 +37,9 @@ class TilingOptions:
     # with spread: LINEAR ops that read the same input (a layer's q, k and v projections) and would together
     # make more tasks than `spread` share the workers in proportion to their weight bytes, so the phase they
     # run in side by side is one round (llama-1b's q|k|v made 128 + 32 + 32 tasks for 132 workers).  With 8-row
-    # alignment, GQA's cache prefetch and 128-position key blocks: llama-1b -3.3% (docs/PERF.md session 17)
+    # alignment, GQA's cache prefetch and 128-position key blocks: llama-1b -3.3% (docs/PERF.md session 17).
+    # 2 (not yet timed): also the streamed ops one op reads side by side: dsv2-lite's shared and routed expert
+    # down projections made 128 + 132 tasks, so 128 workers ran a shared tile before their routed one, on the chain
     siblings: int = 1
     # a streamed task's fixed cost as weight bytes (~1 us of a worker's stream: session 14's fit of
     # streamed tasks; CostModel.task_overhead's 3 us also covers the round trips of one-task ops)
@@ -71,20 +73,50 @@ class Tiler:
             self.spread_of = self.sibling_spreads()
 
     def sibling_spreads(self) -> dict[int, int]:
-        """Workers per LINEAR op where ops reading the same input would make more than `spread` tasks together:
-        each op's share in proportion to its weight bytes (at least one)."""
-        groups: dict[str, list[Op]] = {}
-        for op in self.g.ops:
-            if op.opcode == "LINEAR":
-                groups.setdefault(op.reads["x"].tensor, []).append(op)
+        """Workers per streamed op (LINEAR, EXPERT_LINEAR) where ops that run side by side would make more than
+        `spread` tasks together: each op's share in proportion to its weight bytes (at least one).  Side by side:
+        LINEAR ops reading one input (a layer's q, k and v), and with siblings=2 also streamed ops whose outputs
+        one op reads (the routed and shared experts' down projections, both read by MOE_COMBINE), where none
+        depends on another (an op that reads o_proj's residual beside the experts' rows does not make o_proj
+        their sibling)."""
+        streamed = {op.id: op for op in self.g.ops if op.opcode in ("LINEAR", "EXPERT_LINEAR")}
+        prod = {v.tensor: op.id for op in self.g.ops for v in op.writes.values()}
+        candidates = [[op for op in self.g.ops if op.opcode == "LINEAR" and op.reads["x"].tensor == x]
+                      for x in dict.fromkeys(op.reads["x"].tensor for op in streamed.values() if op.opcode == "LINEAR")]
+        for op in self.g.ops if self.opts.siblings >= 2 else ():
+            ids = dict.fromkeys(prod[v.tensor] for v in op.reads.values() if prod.get(v.tensor) in streamed)
+            candidates.append([streamed[i] for i in ids])
+        ancestors = self.ancestors()
         shares = {}
-        for ops in groups.values():
-            if len(ops) < 2 or sum(len(self.tile_linear(op)) for op in ops) <= self.opts.spread:
+        for ops in candidates:
+            group = []  # the candidates none of which depends on another, in order
+            for op in ops:
+                if op.id not in shares and all(o.id not in ancestors[op.id] and op.id not in ancestors[o.id]
+                                               for o in group):
+                    group.append(op)
+            tasks = sum(len(self.tile_linear(op) if op.opcode == "LINEAR" else self.tile_expert_linear(op))
+                        for op in group)
+            if len(group) < 2 or tasks <= self.opts.spread:
                 continue
-            nbytes = {op.id: self.weight_bytes(op, "w") * (2 if "w2" in op.reads else 1) for op in ops}
+            nbytes = {op.id: self.streamed_bytes(op) for op in group}
             total = sum(nbytes.values())
             shares.update({i: max(1, self.opts.spread * b // max(1, total)) for i, b in nbytes.items()})
         return shares
+
+    def ancestors(self) -> dict[int, set[int]]:
+        """op id -> every op it depends on, directly or not (op ids are topological)."""
+        out: dict[int, set[int]] = {}
+        for op_id, deps in sorted(self.g.op_deps().items()):
+            out[op_id] = set(deps).union(*(out[d] for d in deps))
+        return out
+
+    def streamed_bytes(self, op: Op) -> int:
+        """The weight bytes a LINEAR or EXPERT_LINEAR op streams in a step (an expert op: every slot's rows)."""
+        two = 2 if op.flags & {"SILU_MUL", "PAIR"} else 1
+        if op.opcode == "LINEAR":
+            return self.weight_bytes(op, "w") * two
+        a = op.attrs
+        return a["S"] * a["rows"] * a["K"] * self.wbytes * two
 
     def weight_bytes(self, op: Op, key: str) -> int:
         t = self.g.tensors[op.reads[key].tensor]
@@ -234,7 +266,8 @@ class Tiler:
         a = op.attrs
         K, rows = a["K"], a["rows"]
         nweights = 2 if "SILU_MUL" in op.flags else 1
-        per = self.weight_rows_per_task(K * self.wbytes * nweights, rows, copies=a["S"])
+        per = self.weight_rows_per_task(K * self.wbytes * nweights, rows, copies=a["S"],
+                                        spread=self.spread_of.get(op.id, 0))
         return [Tile({"slot": slot, "r0": r0, "r1": r1}, (r1 - r0) * K * self.wbytes * nweights,
                      4 * a["N"] * (K + r1 - r0), 2 * a["N"] * K * (r1 - r0) * nweights)
                 for slot in range(a["S"]) for r0, r1 in _blocks(rows, per)]

@@ -299,7 +299,8 @@ def test_sibling_projections_share_the_workers():
     """llama-1b's q, k and v projections read one input: tiled alone they make 128 + 32 + 32 tasks for 132
     workers (two rounds) at 16-row alignment; with TilingOptions.siblings they share the workers by weight bytes
     (8 : 2 : 2 MB), one round (86 + 22 + 22 at today's 8-row alignment).  dsv2-lite's q and kv_a projections
-    already make 132 together at 16 rows and keep their tiles."""
+    already make 132 together at 16 rows and keep their tiles.  siblings=2 also shares them among the streamed
+    ops one op reads side by side."""
     shape = StepShape(T=1, B=1, max_len=4097)
     qkv = ("L5.attn.q_proj", "L5.attn.k_proj", "L5.attn.v_proj")
     for siblings, want in ((0, (128, 32, 32)), (1, (64, 16, 16))):
@@ -312,6 +313,12 @@ def test_sibling_projections_share_the_workers():
     counts = [tuple(_layer_tasks(compile_step(preset("dsv2-lite"), shape, CompileOptions(
         tiling=TilingOptions(siblings=siblings, row_align=16))), 5)[op] for op in mla) for siblings in (0, 1)]
     assert counts[0] == counts[1] == (96, 36)
+    # siblings=2: the routed and shared experts' down projections, both read by MOE_COMBINE (beside o_proj's
+    # residual: o_proj is their ancestor, so not their sibling), share the workers by bytes (35 : 11.5 MB)
+    moe = ("L5.moe.expert_down", "L5.moe.shared.down", "L5.attn.o_proj")
+    counts = [tuple(_layer_tasks(compile_step(preset("dsv2-lite"), shape, CompileOptions(
+        tiling=TilingOptions(siblings=siblings))), 5)[op] for op in moe) for siblings in (1, 2)]
+    assert counts == [(132, 128, 128), (96, 32, 128)]
 
 
 @settings(max_examples=200, deadline=None)
