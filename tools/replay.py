@@ -14,7 +14,12 @@ trace came from, then:
 3. with --variant (tiling options of graph.tiling.TilingOptions, or attn_split), compiles that
    plan, gives each task a time from its op family's measured bandwidth (work from the task
    word, plus a fixed per-task overhead), and replays it the same way: a
-   prediction to check on the GPU, not a measurement.
+   prediction to check on the GPU, not a measurement;
+4. with --layer N, the measured phases of layer N, op by op: when its first task was ready, its
+   median and last, how late the median was after the ops it waits on had ended (a queue that put
+   another op's task first), its span and the most tasks one worker ran.  Session 17 found both of
+   its tiling fixes here (llama-1b's q|k|v in two rounds, dsv2-lite's routed down tiles queued
+   behind the shared experts').
 """
 
 from __future__ import annotations
@@ -59,6 +64,47 @@ def task_work(word) -> int:
 def load_trace(path: str) -> dict[str, float]:
     events = json.loads(Path(path).read_text())["traceEvents"]
     return {e["name"]: e["dur"] * 1e-6 for e in events if e.get("ph") == "X" and e["name"] != "wait"}
+
+
+def load_events(path: str) -> dict[str, dict]:
+    """label -> {ready, end, worker} in us from the step's start, as profiler.task_trace writes them."""
+    events = json.loads(Path(path).read_text())["traceEvents"]
+    return {e["name"]: {"ready": e["ts"], "end": e["ts"] + e["dur"], "worker": e["tid"]}
+            for e in events if e.get("ph") == "X" and e["name"] != "wait"}
+
+
+def phases(plan, parsed, events: dict[str, dict], layer: int) -> list[dict]:
+    """Layer `layer`'s ops in the order their first task was ready, with the lateness of their median task:
+    its ready time less the end of the latest op it waits on (0 when nothing else was in its way)."""
+    words, deps, _ = parsed
+    by_op: dict[int, list[dict]] = defaultdict(list)
+    for w, label in zip(words, plan.task_labels):
+        by_op[w.signal].append(events[label])
+    prefix = f"L{layer}."
+    rows = []
+    for op, tasks in by_op.items():
+        label = plan.counter_labels[op]
+        if not label.startswith(prefix):
+            continue
+        ready = sorted(t["ready"] for t in tasks)
+        deps_end = max((max(t["end"] for t in by_op[d]) for d in deps.get(op, ()) if d in by_op), default=0.0)
+        per_worker = defaultdict(int)
+        for t in tasks:
+            per_worker[t["worker"]] += 1
+        rows.append({"op": label, "tasks": len(tasks), "most_per_worker": max(per_worker.values()),
+                     "first_ready_us": ready[0], "median_ready_us": ready[len(ready) // 2],
+                     "late_us": max(0.0, ready[len(ready) // 2] - deps_end),
+                     "last_end_us": max(t["end"] for t in tasks),
+                     "span_us": max(t["end"] for t in tasks) - ready[0]})
+    return sorted(rows, key=lambda r: r["first_ready_us"])
+
+
+def print_phases(rows: list[dict], layer: int) -> None:
+    print(f"\nlayer {layer}, measured (us from the step's start):")
+    print(f"  {'op':<30}{'tasks':>6}{'most/w':>7}{'ready':>9}{'median':>9}{'late':>7}{'end':>9}{'span':>7}")
+    for r in rows:
+        print(f"  {r['op']:<30}{r['tasks']:>6}{r['most_per_worker']:>7}{r['first_ready_us']:>9.1f}"
+              f"{r['median_ready_us']:>9.1f}{r['late_us']:>7.1f}{r['last_end_us']:>9.1f}{r['span_us']:>7.1f}")
 
 
 def structure(plan):
@@ -128,6 +174,7 @@ def main() -> None:
                    help="compile options of the plan the trace came from, when not today's defaults (session "
                         "2's traces: spread=0,attn_split=320)")
     p.add_argument("--variant", nargs="*", default=[], metavar="KEY=V,...")
+    p.add_argument("--layer", type=int, help="also print this layer's measured phases, op by op")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
     cfg, hop, fixed = preset(args.model), args.hop_us * 1e-6, args.overhead_us * 1e-6
@@ -141,6 +188,9 @@ def main() -> None:
     seconds = [measured[label] for label in plan.task_labels]
     parsed = structure(plan)
     out = {"measured": report("measured plan", plan, seconds, hop, parsed=parsed)}
+    if args.layer is not None:
+        out["phases"] = phases(plan, parsed, load_events(args.trace), args.layer)
+        print_phases(out["phases"], args.layer)
     # per op family: seconds per byte beyond the fixed overhead, from the measured tasks
     rate: dict[str, list[float]] = defaultdict(list)
     for w, label, s in zip(parsed[0], plan.task_labels, seconds):
