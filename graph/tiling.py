@@ -78,7 +78,8 @@ class Tiler:
         LINEAR ops reading one input (a layer's q, k and v), and with siblings=2 also streamed ops whose outputs
         one op reads (the routed and shared experts' down projections, both read by MOE_COMBINE), where none
         depends on another (an op that reads o_proj's residual beside the experts' rows does not make o_proj
-        their sibling)."""
+        their sibling).  Routers never join a group, and a group keeps its shares only if they make fewer tasks
+        and one round."""
         streamed = {op.id: op for op in self.g.ops if op.opcode in ("LINEAR", "EXPERT_LINEAR")}
         prod = {v.tensor: op.id for op in self.g.ops for v in op.writes.values()}
         candidates = [[op for op in self.g.ops if op.opcode == "LINEAR" and op.reads["x"].tensor == x]
@@ -87,21 +88,31 @@ class Tiler:
             ids = dict.fromkeys(prod[v.tensor] for v in op.reads.values() if prod.get(v.tensor) in streamed)
             candidates.append([streamed[i] for i in ids])
         ancestors = self.ancestors()
+        routers = {prod[v.tensor] for op in self.g.ops if op.opcode == "ROUTE" for v in op.reads.values()
+                   if v.tensor in prod}
         shares = {}
         for ops in candidates:
-            group = []  # the candidates none of which depends on another, in order
-            for op in ops:
-                if op.id not in shares and all(o.id not in ancestors[op.id] and op.id not in ancestors[o.id]
-                                               for o in group):
-                    group.append(op)
-            tasks = sum(len(self.tile_linear(op) if op.opcode == "LINEAR" else self.tile_expert_linear(op))
-                        for op in group)
-            if len(group) < 2 or tasks <= self.opts.spread:
+            # the latest candidates: none depends on another (an ancestor of a candidate runs before it, not beside
+            # it), and no router (it sits on the chain, router -> route -> experts: a share by bytes would starve it)
+            group = [op for op in ops if op.id not in shares and op.id not in routers
+                     and not any(op.id in ancestors[o.id] for o in ops)]
+            if len(group) < 2:
+                continue
+            alone = sum(self.task_count(op) for op in group)
+            if alone <= self.opts.spread:
                 continue
             nbytes = {op.id: self.streamed_bytes(op) for op in group}
             total = sum(nbytes.values())
-            shares.update({i: max(1, self.opts.spread * b // max(1, total)) for i, b in nbytes.items()})
+            share = {i: max(1, self.opts.spread * b // max(1, total)) for i, b in nbytes.items()}
+            self.spread_of = share  # (re-tiled with the shares: kept only where they make fewer tasks, one round)
+            shared = sum(self.task_count(op) for op in group)
+            self.spread_of = {}
+            if shared <= self.opts.spread and shared < alone:
+                shares.update(share)
         return shares
+
+    def task_count(self, op: Op) -> int:
+        return len(self.tile_linear(op) if op.opcode == "LINEAR" else self.tile_expert_linear(op))
 
     def ancestors(self) -> dict[int, set[int]]:
         """op id -> every op it depends on, directly or not (op ids are topological)."""

@@ -319,6 +319,11 @@ def test_sibling_projections_share_the_workers():
     counts = [tuple(_layer_tasks(compile_step(preset("dsv2-lite"), shape, CompileOptions(
         tiling=TilingOptions(siblings=siblings))), 5)[op] for op in moe) for siblings in (1, 2)]
     assert counts == [(132, 128, 128), (96, 32, 128)]
+    # a router (on the chain: router -> route -> experts) never joins a group: at 66 workers the router and the
+    # shared experts' gate_up would make 67 tasks, and a share by bytes would leave the router one task
+    routers = [_layer_tasks(compile_step(preset("dsv2-lite"), shape, CompileOptions(
+        workers=66, tiling=TilingOptions(siblings=siblings))), 5)["L5.moe.router"] for siblings in (0, 1)]
+    assert routers == [8, 8]
 
 
 @settings(max_examples=200, deadline=None)

@@ -13,27 +13,48 @@ _spec.loader.exec_module(replay)
 
 
 def test_phases_measure_a_queued_op_late():
-    """An op whose dependencies ended at 100 us and whose median task was ready at 105 us is 5 us late; the op
-    one worker ran two tasks of reports 2 per worker; ops of other layers are left out."""
+    """An op whose latest dependency ended at 100 us (the others earlier; an unrelated op later) and whose median
+    task was ready at 105 us is 5 us late; one ready before its inputs ended counts 0; the op one worker ran two
+    tasks of reports 2 per worker; ops of other layers are left out.  The events go through a Chrome trace file."""
     plan = compile_step(preset("tiny-dense"), StepShape(T=1, B=1, max_len=16), CompileOptions(workers=4))
     parsed = replay.structure(plan)
     words, deps, _ = parsed
     tasks_of: dict[int, list[str]] = {}
     for w, label in zip(words, plan.task_labels):
         tasks_of.setdefault(w.signal, []).append(label)
-    op = next(o for o, labels in tasks_of.items() if plan.counter_labels[o].startswith("L0.") and len(labels) >= 3
-              and len(deps.get(o, ())) == 1)
-    (dep,) = deps[op]
-    events = {label: {"ready": 0.0, "end": 1.0, "worker": i} for i, label in enumerate(plan.task_labels)}
-    for label in tasks_of[dep]:
-        events[label] = {"ready": 90.0, "end": 100.0, "worker": 0}
+    layer0 = [o for o in tasks_of if plan.counter_labels[o].startswith("L0.")]
+    op = max((o for o in layer0 if len(tasks_of[o]) >= 2), key=lambda o: len(deps.get(o, ())))
+    dep_ops = sorted(deps[op])
+    assert len(dep_ops) >= 2
+    other = next(o for o in layer0 if o != op and o not in dep_ops and deps.get(o))
+    events = {label: (0.0, 1.0, i) for i, label in enumerate(plan.task_labels)}  # (ready, end, worker)
+    for k, d in enumerate(dep_ops):
+        for label in tasks_of[d]:
+            events[label] = (80.0, 100.0 if k == 0 else 95.0 - k, 0)
     n = len(tasks_of[op])
     ready = [101.0] * (n // 2) + [105.0] + [120.0] * (n - n // 2 - 1)  # the median, index n // 2: 105
     for k, label in enumerate(tasks_of[op]):
-        events[label] = {"ready": ready[k], "end": 140.0, "worker": 1 if k < 2 else 1 + k}
-    rows = {r["op"]: r for r in replay.phases(plan, parsed, events, 0)}
+        events[label] = (ready[k], 140.0, 1 if k < 2 else 1 + k)
+    for label in tasks_of[other]:
+        events[label] = (1.0, 200.0, 9)  # ready before its inputs ended (at 1 us): not late
+    trace = tmp_trace(events)
+    rows = {r["op"]: r for r in replay.phases(plan, parsed, replay.load_events(trace), 0)}
     row = rows[plan.counter_labels[op]]
     assert row["late_us"] == 5.0 and row["median_ready_us"] == 105.0
     assert row["first_ready_us"] == 101.0 and row["last_end_us"] == 140.0 and row["span_us"] == 39.0
     assert row["tasks"] == n and row["most_per_worker"] == 2
-    assert rows and all(name.startswith("L0.") for name in rows)
+    assert rows[plan.counter_labels[other]]["late_us"] == 0.0
+    assert all(name.startswith("L0.") for name in rows)
+
+
+def tmp_trace(events: dict) -> str:
+    """A Chrome trace as megakernel.profiler.task_trace writes it: an X event per task (ts = ready, dur), waits."""
+    import json
+    import tempfile
+    out = [{"name": label, "ph": "X", "pid": 0, "tid": w, "ts": r, "dur": e - r, "args": {"wait_us": 0.5}}
+           for label, (r, e, w) in events.items()]
+    out.append({"name": "wait", "ph": "X", "pid": 0, "tid": 0, "ts": 0.0, "dur": 0.5})
+    f = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+    json.dump({"traceEvents": out}, f)
+    f.close()
+    return f.name
