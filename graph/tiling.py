@@ -82,8 +82,11 @@ class Tiler:
         and one round."""
         streamed = {op.id: op for op in self.g.ops if op.opcode in ("LINEAR", "EXPERT_LINEAR")}
         prod = {v.tensor: op.id for op in self.g.ops for v in op.writes.values()}
-        candidates = [[op for op in self.g.ops if op.opcode == "LINEAR" and op.reads["x"].tensor == x]
-                      for x in dict.fromkeys(op.reads["x"].tensor for op in streamed.values() if op.opcode == "LINEAR")]
+        by_input: dict[str, list[Op]] = {}
+        for op in streamed.values():
+            if op.opcode == "LINEAR":
+                by_input.setdefault(op.reads["x"].tensor, []).append(op)
+        candidates = list(by_input.values())
         for op in self.g.ops if self.opts.siblings >= 2 else ():
             ids = dict.fromkeys(prod[v.tensor] for v in op.reads.values() if prod.get(v.tensor) in streamed)
             candidates.append([streamed[i] for i in ids])
@@ -104,15 +107,15 @@ class Tiler:
             nbytes = {op.id: self.streamed_bytes(op) for op in group}
             total = sum(nbytes.values())
             share = {i: max(1, self.opts.spread * b // max(1, total)) for i, b in nbytes.items()}
-            self.spread_of = share  # (re-tiled with the shares: kept only where they make fewer tasks, one round)
-            shared = sum(self.task_count(op) for op in group)
-            self.spread_of = {}
-            if shared <= self.opts.spread and shared < alone:
+            shared = sum(self.task_count(op, share[op.id]) for op in group)
+            if shared <= self.opts.spread and shared < alone:  # kept only where they make fewer tasks, one round
                 shares.update(share)
         return shares
 
-    def task_count(self, op: Op) -> int:
-        return len(self.tile_linear(op) if op.opcode == "LINEAR" else self.tile_expert_linear(op))
+    def task_count(self, op: Op, spread: int = 0) -> int:
+        """A streamed op's tasks, tiled for `spread` workers (0: the options')."""
+        tile = self.tile_linear if op.opcode == "LINEAR" else self.tile_expert_linear
+        return len(tile(op, spread))
 
     def ancestors(self) -> dict[int, set[int]]:
         """op id -> every op it depends on, directly or not (op ids are topological)."""
@@ -189,7 +192,7 @@ class Tiler:
         wb = self.weight_bytes(op, "w") if "w" in op.reads else 0
         return self.row_tiles(a["rows"], cols, 4 * a["D"], wb)
 
-    def tile_linear(self, op):
+    def tile_linear(self, op, spread: int = 0):
         a = op.attrs
         N, K, rows = a["N"], a["K"], a["rows"]
         nweights = 2 if op.flags & {"SILU_MUL", "PAIR"} else 1
@@ -197,7 +200,7 @@ class Tiler:
         # what the one-part router's did (its 64 rows: 8 tasks of 8, not 4 of 16 with twice the bytes)
         per = self.weight_rows_per_task(K * self.wbytes * nweights, rows,
                                         align=max(1, self.opts.row_align // 2) if "PAIR" in op.flags else 0,
-                                        spread=self.spread_of.get(op.id, 0))
+                                        spread=spread or self.spread_of.get(op.id, 0))
         return [Tile({"r0": r0, "r1": r1}, (r1 - r0) * K * self.wbytes * nweights, 4 * N * (K + 2 * (r1 - r0)),
                      2 * N * K * (r1 - r0) * nweights) for r0, r1 in _blocks(rows, per)]
 
@@ -273,12 +276,12 @@ class Tiler:
         a = op.attrs
         return [Tile({}, 0, 4 * a["N"] * a["E"] * 2, 10 * a["N"] * a["E"])]
 
-    def tile_expert_linear(self, op):
+    def tile_expert_linear(self, op, spread: int = 0):
         a = op.attrs
         K, rows = a["K"], a["rows"]
         nweights = 2 if "SILU_MUL" in op.flags else 1
         per = self.weight_rows_per_task(K * self.wbytes * nweights, rows, copies=a["S"],
-                                        spread=self.spread_of.get(op.id, 0))
+                                        spread=spread or self.spread_of.get(op.id, 0))
         return [Tile({"slot": slot, "r0": r0, "r1": r1}, (r1 - r0) * K * self.wbytes * nweights,
                      4 * a["N"] * (K + r1 - r0), 2 * a["N"] * K * (r1 - r0) * nweights)
                 for slot in range(a["S"]) for r0, r1 in _blocks(rows, per)]

@@ -123,7 +123,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                 ok, t_ready = head_matmul_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
                                                MAX_SPINS, USE_TIMER, BI, BO, ALIGN, False, TB, WORDS, WPF, EF)
         else:
-            if APF == 2 or (APF == 1 and ATT_KIND != 2):  # a split's cache rows asked of the L2 while it waits
+            if APF:  # a split's cache rows asked of the L2 while it waits
                 if op == OP_ATTENTION:
                     attention.prefetch_split(word, I, C, ALIGN, DMAX, APF, ATT_KIND)
             ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)

@@ -244,7 +244,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
 
 
 def bulk_prefetch_refusal(align: int, weight_bytes: int) -> str | None:
-    """Why bulk L2 prefetches (PF, PFD, APF: inline PTX of whole 16-byte aligned rows) cannot run, or None."""
+    """Why bulk L2 prefetches (PF, PFD, APF, PFK: inline PTX of whole 16-byte aligned rows) cannot run, or None."""
     if INTERPRET:
         return "the Triton interpreter runs no inline PTX"
     if align * weight_bytes % 16:

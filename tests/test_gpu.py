@@ -69,6 +69,25 @@ def test_large_megakernel_equals_interpreter(name, rules):
     assert rel_err(got.logits, want.logits) <= BF16_TOL
 
 
+def _variant_logits(name, B, max_len, lens, variants):
+    """(the default kernel's logits, [(blocks, logits)] of each launch variant) for one step of `name` cut to
+    4 layers on the GPU's workers, each from the same random cache."""
+    from megakernel.runtime import LaunchConfig, Megakernel
+    cfg, w, plan, mk = _setup(name, T=1, B=B, max_len=max_len, layers=4,
+                              workers=torch.cuda.get_device_properties(0).multi_processor_count)
+    _random_cache(mk)
+    saved = mk.cache().clone()
+    tokens = torch.randint(0, cfg.vocab_size, (B, 1), device="cuda")
+    lens = torch.tensor(lens, device="cuda")
+    want = mk.step(tokens, lens).logits.clone()
+    out = []
+    for blocks in variants:
+        mk.cache().copy_(saved)
+        out.append((blocks, Megakernel(plan, None, "cuda", share=mk.mem,
+                                       config=LaunchConfig(blocks=blocks)).step(tokens, lens).logits))
+    return want, out
+
+
 def test_launch_variants_on_dsv2_lite():
     """Launch variants on dsv2-lite's shapes against the default kernel (AHEAD, ROUTE1 and the L2 hints EF=1,
     WPF, APF on): the paths they replaced (AHEAD=0: an expert tile's out row looked up at each row block's end;
@@ -77,20 +96,11 @@ def test_launch_variants_on_dsv2_lite():
     registers) and EF=2 (per-head matmul weights and attention's cache rows evict-first too) give the same
     logits bit for bit; NARROW (K = 1408 and 2816 slices in 4·BR x KC/4 chunks) sums each row's K in other
     chunks, so within fp32 rounding of them."""
-    from megakernel.runtime import LaunchConfig, Megakernel
-    cfg, w, plan, mk = _setup("dsv2-lite", T=1, B=1, max_len=256, layers=4,
-                              workers=torch.cuda.get_device_properties(0).multi_processor_count)
-    _random_cache(mk)
-    saved = mk.cache().clone()
-    tokens = torch.randint(0, cfg.vocab_size, (1, 1), device="cuda")
-    lens = torch.tensor([200], device="cuda")
-    want = mk.step(tokens, lens).logits.clone()
-    for blocks, exact in ((dict(AHEAD=0, ROUTE1=0), True), (dict(PFD=2), True), (dict(DEPTH=2, PFD=1), True),
-                          (dict(EF=0, WPF=0, APF=0, PFK=0), True), (dict(EF=2), True), (dict(PFK=256), True),
-                          (dict(NARROW=1), False)):
-        mk.cache().copy_(saved)
-        got = Megakernel(plan, None, "cuda", share=mk.mem, config=LaunchConfig(blocks=blocks)).step(tokens, lens).logits
-        assert torch.equal(got, want) if exact else rel_err(got, want) <= 1e-5, blocks
+    exact = [dict(AHEAD=0, ROUTE1=0), dict(PFD=2), dict(DEPTH=2, PFD=1), dict(EF=0, WPF=0, APF=0, PFK=0), dict(EF=2),
+             dict(PFK=256)]
+    want, got = _variant_logits("dsv2-lite", 1, 256, [200], exact + [dict(NARROW=1)])
+    for blocks, logits in got:
+        assert torch.equal(logits, want) if blocks in exact else rel_err(logits, want) <= 1e-5, blocks
 
 
 def test_gqa_cache_prefetch_on_llama_1b():
@@ -98,18 +108,9 @@ def test_gqa_cache_prefetch_on_llama_1b():
     prefetch) and PFK (a LINEAR task's next weights asked of the L2 before its wait) give the same logits bit for
     bit on llama-1b's shapes (4 layers, B=2, a cache longer than a split): a prefetch moves no value, and an
     address past the cache would show up as a fault here (or under compute-sanitizer)."""
-    from megakernel.runtime import LaunchConfig, Megakernel
-    cfg, w, plan, mk = _setup("llama-1b", T=1, B=2, max_len=1024, layers=4,
-                              workers=torch.cuda.get_device_properties(0).multi_processor_count)
-    _random_cache(mk)
-    saved = mk.cache().clone()
-    tokens = torch.randint(0, cfg.vocab_size, (2, 1), device="cuda")
-    lens = torch.tensor([700, 1000], device="cuda")
-    want = mk.step(tokens, lens).logits.clone()
-    for blocks in (dict(APF=0), dict(PFK=256)):
-        mk.cache().copy_(saved)
-        got = Megakernel(plan, None, "cuda", share=mk.mem, config=LaunchConfig(blocks=blocks)).step(tokens, lens).logits
-        assert torch.equal(got, want), blocks
+    want, got = _variant_logits("llama-1b", 2, 1024, [700, 1000], [dict(APF=0), dict(PFK=256)])
+    for blocks, logits in got:
+        assert torch.equal(logits, want), blocks
 
 
 def _top2_gap(logits):

@@ -194,21 +194,23 @@ def prefetch_split(word, I, C, ALIGN: tl.constexpr, DMAX: tl.constexpr, APF: tl.
     may read: the cache length is read before the wait, so it may be a step old, which only changes what is
     asked for.  MLA (APF >= 1): the rows in one bulk prefetch (thread 0).  GQA (APF 2): a row holds every KV
     head's keys and values and a task reads one head's, so each thread asks for the lines of that head's key and
-    value in some rows (prefetch.global.L2, one instruction per line)."""
-    mla = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_MLA)
-    S, b, split_len = fld(word, ATTENTION_S), fld(word, ATTENTION_B), fld(word, ATTENTION_SPLIT_LEN)
-    width = aligned(fld(word, ATTENTION_WIDTH), ALIGN)
-    j0 = fld(word, ATTENTION_SPLIT) * split_len
-    limit = tl.load(I + off(word, ATTENTION_CL_OFF) + b) + fld(word, ATTENTION_POS_OFFSET) + fld(word, ATTENTION_T)
-    rows = tl.maximum(tl.minimum(tl.minimum(split_len, S - j0), limit - j0), 0)
-    cache = C + aligned(off(word, ATTENTION_CACHE_OFF), ALIGN) + (b.to(tl.int64) * S + j0) * width
-    if KIND != 2:
-        if mla & (rows > 0):
-            nbytes = rows.to(tl.int64) * width * (C.dtype.element_ty.primitive_bitwidth // 8)
-            prefetch_l2(cache, tl.minimum(nbytes, 1 << 30).to(tl.int32))  # a hint: at most 1 GiB of it
-    if APF == 2 and KIND != 1:
-        if (not mla) & (rows > 0):
-            head_lines(cache, rows, width, word, ALIGN, DMAX)
+    value in some rows (prefetch.global.L2, one instruction per line).  Compiled to nothing where neither
+    applies (APF 1 in a GQA-only kernel)."""
+    if (KIND != 2) or (APF == 2):
+        mla = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_MLA)
+        S, b, split_len = fld(word, ATTENTION_S), fld(word, ATTENTION_B), fld(word, ATTENTION_SPLIT_LEN)
+        width = aligned(fld(word, ATTENTION_WIDTH), ALIGN)
+        j0 = fld(word, ATTENTION_SPLIT) * split_len
+        limit = tl.load(I + off(word, ATTENTION_CL_OFF) + b) + fld(word, ATTENTION_POS_OFFSET) + fld(word, ATTENTION_T)
+        rows = tl.maximum(tl.minimum(tl.minimum(split_len, S - j0), limit - j0), 0)
+        cache = C + aligned(off(word, ATTENTION_CACHE_OFF), ALIGN) + (b.to(tl.int64) * S + j0) * width
+        if KIND != 2:
+            if mla & (rows > 0):
+                nbytes = rows.to(tl.int64) * width * (C.dtype.element_ty.primitive_bitwidth // 8)
+                prefetch_l2(cache, tl.minimum(nbytes, 1 << 30).to(tl.int32))  # a hint: at most 1 GiB of it
+        if APF == 2 and KIND != 1:
+            if (not mla) & (rows > 0):
+                head_lines(cache, rows, width, word, ALIGN, DMAX)
 
 
 @triton.jit
