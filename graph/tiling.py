@@ -38,9 +38,10 @@ class TilingOptions:
     # make more tasks than `spread` share the workers in proportion to their weight bytes, so the phase they
     # run in side by side is one round (llama-1b's q|k|v made 128 + 32 + 32 tasks for 132 workers).  With 8-row
     # alignment, GQA's cache prefetch and 128-position key blocks: llama-1b -3.3% (docs/PERF.md session 17).
-    # 2 (not yet timed): also the streamed ops one op reads side by side: dsv2-lite's shared and routed expert
-    # down projections made 128 + 132 tasks, so 128 workers ran a shared tile before their routed one, on the chain
-    siblings: int = 1
+    # 2: also the streamed ops one op reads side by side: dsv2-lite's shared and routed expert down projections
+    # made 128 + 132 tasks, so 128 workers ran a shared tile before their routed one, on the chain; now 32 + 96,
+    # one round: dsv2-lite -2.7%, llama-1b's plan unchanged (docs/PERF.md session 18)
+    siblings: int = 2
     # a streamed task's fixed cost as weight bytes (~1 us of a worker's stream: session 14's fit of
     # streamed tasks; CostModel.task_overhead's 3 us also covers the round trips of one-task ops)
     task_overhead_bytes: int = 32 * 1024
