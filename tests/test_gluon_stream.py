@@ -109,18 +109,25 @@ def test_variants_parse_and_refuse():
     assert gs.Variant.parse("gluon:6x4") == gs.Variant("gluon", 6, 4, 4)
     assert gs.Variant.parse("triton:16x1024").warps == 8
     assert gs.Variant.parse("gluonrm:6x4").sub == 4 and gs.Variant.parse("triton:16x1024").sub == 1
-    for bad in ("gluon:6", "cublas:1x1", "triton:ax4"):
+    assert gs.Variant.parse("mma:16x512") == gs.Variant("mma", 16, 512, 8) and not gs.Variant.parse("mmas:16x512").gluon
+    for bad in ("gluon:6", "cublas:1x1", "triton:ax4", "mma:8x512", "mmas:16x256"):
         with pytest.raises(ValueError, match="variant"):
             gs.Variant.parse(bad)
+    with pytest.raises(ValueError, match="multiple of 1024"):  # the tensor-core stream's steps
+        gs.ChainRun(gs.build_chain(SHAPES, 1, True, "cpu"), 1, True, gs.Variant.parse("mma:16x512"))
 
 
 def test_compiles_for_sm90():
     """In a process without TRITON_INTERPRET (the suite's interpreter would wrap the kernel)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     tool = Path(__file__).resolve().parents[1] / "tools" / "gluon_stream.py"
-    out = subprocess.run([sys.executable, str(tool), "--compile-only", "--variants", "gluon:6x4", "gluonrm:6x4"],
-                         capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run([sys.executable, str(tool), "--compile-only", "--variants", "gluon:6x4", "gluonrm:6x4",
+                          "mma:16x512", "mmas:16x512"], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+    # the tensor-core stream, two steps a loop turn: 2 x 2 tiles x 2 halves x (high, low) mma.sync, and the
+    # weight loads of the first two steps (before the wait) and of the two steps after
+    for kind in ("mma", "mmas"):
+        assert f"{kind}:16x512, 16 mma.sync, 16 weight loads" in out.stdout, out.stdout
     shared = int(re.search(r"shared (\d+) bytes", out.stdout).group(1))
     assert 6 * 4 * 8192 <= shared <= 227 * 1024, "the ring must fit an H200 SM's shared memory"
 
@@ -145,3 +152,34 @@ def test_gpu_chain_equals_torch(chained, spec):
         run.check_error()
         for out, r in zip(run.outputs(), ref):
             torch.testing.assert_close(out, r, rtol=1e-4, atol=1e-4)
+
+
+# the tensor-core stream's shapes: every K a multiple of its two 512-column steps, N off the 16-row tiles
+MMA_SHAPES = [(2100, 1024), (1100, 2048), (1030, 1024), (13, 1024)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs a GPU")
+@pytest.mark.parametrize("chained", [True, False])
+def test_gpu_mma_chain_equals_torch(chained):
+    """tools/mma_stream.py through the chain: x's (high, low) bf16 pair keeps ~16 mantissa bits, so the sums are
+    torch's fp32 ones within 1e-4, bit-identical from launch to launch; split in the body (mma) or by the
+    producer (mmas), the same split, so the same bits."""
+    workers = 7
+    chain = gs.build_chain(MMA_SHAPES, workers, chained, "cuda")
+    x0 = torch.randn(max(k for _, k in MMA_SHAPES), device="cuda")
+    ref = gs.reference(chain, x0, chained)
+    results = {}
+    for spec in ("mma:16x512", "mmas:16x512"):
+        run = gs.ChainRun(chain, workers, chained, gs.Variant.parse(spec))
+        for _ in range(3):
+            run.set_input(x0)
+            run.launch()
+            torch.cuda.synchronize()
+            run.check_error()
+            outs = [o.clone() for o in run.outputs()]
+            for out, r in zip(outs, ref):
+                torch.testing.assert_close(out, r, rtol=1e-4, atol=1e-4)
+            results.setdefault(spec, outs)
+            assert all(torch.equal(a, b) for a, b in zip(outs, results[spec])), spec
+    assert all(torch.equal(a, b) for a, b in zip(results["mma:16x512"], results["mmas:16x512"]))

@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megakernel.memory import STREAM_SLACK  # noqa: E402
 from megakernel.ops import linear  # noqa: E402
+from tools import mma_stream  # noqa: E402
 
 TILE_ROWS, TILE_COLS = 16, 256  # a weight tile: 16 output rows x 256 columns of bf16 (8 KB), one TMA box
 ROWS, COLS = gl.constexpr(TILE_ROWS), gl.constexpr(TILE_COLS)  # the same, for the kernel
@@ -176,6 +177,14 @@ def gemv_chain_kernel(d0, d1, d2, d3, tasks, queue, counters, epoch_ptr, err, ac
 
 # ---- the same tasks through the plain-Triton body (megakernel/ops/linear.py), for the comparison ----------
 @triton.jit
+def row_major_task(task, W):
+    """A task's (x offset, K, y offset, rows, GEMV, its weights in the row-major arena, first row); offsets and K
+    multiples of 8 (the host checks), written so the compiler sees it: 16-byte loads."""
+    return ((tl.load(task + 2) // 8) * 8, (tl.load(task + 3) // 8) * 8, tl.load(task + 4), tl.load(task + 5),
+            tl.load(task + 6), W + (tl.load(task + 8) // 8) * 8, tl.load(task + 9))
+
+
+@triton.jit
 def triton_chain_kernel(W, A, tasks, queue, counters, epoch_ptr, err, WAIT: tl.constexpr, BR: tl.constexpr,
                         KC: tl.constexpr):
     """Each task as the megakernel runs a LINEAR one: its first weight chunk requested, the wait, then
@@ -185,13 +194,7 @@ def triton_chain_kernel(W, A, tasks, queue, counters, epoch_ptr, err, WAIT: tl.c
     tl.store(epoch_ptr + pid, epoch)
     for t in range(tl.load(queue + pid), tl.load(queue + pid + 1)):
         task = tasks + t * FIELDS
-        x_off = (tl.load(task + 2) // 8) * 8
-        K = (tl.load(task + 3) // 8) * 8
-        y_off = tl.load(task + 4)
-        nrows = tl.load(task + 5)
-        gemv = tl.load(task + 6)
-        w_ptr = W + (tl.load(task + 8) // 8) * 8
-        r0 = tl.load(task + 9)
+        x_off, K, y_off, nrows, gemv, w_ptr, r0 = row_major_task(task, W)
         w = linear.first_chunk(w_ptr, r0, r0 + nrows, K, BR, KC, 8)
         if WAIT:
             if gemv > 0:
@@ -201,6 +204,33 @@ def triton_chain_kernel(W, A, tasks, queue, counters, epoch_ptr, err, WAIT: tl.c
                              r0 + nrows, K, w, False, 0.0, BR, KC, 8, 1, 1, 16)
         tl.debug_barrier()  # every thread's stores before the release
         tl.atomic_add(counters + gemv * COUNTER_STRIDE, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def mma_chain_kernel(W, A, AH, AL, tasks, queue, counters, epoch_ptr, err, WAIT: tl.constexpr, SPLIT: tl.constexpr,
+                     BUFS: tl.constexpr = 2):
+    """Each task through the tensor-core stream (tools/mma_stream.py): its first two steps' weights requested,
+    the wait, then mma_rows.  SPLIT: activations also kept as (high, low) bf16 parts (AH, AL), written by
+    each GEMV's epilogue and read by the next.  A layout mismatch (an element not in its own thread) sets
+    err = 2 and runs nothing."""
+    pid = tl.program_id(0)
+    epoch = tl.load(epoch_ptr + pid) + 1
+    tl.store(epoch_ptr + pid, epoch)
+    held = mma_stream.layout_holds() == 1
+    if not held:
+        tl.atomic_xchg(err, 2, sem="relaxed", scope="gpu")
+    if held:
+        for t in range(tl.load(queue + pid), tl.load(queue + pid + 1)):
+            task = tasks + t * FIELDS
+            x_off, K, y_off, nrows, gemv, w_ptr, r0 = row_major_task(task, W)
+            w_cur, w_nxt = mma_stream.first_weights(w_ptr, r0, nrows, K)
+            if WAIT:
+                if gemv > 0:
+                    _wait(counters + (gemv - 1) * COUNTER_STRIDE, epoch * tl.load(task + 7), err)
+            mma_stream.mma_rows(w_ptr, r0, nrows, K, A + x_off, A + y_off, True, w_cur, w_nxt, AH + x_off, AL + x_off,
+                                AH + y_off, AL + y_off, SPLIT, BUFS)
+            tl.debug_barrier()  # every thread's stores before the release
+            tl.atomic_add(counters + gemv * COUNTER_STRIDE, 1, sem="release", scope="gpu")
 
 
 # ---- host ----------------------------------------------------------------------------------------
@@ -301,8 +331,11 @@ def independent(chain: Chain) -> Chain:
 @dataclass(frozen=True)
 class Variant:
     """gluon:SLOTSxSUB (ring slots of SUB 8 KB tiles, consumer warps; tile-major weights), gluonrm:SLOTSxSUB
-    (the same ring fed from the row-major arena, one descriptor per K) or triton:BRxKC (the LINEAR body's
-    weight chunk: BR rows x KC columns, 8 warps as the megakernel)."""
+    (the same ring fed from the row-major arena, one descriptor per K), triton:BRxKC (the LINEAR body's
+    weight chunk: BR rows x KC columns, 8 warps as the megakernel), mma:16x512 (the tensor-core stream,
+    tools/mma_stream.py: 16-row tasks, 512 columns a step over 8 warps, two steps' weights in flight; every K a
+    multiple of 1024; mma:16x2048 four steps in flight, K a multiple of 2048) or mmas:16x512 / mmas:16x2048
+    (the same, the activations kept as (high, low) bf16 parts by their producer)."""
     kind: str
     a: int
     b: int
@@ -314,14 +347,18 @@ class Variant:
         try:
             a, b = (int(v) for v in shape.split("x"))
         except ValueError:
-            raise ValueError(f"variant {spec!r}: gluon:SLOTSxSUB, gluonrm:SLOTSxSUB or triton:BRxKC") from None
-        if kind not in ("gluon", "gluonrm", "triton"):
-            raise ValueError(f"variant {spec!r}: the kind is gluon, gluonrm or triton")
-        return Variant(kind, a, b, warps if kind != "triton" else 8)
+            raise ValueError(f"variant {spec!r}: gluon:SLOTSxSUB, gluonrm:SLOTSxSUB, triton:BRxKC or mma:16x512") \
+                from None
+        if kind not in ("gluon", "gluonrm", "triton", "mma", "mmas"):
+            raise ValueError(f"variant {spec!r}: the kind is gluon, gluonrm, triton, mma or mmas")
+        if kind in ("mma", "mmas") and (a, b) not in ((TILE_ROWS, 512), (TILE_ROWS, 2048)):
+            raise ValueError(f"variant {spec!r}: the tensor-core stream runs tasks of {TILE_ROWS} rows in steps of 512 "
+                             "columns (mma:16x512)")
+        return Variant(kind, a, b, warps if kind in ("gluon", "gluonrm") else 8)
 
     @property
     def gluon(self) -> bool:
-        return self.kind != "triton"
+        return self.kind in ("gluon", "gluonrm")
 
     @property
     def sub(self) -> int:
@@ -337,12 +374,27 @@ class ChainRun:
     def __init__(self, chain: Chain, workers: int, wait: bool, variant: Variant):
         dev = chain.arena.device
         self.chain, self.workers, self.wait, self.v = chain, workers, wait, variant
+        if variant.kind in ("mma", "mmas") and any(k % (2 * variant.b) for _, k in chain.shapes):
+            raise ValueError(f"{variant}: every K must be a multiple of {2 * variant.b} (its buffers' steps), "
+                             f"got {chain.shapes}")
         if variant.gluon:
             self.descs = descriptors(chain, variant.kind == "gluonrm")
         self.counters = torch.zeros(len(chain.shapes) * STRIDE, dtype=torch.int32, device=dev)
         self.epochs = torch.zeros(workers, dtype=torch.int32, device=dev)
         self.err = torch.zeros(1, dtype=torch.int32, device=dev)
         self.act = torch.zeros(chain.act_size, dtype=torch.float32, device=dev)
+        self.act_hi = torch.zeros(chain.act_size, dtype=torch.bfloat16, device=dev)  # mmas: act's (high, low) parts
+        self.act_lo = torch.zeros(chain.act_size, dtype=torch.bfloat16, device=dev)
+
+    def set_input(self, x0: torch.Tensor) -> None:
+        """The chain's input, act[0:len(x0)] (and its (high, low) bf16 parts); everything after it zeroed."""
+        self.act.zero_()
+        self.act[:x0.numel()] = x0
+        hi = x0.to(torch.bfloat16)
+        self.act_hi.zero_()
+        self.act_lo.zero_()
+        self.act_hi[:x0.numel()] = hi
+        self.act_lo[:x0.numel()] = (x0 - hi.float()).to(torch.bfloat16)
 
     def launch(self) -> None:
         c, v = self.chain, self.v
@@ -350,11 +402,18 @@ class ChainRun:
             gemv_chain_kernel[(self.workers,)](*self.descs, c.tasks, c.queue, self.counters, self.epochs, self.err,
                                                 self.act, WAIT=self.wait, SLOTS=v.a, SUB=v.b, WARPS=v.warps,
                                                 RM=v.kind == "gluonrm", num_warps=v.warps)
+        elif v.kind in ("mma", "mmas"):
+            mma_chain_kernel[(self.workers,)](c.rowmajor, self.act, self.act_hi, self.act_lo, c.tasks, c.queue,
+                                               self.counters, self.epochs, self.err, WAIT=self.wait,
+                                               SPLIT=v.kind == "mmas", BUFS=2 if v.b == 512 else 4, num_warps=8)
         else:
             triton_chain_kernel[(self.workers,)](c.rowmajor, self.act, c.tasks, c.queue, self.counters, self.epochs,
                                                   self.err, WAIT=self.wait, BR=v.a, KC=v.b, num_warps=v.warps)
 
     def check_error(self) -> None:
+        if int(self.err.item()) == 2:
+            raise RuntimeError(f"{self.v}: a [256] tensor's element did not sit in its own thread (the layout "
+                               "tools/mma_stream.py relies on)")
         if int(self.err.item()):
             raise RuntimeError(f"{self.v}: a dependency wait ran past MAX_SPINS polls "
                                f"(counters {self.counters[::STRIDE].tolist()}, epochs {self.epochs.tolist()})")
@@ -381,6 +440,19 @@ def compile_sm90(slots: int, sub: int, warps: int, wait: bool = True, row_major:
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(first, first + 6)}
     return triton.compile(GluonASTSource(fn=gemv_chain_kernel, signature=sig, constexprs=const, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def compile_mma_sm90(wait: bool = True, split: bool = False, bufs: int = 2):
+    """The tensor-core chain kernel compiled for sm_90a on any machine (a CPU's check of its PTX and SASS)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = {"W": "*bf16", "A": "*fp32", "AH": "*bf16", "AL": "*bf16",
+           **{n: "*i32" for n in ("tasks", "queue", "counters", "epoch_ptr", "err")}, "WAIT": "constexpr",
+           "SPLIT": "constexpr", "BUFS": "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(9)}
+    return triton.compile(ASTSource(fn=mma_chain_kernel, signature=sig, constexprs={"WAIT": wait, "SPLIT": split, "BUFS": bufs},
+                                    attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 
 
 def reference(chain: Chain, x0: torch.Tensor, chained: bool) -> list[torch.Tensor]:
@@ -420,6 +492,11 @@ def main() -> None:
     variants = [Variant.parse(spec, args.consumer_warps) for spec in args.variants]
     if args.compile_only:
         for v in variants:
+            if v.kind in ("mma", "mmas"):
+                ptx = compile_mma_sm90(split=v.kind == "mmas", bufs=2 if v.b == 512 else 4).asm["ptx"]
+                assert "ld.global.gpu.acquire" in ptx or "atom.global.gpu.acquire" in ptx  # the dependency counters
+                print(f"sm_90a: {v}, {ptx.count('mma.sync.aligned.m16n8k16')} mma.sync, "
+                      f"{ptx.count('ld.global.nc.L1::no_allocate.v4')} weight loads, ptx {len(ptx)} chars")
             if v.gluon:
                 k = compile_sm90(v.a, v.b, v.warps, row_major=v.kind == "gluonrm")
                 ptx = k.asm["ptx"]
@@ -444,7 +521,7 @@ def main() -> None:
             ref = reference(chain, x0, wait)
             for v in [v for v in variants if v.sub == sub]:
                 run = ChainRun(chain, workers, wait, v)
-                run.act[:x0.numel()] = x0
+                run.set_input(x0)
                 run.launch()
                 torch.cuda.synchronize()
                 run.check_error()
