@@ -207,6 +207,36 @@ def triton_chain_kernel(W, A, tasks, queue, counters, epoch_ptr, err, WAIT: tl.c
 
 
 @triton.jit
+def tma_chain_kernel(W, A, tasks, queue, counters, epoch_ptr, err, WAIT: tl.constexpr, STAGES: tl.constexpr,
+                     KC: tl.constexpr):
+    """The CUDA-core GEMV over a ring of shared-memory tiles that plain Triton builds itself: a device-side
+    tensor descriptor for the task's rows (TMA, columns past K zero-filled) and a K loop pipelined STAGES
+    deep (tl.range(num_stages=...): the first STAGES - 1 tiles requested before the first is multiplied,
+    mbarriers for each), so up to STAGES x 16 x KC weights per SM are in flight without registers holding
+    them.  The ring does not reach across the dependency wait (the loop starts after it)."""
+    pid = tl.program_id(0)
+    epoch = tl.load(epoch_ptr + pid) + 1
+    tl.store(epoch_ptr + pid, epoch)
+    rows = tl.arange(0, 16)
+    cols = tl.arange(0, KC)
+    for t in range(tl.load(queue + pid), tl.load(queue + pid + 1)):
+        task = tasks + t * FIELDS
+        x_off, K, y_off, nrows, gemv, w_ptr, r0 = row_major_task(task, W)
+        desc = tl.make_tensor_descriptor(w_ptr + r0.to(tl.int64) * K, shape=[nrows, K], strides=[K, 1],
+                                         block_shape=[16, KC])
+        if WAIT:
+            if gemv > 0:
+                _wait(counters + (gemv - 1) * COUNTER_STRIDE, epoch * tl.load(task + 7), err)
+        acc = tl.zeros((16, KC), tl.float32)
+        for k in tl.range(0, K, KC, num_stages=STAGES):
+            x = tl.load(A + x_off + k + cols, mask=k + cols < K, other=0.0)
+            acc += desc.load([0, k]).to(tl.float32) * x[None, :]
+        tl.store(A + y_off + rows, tl.sum(acc, axis=1), mask=rows < nrows)
+        tl.debug_barrier()  # every thread's stores before the release
+        tl.atomic_add(counters + gemv * COUNTER_STRIDE, 1, sem="release", scope="gpu")
+
+
+@triton.jit
 def mma_chain_kernel(W, A, AH, AL, tasks, queue, counters, epoch_ptr, err, WAIT: tl.constexpr, SPLIT: tl.constexpr,
                      BUFS: tl.constexpr = 2):
     """Each task through the tensor-core stream (tools/mma_stream.py): its first two steps' weights requested,
@@ -335,7 +365,8 @@ class Variant:
     weight chunk: BR rows x KC columns, 8 warps as the megakernel), mma:16x512 (the tensor-core stream,
     tools/mma_stream.py: 16-row tasks, 512 columns a step over 8 warps, two steps' weights in flight; every K a
     multiple of 1024; mma:16x2048 four steps in flight, K a multiple of 2048) or mmas:16x512 / mmas:16x2048
-    (the same, the activations kept as (high, low) bf16 parts by their producer)."""
+    (the same, the activations kept as (high, low) bf16 parts by their producer), or tma:STAGESxKC (the CUDA-core
+    GEMV over a STAGES-deep ring of 16 x KC tiles that Triton's pipeliner builds from a tensor descriptor)."""
     kind: str
     a: int
     b: int
@@ -349,8 +380,11 @@ class Variant:
         except ValueError:
             raise ValueError(f"variant {spec!r}: gluon:SLOTSxSUB, gluonrm:SLOTSxSUB, triton:BRxKC or mma:16x512") \
                 from None
-        if kind not in ("gluon", "gluonrm", "triton", "mma", "mmas"):
-            raise ValueError(f"variant {spec!r}: the kind is gluon, gluonrm, triton, mma or mmas")
+        if kind not in ("gluon", "gluonrm", "triton", "mma", "mmas", "tma"):
+            raise ValueError(f"variant {spec!r}: the kind is gluon, gluonrm, triton, mma, mmas or tma")
+        if kind == "tma" and (a < 2 or b not in (64, 128, 256) or a * 16 * b * 2 > 200 * 1024):
+            raise ValueError(f"variant {spec!r}: tma:STAGESxKC takes 2 or more stages of 16 x KC bf16 tiles, KC 64, 128 "
+                             "or 256 (a TMA box is at most 256 wide), at most 200 KB in all")
         if kind in ("mma", "mmas") and (a, b) not in ((TILE_ROWS, 512), (TILE_ROWS, 2048)):
             raise ValueError(f"variant {spec!r}: the tensor-core stream runs tasks of {TILE_ROWS} rows in steps of 512 "
                              "columns (mma:16x512)")
@@ -366,6 +400,10 @@ class Variant:
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.a}x{self.b}"
+
+
+def _descriptor_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 class ChainRun:
@@ -402,6 +440,10 @@ class ChainRun:
             gemv_chain_kernel[(self.workers,)](*self.descs, c.tasks, c.queue, self.counters, self.epochs, self.err,
                                                 self.act, WAIT=self.wait, SLOTS=v.a, SUB=v.b, WARPS=v.warps,
                                                 RM=v.kind == "gluonrm", num_warps=v.warps)
+        elif v.kind == "tma":
+            triton.set_allocator(_descriptor_scratch)  # device-side descriptors: 128 bytes each, in global memory
+            tma_chain_kernel[(self.workers,)](c.rowmajor, self.act, c.tasks, c.queue, self.counters, self.epochs,
+                                               self.err, WAIT=self.wait, STAGES=v.a, KC=v.b, num_warps=8)
         elif v.kind in ("mma", "mmas"):
             mma_chain_kernel[(self.workers,)](c.rowmajor, self.act, self.act_hi, self.act_lo, c.tasks, c.queue,
                                                self.counters, self.epochs, self.err, WAIT=self.wait,
@@ -440,6 +482,18 @@ def compile_sm90(slots: int, sub: int, warps: int, wait: bool = True, row_major:
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(first, first + 6)}
     return triton.compile(GluonASTSource(fn=gemv_chain_kernel, signature=sig, constexprs=const, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def compile_tma_sm90(stages: int, kc: int, wait: bool = True):
+    """The plain-Triton TMA-ring chain kernel compiled for sm_90a on any machine."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = {"W": "*bf16", "A": "*fp32", **{n: "*i32" for n in ("tasks", "queue", "counters", "epoch_ptr", "err")},
+           **{n: "constexpr" for n in ("WAIT", "STAGES", "KC")}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(7)}
+    return triton.compile(ASTSource(fn=tma_chain_kernel, signature=sig,
+                                    constexprs={"WAIT": wait, "STAGES": stages, "KC": kc}, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 
 
 def compile_mma_sm90(wait: bool = True, split: bool = False, bufs: int = 2):
@@ -492,6 +546,11 @@ def main() -> None:
     variants = [Variant.parse(spec, args.consumer_warps) for spec in args.variants]
     if args.compile_only:
         for v in variants:
+            if v.kind == "tma":
+                k = compile_tma_sm90(v.a, v.b)
+                ptx = k.asm["ptx"]
+                print(f"sm_90a: {v}, {ptx.count('cp.async.bulk.tensor')} TMA loads, shared {k.metadata.shared} bytes, "
+                      f"ptx {len(ptx)} chars")
             if v.kind in ("mma", "mmas"):
                 ptx = compile_mma_sm90(split=v.kind == "mmas", bufs=2 if v.b == 512 else 4).asm["ptx"]
                 assert "ld.global.gpu.acquire" in ptx or "atom.global.gpu.acquire" in ptx  # the dependency counters
