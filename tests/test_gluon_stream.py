@@ -110,7 +110,7 @@ def test_variants_parse_and_refuse():
     assert gs.Variant.parse("triton:16x1024").warps == 8
     assert gs.Variant.parse("gluonrm:6x4").sub == 4 and gs.Variant.parse("triton:16x1024").sub == 1
     assert gs.Variant.parse("mma:16x512") == gs.Variant("mma", 16, 512, 8) and not gs.Variant.parse("mmas:16x512").gluon
-    assert gs.Variant.parse("tma:8x256") == gs.Variant("tma", 8, 256, 8)
+    assert gs.Variant.parse("tma:8x256") == gs.Variant("tma", 8, 256, 8) and gs.Variant.parse("tmaw:4x64").b == 64
     for bad in ("gluon:6", "cublas:1x1", "triton:ax4", "mma:8x512", "mmas:16x256", "tma:1x256", "tma:8x512",
                 "tma:64x256"):
         with pytest.raises(ValueError, match="variant"):
@@ -124,14 +124,17 @@ def test_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     tool = Path(__file__).resolve().parents[1] / "tools" / "gluon_stream.py"
     out = subprocess.run([sys.executable, str(tool), "--compile-only", "--variants", "gluon:6x4", "gluonrm:6x4",
-                          "mma:16x512", "mmas:16x512", "tma:8x256"], capture_output=True, text=True, env=env, timeout=300)
+                          "mma:16x512", "mmas:16x512", "tma:8x256", "tmaw:8x256"], capture_output=True, text=True, env=env,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     # the tensor-core stream, two steps a loop turn: 2 x 2 tiles x 2 halves x (high, low) mma.sync, and the
     # weight loads of the first two steps (before the wait) and of the two steps after
     for kind in ("mma", "mmas"):
         assert f"{kind}:16x512, 16 mma.sync, 16 weight loads" in out.stdout, out.stdout
-    # the plain-Triton TMA ring: Triton's pipeliner issues 7 tiles ahead (its prologue) and one a loop turn
-    assert "tma:8x256, 8 TMA loads" in out.stdout, out.stdout
+    # the plain-Triton TMA ring: Triton's pipeliner issues 7 tiles ahead (its prologue) and one a loop turn; with
+    # the wait in the first turn (tmaw) all 7 are requested before it
+    assert "tma:8x256, 8 TMA loads (0 before the wait)" in out.stdout, out.stdout
+    assert "tmaw:8x256, 8 TMA loads (7 before the wait)" in out.stdout, out.stdout
     shared = int(re.search(r"shared (\d+) bytes", out.stdout).group(1))
     assert 6 * 4 * 8192 <= shared <= 227 * 1024, "the ring must fit an H200 SM's shared memory"
 
@@ -139,7 +142,8 @@ def test_compiles_for_sm90():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs a GPU")
 @pytest.mark.parametrize("chained", [True, False])
-@pytest.mark.parametrize("spec", ["gluon:3x1", "gluon:4x2", "gluonrm:4x2", "triton:16x1024", "tma:4x256", "tma:3x64"])
+@pytest.mark.parametrize("spec", ["gluon:3x1", "gluon:4x2", "gluonrm:4x2", "triton:16x1024", "tma:4x256", "tma:3x64",
+                                  "tmaw:4x256", "tmaw:2x64"])
 def test_gpu_chain_equals_torch(chained, spec):
     shapes = SHAPES * 3
     workers = 5  # more tasks than workers, fewer than tasks of one GEMV

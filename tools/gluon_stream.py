@@ -206,14 +206,43 @@ def triton_chain_kernel(W, A, tasks, queue, counters, epoch_ptr, err, WAIT: tl.c
         tl.atomic_add(counters + gemv * COUNTER_STRIDE, 1, sem="release", scope="gpu")
 
 
+# a bounded spin on a counter inside one asm (no loop in the IR, so Triton's pipeliner still pipelines the K loop
+# it sits in): each thread polls with its own acquire load, at most MAX_SPINS times; returns the value seen and a
+# zero the compiler cannot see through (added to the activations' address: their loads stay after the wait)
+_SPIN = tl.constexpr("{ .reg .pred p, q; .reg .b32 n; mov.b32 n, 16777216; SPIN: ld.acquire.gpu.global.b32 $0, [$2]; "
+                     "setp.lt.s32 p, $0, $3; sub.s32 n, n, 1; setp.gt.s32 q, n, 0; and.pred p, p, q; @p bra SPIN; "
+                     "mov.b32 $1, 0; }")
+
+
+@triton.jit
+def spin_wait(counter, target, err):
+    seen, zero = tl.inline_asm_elementwise(_SPIN, "=r,=r,l,r", [counter, target], dtype=(tl.int32, tl.int32),
+                                           is_pure=False, pack=1)
+    if seen < target:
+        tl.atomic_xchg(err, 1, sem="relaxed", scope="gpu")
+    return zero
+
+
+@triton.jit
+def plain_load(ptrs, mask):
+    """ptrs' fp32 values where mask, else 0, loaded by inline asm (elementwise): loads Triton's pipeliner leaves
+    where they are."""
+    return tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.f32 $0, 0f00000000; "
+                                     "@p ld.global.f32 $0, [$1]; }", "=f,l,r", [ptrs, mask.to(tl.int32)],
+                                     dtype=tl.float32, is_pure=False, pack=1)
+
+
 @triton.jit
 def tma_chain_kernel(W, A, tasks, queue, counters, epoch_ptr, err, WAIT: tl.constexpr, STAGES: tl.constexpr,
-                     KC: tl.constexpr):
+                     KC: tl.constexpr, EARLY: tl.constexpr = 0):
     """The CUDA-core GEMV over a ring of shared-memory tiles that plain Triton builds itself: a device-side
     tensor descriptor for the task's rows (TMA, columns past K zero-filled) and a K loop pipelined STAGES
     deep (tl.range(num_stages=...): the first STAGES - 1 tiles requested before the first is multiplied,
     mbarriers for each), so up to STAGES x 16 x KC weights per SM are in flight without registers holding
-    them.  The ring does not reach across the dependency wait (the loop starts after it)."""
+    them.  EARLY 0: the wait comes before the loop, so the ring starts filling only after it.  EARLY 1: the
+    wait is the loop's first turn (spin_wait: one asm, so the loop is still pipelined), after the pipeliner's
+    prologue has asked for the first STAGES - 1 tiles: a task's weights stream while it waits, and its
+    activations are read only after (their address depends on the value the wait saw)."""
     pid = tl.program_id(0)
     epoch = tl.load(epoch_ptr + pid) + 1
     tl.store(epoch_ptr + pid, epoch)
@@ -224,13 +253,25 @@ def tma_chain_kernel(W, A, tasks, queue, counters, epoch_ptr, err, WAIT: tl.cons
         x_off, K, y_off, nrows, gemv, w_ptr, r0 = row_major_task(task, W)
         desc = tl.make_tensor_descriptor(w_ptr + r0.to(tl.int64) * K, shape=[nrows, K], strides=[K, 1],
                                          block_shape=[16, KC])
-        if WAIT:
-            if gemv > 0:
-                _wait(counters + (gemv - 1) * COUNTER_STRIDE, epoch * tl.load(task + 7), err)
+        waits = WAIT & (gemv > 0)
+        counter = counters + (gemv - 1) * COUNTER_STRIDE
+        target = epoch * tl.load(task + 7)
+        if not EARLY:
+            if waits:
+                _wait(counter, target, err)
         acc = tl.zeros((16, KC), tl.float32)
+        x_ptr = A + x_off
         for k in tl.range(0, K, KC, num_stages=STAGES):
-            x = tl.load(A + x_off + k + cols, mask=k + cols < K, other=0.0)
-            acc += desc.load([0, k]).to(tl.float32) * x[None, :]
+            w = desc.load([0, k])
+            if EARLY:
+                if k == 0:
+                    if waits:
+                        x_ptr += spin_wait(counter, target, err)  # + 0: the activations' loads after the wait
+            if EARLY:  # an asm load: Triton's pipeliner would fetch a tl.load stages ahead, and so put the first
+                x = plain_load(x_ptr + k + cols, k + cols < K)  # turn's wait before the weights' first requests
+            else:
+                x = tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0)
+            acc += w.to(tl.float32) * x[None, :]
         tl.store(A + y_off + rows, tl.sum(acc, axis=1), mask=rows < nrows)
         tl.debug_barrier()  # every thread's stores before the release
         tl.atomic_add(counters + gemv * COUNTER_STRIDE, 1, sem="release", scope="gpu")
@@ -365,8 +406,10 @@ class Variant:
     weight chunk: BR rows x KC columns, 8 warps as the megakernel), mma:16x512 (the tensor-core stream,
     tools/mma_stream.py: 16-row tasks, 512 columns a step over 8 warps, two steps' weights in flight; every K a
     multiple of 1024; mma:16x2048 four steps in flight, K a multiple of 2048) or mmas:16x512 / mmas:16x2048
-    (the same, the activations kept as (high, low) bf16 parts by their producer), or tma:STAGESxKC (the CUDA-core
-    GEMV over a STAGES-deep ring of 16 x KC tiles that Triton's pipeliner builds from a tensor descriptor)."""
+    (the same, the activations kept as (high, low) bf16 parts by their producer), tma:STAGESxKC (the CUDA-core
+    GEMV over a STAGES-deep ring of 16 x KC tiles that Triton's pipeliner builds from a tensor descriptor) or
+    tmaw:STAGESxKC (the same with the dependency wait inside the ring's first turn: weights in flight while
+    the task waits)."""
     kind: str
     a: int
     b: int
@@ -380,9 +423,9 @@ class Variant:
         except ValueError:
             raise ValueError(f"variant {spec!r}: gluon:SLOTSxSUB, gluonrm:SLOTSxSUB, triton:BRxKC or mma:16x512") \
                 from None
-        if kind not in ("gluon", "gluonrm", "triton", "mma", "mmas", "tma"):
-            raise ValueError(f"variant {spec!r}: the kind is gluon, gluonrm, triton, mma, mmas or tma")
-        if kind == "tma" and (a < 2 or b not in (64, 128, 256) or a * 16 * b * 2 > 200 * 1024):
+        if kind not in ("gluon", "gluonrm", "triton", "mma", "mmas", "tma", "tmaw"):
+            raise ValueError(f"variant {spec!r}: the kind is gluon, gluonrm, triton, mma, mmas, tma or tmaw")
+        if kind in ("tma", "tmaw") and (a < 2 or b not in (64, 128, 256) or a * 16 * b * 2 > 200 * 1024):
             raise ValueError(f"variant {spec!r}: tma:STAGESxKC takes 2 or more stages of 16 x KC bf16 tiles, KC 64, 128 "
                              "or 256 (a TMA box is at most 256 wide), at most 200 KB in all")
         if kind in ("mma", "mmas") and (a, b) not in ((TILE_ROWS, 512), (TILE_ROWS, 2048)):
@@ -440,10 +483,11 @@ class ChainRun:
             gemv_chain_kernel[(self.workers,)](*self.descs, c.tasks, c.queue, self.counters, self.epochs, self.err,
                                                 self.act, WAIT=self.wait, SLOTS=v.a, SUB=v.b, WARPS=v.warps,
                                                 RM=v.kind == "gluonrm", num_warps=v.warps)
-        elif v.kind == "tma":
+        elif v.kind in ("tma", "tmaw"):
             triton.set_allocator(_descriptor_scratch)  # device-side descriptors: 128 bytes each, in global memory
             tma_chain_kernel[(self.workers,)](c.rowmajor, self.act, c.tasks, c.queue, self.counters, self.epochs,
-                                               self.err, WAIT=self.wait, STAGES=v.a, KC=v.b, num_warps=8)
+                                               self.err, WAIT=self.wait, STAGES=v.a, KC=v.b, EARLY=v.kind == "tmaw",
+                                               num_warps=8)
         elif v.kind in ("mma", "mmas"):
             mma_chain_kernel[(self.workers,)](c.rowmajor, self.act, self.act_hi, self.act_lo, c.tasks, c.queue,
                                                self.counters, self.epochs, self.err, WAIT=self.wait,
@@ -484,15 +528,15 @@ def compile_sm90(slots: int, sub: int, warps: int, wait: bool = True, row_major:
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def compile_tma_sm90(stages: int, kc: int, wait: bool = True):
+def compile_tma_sm90(stages: int, kc: int, wait: bool = True, early: bool = False):
     """The plain-Triton TMA-ring chain kernel compiled for sm_90a on any machine."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     sig = {"W": "*bf16", "A": "*fp32", **{n: "*i32" for n in ("tasks", "queue", "counters", "epoch_ptr", "err")},
-           **{n: "constexpr" for n in ("WAIT", "STAGES", "KC")}}
+           **{n: "constexpr" for n in ("WAIT", "STAGES", "KC", "EARLY")}}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(7)}
     return triton.compile(ASTSource(fn=tma_chain_kernel, signature=sig,
-                                    constexprs={"WAIT": wait, "STAGES": stages, "KC": kc}, attrs=attrs),
+                                    constexprs={"WAIT": wait, "STAGES": stages, "KC": kc, "EARLY": early}, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 
 
@@ -546,11 +590,13 @@ def main() -> None:
     variants = [Variant.parse(spec, args.consumer_warps) for spec in args.variants]
     if args.compile_only:
         for v in variants:
-            if v.kind == "tma":
-                k = compile_tma_sm90(v.a, v.b)
-                ptx = k.asm["ptx"]
-                print(f"sm_90a: {v}, {ptx.count('cp.async.bulk.tensor')} TMA loads, shared {k.metadata.shared} bytes, "
-                      f"ptx {len(ptx)} chars")
+            if v.kind in ("tma", "tmaw"):
+                k = compile_tma_sm90(v.a, v.b, early=v.kind == "tmaw")
+                ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
+                # with the wait in the first turn, the ring's first STAGES - 1 requests must come before it
+                ahead = ttgir[:ttgir.find("SPIN:")].count("async_tma_copy_global_to_local") if "SPIN:" in ttgir else 0
+                print(f"sm_90a: {v}, {ptx.count('cp.async.bulk.tensor')} TMA loads ({ahead} before the wait), shared "
+                      f"{k.metadata.shared} bytes, ptx {len(ptx)} chars")
             if v.kind in ("mma", "mmas"):
                 ptx = compile_mma_sm90(split=v.kind == "mmas", bufs=2 if v.b == 512 else 4).asm["ptx"]
                 assert "ld.global.gpu.acquire" in ptx or "atom.global.gpu.acquire" in ptx  # the dependency counters
