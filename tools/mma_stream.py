@@ -140,7 +140,8 @@ def tile_pointers(w_ptr, r0, nrows, K, x_ptr):
 
 @triton.jit
 def first_weights(w_ptr, r0, nrows, K):
-    """The first two steps' weights, requested before a dependency wait (weights never depend on it)."""
+    """The first two steps' weights, requested before a dependency wait (weights never depend on it); with four
+    buffers the other two are requested after it."""
     pa, pb, px, col, g = tile_pointers(w_ptr, r0, nrows, K, w_ptr)
     return load_weights(pa, pb, K > 0), load_weights(pa + STEP_COLS, pb + STEP_COLS, K > STEP_COLS)
 
@@ -154,7 +155,7 @@ def layout_holds():
 @triton.jit
 def mma_rows(w_ptr, r0, nrows, K, x_ptr, y_ptr, store, w_cur, w_nxt, xh_ptr, xl_ptr, yh_ptr, yl_ptr,
              SPLIT: tl.constexpr, BUFS: tl.constexpr = 2):
-    """y[r] = W[r0 + r, :K] . x[:K] for r < nrows (<= 16); K a multiple of 1024 (two steps; the caller checks).
+    """y[r] = W[r0 + r, :K] . x[:K] for r < nrows (<= 16); K a multiple of BUFS x 512 (the caller checks).
     w_cur, w_nxt: first_weights().  SPLIT: x is read as its (high, low) bf16 parts (xh, xl: the producer
     split it), and y is also written so (yh, yl) for the next consumer; else x is fp32, split here."""
     pa, pb, px, col, g = tile_pointers(w_ptr, r0, nrows, K, x_ptr)
