@@ -111,8 +111,8 @@ def test_variants_parse_and_refuse():
     assert gs.Variant.parse("gluonrm:6x4").sub == 4 and gs.Variant.parse("triton:16x1024").sub == 1
     assert gs.Variant.parse("mma:16x512") == gs.Variant("mma", 16, 512, 8) and not gs.Variant.parse("mmas:16x512").gluon
     assert gs.Variant.parse("tma:8x256") == gs.Variant("tma", 8, 256, 8) and gs.Variant.parse("tmaw:4x64").b == 64
-    for bad in ("gluon:6", "cublas:1x1", "triton:ax4", "mma:8x512", "mmas:16x256", "tma:1x256", "tma:8x512",
-                "tma:64x256"):
+    for bad in ("gluon:6", "cublas:1x1", "triton:ax4", "mma:8x512", "mmas:16x256", "tma:1x256", "tma:8x2048",
+                "tma:64x256", "tmaw:8x1024"):
         with pytest.raises(ValueError, match="variant"):
             gs.Variant.parse(bad)
     with pytest.raises(ValueError, match="multiple of 1024"):  # the tensor-core stream's steps

@@ -429,9 +429,10 @@ class Variant:
                              "mma[s]:16x2048, tma:STAGESxKC or tmaw:STAGESxKC") from None
         if kind not in ("gluon", "gluonrm", "triton", "mma", "mmas", "tma", "tmaw"):
             raise ValueError(f"variant {spec!r}: the kind is gluon, gluonrm, triton, mma, mmas, tma or tmaw")
-        if kind in ("tma", "tmaw") and (a < 2 or b not in (64, 128, 256) or a * 16 * b * 2 > 200 * 1024):
-            raise ValueError(f"variant {spec!r}: tma:STAGESxKC takes 2 or more stages of 16 x KC bf16 tiles, KC 64, 128 "
-                             "or 256 (a TMA box is at most 256 wide), at most 200 KB in all")
+        if kind in ("tma", "tmaw") and (a < 2 or b not in (64, 128, 256, 512, 1024) or a * 16 * b * 2 > 200 * 1024):
+            raise ValueError(f"variant {spec!r}: tma:STAGESxKC takes 2 or more stages of 16 x KC bf16 tiles, KC a power "
+                             "of two from 64 to 1024 (Triton sends a tile wider than a TMA box as several), at most "
+                             "200 KB in all")
         if kind in ("mma", "mmas") and (a, b) not in ((TILE_ROWS, 512), (TILE_ROWS, 2048)):
             raise ValueError(f"variant {spec!r}: the tensor-core stream runs tasks of {TILE_ROWS} rows in steps of 512 "
                              "columns (mma:16x512)")
