@@ -149,7 +149,7 @@ def test_compiles_for_sm90():
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs a GPU")
 @pytest.mark.parametrize("chained", [True, False])
 @pytest.mark.parametrize("spec", ["gluon:3x1", "gluon:4x2", "gluonrm:4x2", "triton:16x1024", "tma:4x256", "tma:3x64",
-                                  "tmaw:4x256", "tmaw:2x64"])
+                                  "tmaw:4x256", "tmaw:2x64", "tmaw:3x1024"])
 def test_gpu_chain_equals_torch(chained, spec):
     shapes = SHAPES * 3
     workers = 5  # more tasks than workers, fewer than tasks of one GEMV
