@@ -302,7 +302,7 @@ def mma_chain_kernel(W, A, AH, AL, tasks, queue, counters, epoch_ptr, err, WAIT:
             if WAIT:
                 if gemv > 0:
                     _wait(counters + (gemv - 1) * COUNTER_STRIDE, epoch * tl.load(task + 7), err)
-            mma_stream.mma_rows(w_ptr, r0, nrows, K, A + x_off, A + y_off, True, w_cur, w_nxt, AH + x_off, AL + x_off,
+            mma_stream.mma_rows(w_ptr, r0, nrows, K, A + x_off, A + y_off, w_cur, w_nxt, AH + x_off, AL + x_off,
                                 AH + y_off, AL + y_off, SPLIT, BUFS)
             tl.debug_barrier()  # every thread's stores before the release
             tl.atomic_add(counters + gemv * COUNTER_STRIDE, 1, sem="release", scope="gpu")
@@ -538,29 +538,30 @@ def compile_sm90(slots: int, sub: int, warps: int, wait: bool = True, row_major:
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def compile_tma_sm90(stages: int, kc: int, wait: bool = True, early: bool = False):
-    """The plain-Triton TMA-ring chain kernel compiled for sm_90a on any machine."""
+def _compile_triton_sm90(fn, pointers: dict, constexprs: dict):
+    """A plain-Triton chain kernel compiled for sm_90a on any machine (a CPU's check of its TTGIR, PTX and SASS):
+    `pointers` (name -> type) in the kernel's order, all 16-byte aligned as the JIT finds torch tensors."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    sig = {"W": "*bf16", "A": "*fp32", **{n: "*i32" for n in ("tasks", "queue", "counters", "epoch_ptr", "err")},
-           **{n: "constexpr" for n in ("WAIT", "STAGES", "KC", "EARLY")}}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(7)}
-    return triton.compile(ASTSource(fn=tma_chain_kernel, signature=sig,
-                                    constexprs={"WAIT": wait, "STAGES": stages, "KC": kc, "EARLY": early}, attrs=attrs),
+    sig = {**pointers, **{n: "constexpr" for n in constexprs}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+
+
+_CHAIN_POINTERS = {n: "*i32" for n in ("tasks", "queue", "counters", "epoch_ptr", "err")}
+
+
+def compile_tma_sm90(stages: int, kc: int, wait: bool = True, early: bool = False):
+    """The plain-Triton TMA-ring chain kernel, compiled for sm_90a."""
+    return _compile_triton_sm90(tma_chain_kernel, {"W": "*bf16", "A": "*fp32", **_CHAIN_POINTERS},
+                                {"WAIT": wait, "STAGES": stages, "KC": kc, "EARLY": early})
 
 
 def compile_mma_sm90(wait: bool = True, split: bool = False, bufs: int = 2):
-    """The tensor-core chain kernel compiled for sm_90a on any machine (a CPU's check of its PTX and SASS)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    sig = {"W": "*bf16", "A": "*fp32", "AH": "*bf16", "AL": "*bf16",
-           **{n: "*i32" for n in ("tasks", "queue", "counters", "epoch_ptr", "err")}, "WAIT": "constexpr",
-           "SPLIT": "constexpr", "BUFS": "constexpr"}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(9)}
-    return triton.compile(ASTSource(fn=mma_chain_kernel, signature=sig, constexprs={"WAIT": wait, "SPLIT": split, "BUFS": bufs},
-                                    attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    """The tensor-core chain kernel, compiled for sm_90a."""
+    return _compile_triton_sm90(mma_chain_kernel, {"W": "*bf16", "A": "*fp32", "AH": "*bf16", "AL": "*bf16",
+                                                   **_CHAIN_POINTERS}, {"WAIT": wait, "SPLIT": split, "BUFS": bufs})
 
 
 def reference(chain: Chain, x0: torch.Tensor, chained: bool) -> list[torch.Tensor]:

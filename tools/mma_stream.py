@@ -153,7 +153,7 @@ def layout_holds():
 
 
 @triton.jit
-def mma_rows(w_ptr, r0, nrows, K, x_ptr, y_ptr, store, w_cur, w_nxt, xh_ptr, xl_ptr, yh_ptr, yl_ptr,
+def mma_rows(w_ptr, r0, nrows, K, x_ptr, y_ptr, w_cur, w_nxt, xh_ptr, xl_ptr, yh_ptr, yl_ptr,
              SPLIT: tl.constexpr, BUFS: tl.constexpr = 2):
     """y[r] = W[r0 + r, :K] . x[:K] for r < nrows (<= 16); K a multiple of BUFS x 512 (the caller checks).
     w_cur, w_nxt: first_weights().  SPLIT: x is read as its (high, low) bf16 parts (xh, xl: the producer
@@ -201,7 +201,7 @@ def mma_rows(w_ptr, r0, nrows, K, x_ptr, y_ptr, store, w_cur, w_nxt, xh_ptr, xl_
     both = tl.join(tl.where(t == 0, c0, 0.0), tl.where(t == 0, c2, 0.0))  # [256, 2]
     y = tl.sum(tl.sum(tl.reshape(both, (8, 8, 4, 2)), axis=2), axis=0)  # [g, half]: row g + 8 x half
     r = tl.arange(0, 8)[:, None] + 8 * tl.arange(0, 2)[None, :]
-    m = (r < nrows) & store
+    m = r < nrows
     tl.store(y_ptr + r, y, mask=m)
     if SPLIT:
         hi = y.to(tl.bfloat16)
