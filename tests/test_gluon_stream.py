@@ -111,8 +111,9 @@ def test_variants_parse_and_refuse():
     assert gs.Variant.parse("gluonrm:6x4").sub == 4 and gs.Variant.parse("triton:16x1024").sub == 1
     assert gs.Variant.parse("mma:16x512") == gs.Variant("mma", 16, 512, 8) and not gs.Variant.parse("mmas:16x512").gluon
     assert gs.Variant.parse("tma:8x256") == gs.Variant("tma", 8, 256, 8) and gs.Variant.parse("tmaw:4x64").b == 64
+    assert gs.Variant.parse("tmaf:7x4").sub == 4 and gs.Variant.parse("tmaf:25x1").warps == 8
     for bad in ("gluon:6", "cublas:1x1", "triton:ax4", "mma:8x512", "mmas:16x256", "tma:1x256", "tma:8x2048",
-                "tma:64x256", "tmaw:8x1024"):
+                "tma:64x256", "tmaw:8x1024", "tmaf:1x4", "tmaf:8x4", "tmaf:4x3"):
         with pytest.raises(ValueError, match="variant"):
             gs.Variant.parse(bad)
     with pytest.raises(ValueError, match="multiple of 1024"):  # the tensor-core stream's steps
@@ -129,7 +130,8 @@ def test_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     tool = Path(__file__).resolve().parents[1] / "tools" / "gluon_stream.py"
     out = subprocess.run([sys.executable, str(tool), "--compile-only", "--variants", "gluon:6x4", "gluonrm:6x4",
-                          "mma:16x512", "mmas:16x512", "mmas:16x2048", "tma:8x256", "tmaw:8x256"], capture_output=True,
+                          "mma:16x512", "mmas:16x512", "mmas:16x2048", "tma:8x256", "tmaw:8x256", "tmaf:6x4"],
+                         capture_output=True,
                          text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     # the tensor-core stream, two steps a loop turn: 2 x 2 tiles x 2 halves x (high, low) mma.sync, and the
@@ -141,6 +143,8 @@ def test_compiles_for_sm90():
     # the wait in the first turn (tmaw) all 7 are requested before it
     assert "tma:8x256, 8 TMA loads," in out.stdout, out.stdout
     assert "tmaw:8x256, 8 TMA loads (7 before the wait)" in out.stdout, out.stdout
+    # one ring over all of a worker's tasks: 5 slots of 4 tiles requested ahead of the first task's wait
+    assert "tmaf:6x4, 6 TMA loads (5 before the wait), shared 16" in out.stdout, out.stdout
     shared = int(re.search(r"shared (\d+) bytes", out.stdout).group(1))
     assert 6 * 4 * 8192 <= shared <= 227 * 1024, "the ring must fit an H200 SM's shared memory"
 
@@ -149,7 +153,7 @@ def test_compiles_for_sm90():
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs a GPU")
 @pytest.mark.parametrize("chained", [True, False])
 @pytest.mark.parametrize("spec", ["gluon:3x1", "gluon:4x2", "gluonrm:4x2", "triton:16x1024", "tma:4x256", "tma:3x64",
-                                  "tmaw:4x256", "tmaw:2x64", "tmaw:3x1024"])
+                                  "tmaw:4x256", "tmaw:2x64", "tmaw:3x1024", "tmaf:3x1", "tmaf:4x2", "tmaf:2x4"])
 def test_gpu_chain_equals_torch(chained, spec):
     shapes = SHAPES * 3
     workers = 5  # more tasks than workers, fewer than tasks of one GEMV

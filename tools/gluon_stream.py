@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megakernel.memory import STREAM_SLACK  # noqa: E402
 from megakernel.ops import linear  # noqa: E402
 from tools import mma_stream  # noqa: E402
+from tools.tma_stream import flat_ring_kernel, plain_load, spin_wait  # noqa: E402
 
 TILE_ROWS, TILE_COLS = 16, 256  # a weight tile: 16 output rows x 256 columns of bf16 (8 KB), one TMA box
 ROWS, COLS = gl.constexpr(TILE_ROWS), gl.constexpr(TILE_COLS)  # the same, for the kernel
@@ -204,35 +205,6 @@ def triton_chain_kernel(W, A, tasks, queue, counters, epoch_ptr, err, WAIT: tl.c
                              r0 + nrows, K, w, False, 0.0, BR, KC, 8, 1, 1, 16)
         tl.debug_barrier()  # every thread's stores before the release
         tl.atomic_add(counters + gemv * COUNTER_STRIDE, 1, sem="release", scope="gpu")
-
-
-# a bounded spin on a counter inside one asm (no loop in the IR, so Triton's pipeliner still pipelines the K loop
-# it sits in): each thread polls with its own acquire load, at most MAX_SPINS times; returns the value seen and a
-# zero the compiler cannot see through.  Added to the activations' address, the zero keeps Triton's pipeliner
-# from moving their loads above the wait (ptxas later folds it; by then the loads sit after the spin's branch,
-# and each thread's acquire orders them after the producer's writes)
-_SPIN = tl.constexpr("{ .reg .pred p, q; .reg .b32 n; "
-                     f"mov.b32 n, {1 << 24}; SPIN: ld.acquire.gpu.global.b32 $0, [$2]; "
-                     "setp.lt.s32 p, $0, $3; sub.s32 n, n, 1; setp.gt.s32 q, n, 0; and.pred p, p, q; @p bra SPIN; "
-                     "mov.b32 $1, 0; }")
-
-
-@triton.jit
-def spin_wait(counter, target, err):
-    seen, zero = tl.inline_asm_elementwise(_SPIN, "=r,=r,l,r", [counter, target], dtype=(tl.int32, tl.int32),
-                                           is_pure=False, pack=1)
-    if seen < target:
-        tl.atomic_xchg(err, 1, sem="relaxed", scope="gpu")
-    return zero
-
-
-@triton.jit
-def plain_load(ptrs, mask):
-    """ptrs' fp32 values where mask, else 0, loaded by inline asm (elementwise): loads Triton's pipeliner leaves
-    where they are."""
-    return tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.f32 $0, 0f00000000; "
-                                     "@p ld.global.f32 $0, [$1]; }", "=f,l,r", [ptrs, mask.to(tl.int32)],
-                                     dtype=tl.float32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -413,7 +385,8 @@ class Variant:
     (the same, the activations kept as (high, low) bf16 parts by their producer), tma:STAGESxKC (the CUDA-core
     GEMV over a STAGES-deep ring of 16 x KC tiles that Triton's pipeliner builds from a tensor descriptor) or
     tmaw:STAGESxKC (the same with the dependency wait inside the ring's first turn: weights in flight while
-    the task waits)."""
+    the task waits) or tmaf:STAGESxSUB (tools/tma_stream.py: one ring over all of a worker's tasks, STAGES slots
+    of SUB 8 KB tiles, the weights repacked in queue order)."""
     kind: str
     a: int
     b: int
@@ -426,9 +399,13 @@ class Variant:
             a, b = (int(v) for v in shape.split("x"))
         except ValueError:
             raise ValueError(f"variant {spec!r}: gluon:SLOTSxSUB, gluonrm:SLOTSxSUB, triton:BRxKC, mma[s]:16x512, "
-                             "mma[s]:16x2048, tma:STAGESxKC or tmaw:STAGESxKC") from None
-        if kind not in ("gluon", "gluonrm", "triton", "mma", "mmas", "tma", "tmaw"):
-            raise ValueError(f"variant {spec!r}: the kind is gluon, gluonrm, triton, mma, mmas, tma or tmaw")
+                             "mma[s]:16x2048, tma:STAGESxKC, tmaw:STAGESxKC or tmaf:STAGESxSUB") from None
+        if kind not in ("gluon", "gluonrm", "triton", "mma", "mmas", "tma", "tmaw", "tmaf"):
+            raise ValueError(f"variant {spec!r}: the kind is gluon, gluonrm, triton, mma, mmas, tma, tmaw or tmaf")
+        # Triton's pipeliner keeps STAGES - 1 loads in flight, each its own shared-memory buffer
+        if kind == "tmaf" and (a < 2 or b not in (1, 2, 4, 8) or (a - 1) * b * TILE_ROWS * TILE_COLS * 2 > 200 * 1024):
+            raise ValueError(f"variant {spec!r}: tmaf:STAGESxSUB takes 2 or more stages of SUB (1, 2, 4 or 8) tiles "
+                             f"of {TILE_ROWS} x {TILE_COLS} bf16, STAGES - 1 of them at most 200 KB")
         if kind in ("tma", "tmaw") and (a < 2 or b not in (64, 128, 256, 512, 1024) or a * 16 * b * 2 > 200 * 1024):
             raise ValueError(f"variant {spec!r}: tma:STAGESxKC takes 2 or more stages of 16 x KC bf16 tiles, KC a power "
                              "of two from 64 to 1024 (Triton sends a tile wider than a TMA box as several), at most "
@@ -444,7 +421,7 @@ class Variant:
 
     @property
     def sub(self) -> int:
-        return self.b if self.gluon else 1
+        return self.b if self.gluon or self.kind == "tmaf" else 1
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.a}x{self.b}"
@@ -453,6 +430,17 @@ class Variant:
 def mma_buffers(v: "Variant") -> int:
     """The tensor-core stream's register buffers: mma:16x512 two (1024 columns in flight), 16x2048 four."""
     return 2 if v.b == 512 else 4
+
+
+def queue_ordered(chain: Chain, sub: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tile-major arena's tiles in queue order, as [tiles, 16, 256] (so a worker's weight slots of sub tiles
+    follow one another), and each worker's first slot: [workers + 1] int32, the last entry the slot count."""
+    tasks, queue = chain.tasks.cpu(), chain.queue.cpu()
+    order = torch.cat([torch.arange(int(t0), int(t0) + int(nk)) for t0, nk in tasks[:, :2].tolist()])
+    slots = (tasks[:, 1] // sub).cumsum(0)
+    ends = [int(slots[int(q) - 1]) if q > 0 else 0 for q in queue.tolist()]
+    tiles = chain.arena.view(-1, TILE_ROWS, TILE_COLS)
+    return tiles[order.to(tiles.device)], torch.tensor(ends, dtype=torch.int32, device=tiles.device)
 
 
 def _descriptor_scratch(size: int, alignment: int, stream):
@@ -470,6 +458,8 @@ class ChainRun:
                              f"512-column steps), got {chain.shapes}")
         if variant.gluon:
             self.descs = descriptors(chain, variant.kind == "gluonrm")
+        if variant.kind == "tmaf":
+            self.queued, self.first = queue_ordered(chain, variant.sub)
         self.counters = torch.zeros(len(chain.shapes) * STRIDE, dtype=torch.int32, device=dev)
         self.epochs = torch.zeros(workers, dtype=torch.int32, device=dev)
         self.err = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -498,6 +488,11 @@ class ChainRun:
             tma_chain_kernel[(self.workers,)](c.rowmajor, self.act, c.tasks, c.queue, self.counters, self.epochs,
                                                self.err, WAIT=self.wait, STAGES=v.a, KC=v.b, EARLY=v.kind == "tmaw",
                                                num_warps=8)
+        elif v.kind == "tmaf":
+            triton.set_allocator(_descriptor_scratch)
+            flat_ring_kernel[(self.workers,)](self.queued, self.act, c.tasks, c.queue, self.first, self.counters,
+                                               self.epochs, self.err, WAIT=self.wait, STAGES=v.a, SUB=v.b,
+                                               FIELDS=FIELDS.value, STRIDE=STRIDE, num_warps=8)
         elif v.kind in ("mma", "mmas"):
             mma_chain_kernel[(self.workers,)](c.rowmajor, self.act, self.act_hi, self.act_lo, c.tasks, c.queue,
                                                self.counters, self.epochs, self.err, WAIT=self.wait,
@@ -558,6 +553,15 @@ def compile_tma_sm90(stages: int, kc: int, wait: bool = True, early: bool = Fals
                                 {"WAIT": wait, "STAGES": stages, "KC": kc, "EARLY": early})
 
 
+def compile_flat_sm90(stages: int, sub: int, wait: bool = True):
+    """tools/tma_stream.py's one-ring-per-worker chain kernel, compiled for sm_90a."""
+    return _compile_triton_sm90(flat_ring_kernel, {"Q": "*bf16", "A": "*fp32", "tasks": "*i32", "queue": "*i32",
+                                                   "first": "*i32", "counters": "*i32", "epoch_ptr": "*i32",
+                                                   "err": "*i32"},
+                                {"WAIT": wait, "STAGES": stages, "SUB": sub, "FIELDS": FIELDS.value,
+                                 "STRIDE": STRIDE})
+
+
 def compile_mma_sm90(wait: bool = True, split: bool = False, bufs: int = 2):
     """The tensor-core chain kernel, compiled for sm_90a."""
     return _compile_triton_sm90(mma_chain_kernel, {"W": "*bf16", "A": "*fp32", "AH": "*bf16", "AL": "*bf16",
@@ -609,6 +613,13 @@ def main() -> None:
                          if v.kind == "tmaw" else "")
                 print(f"sm_90a: {v}, {ptx.count('cp.async.bulk.tensor')} TMA loads{ahead}, shared "
                       f"{k.metadata.shared} bytes, ptx {len(ptx)} chars")
+            if v.kind == "tmaf":
+                k = compile_flat_sm90(v.a, v.b)
+                ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
+                ahead = ttgir[:ttgir.find('SPIN:')].count('async_tma_copy_global_to_local')
+                print(f"sm_90a: {v}, {ptx.count('cp.async.bulk.tensor')} TMA loads ({ahead} before the wait), "
+                      f"shared {k.metadata.shared} bytes, {k.n_regs if hasattr(k, 'n_regs') else '?'} registers, "
+                      f"ptx {len(ptx)} chars")
             if v.kind in ("mma", "mmas"):
                 ptx = compile_mma_sm90(split=v.kind == "mmas", bufs=mma_buffers(v)).asm["ptx"]
                 assert "ld.global.gpu.acquire" in ptx or "atom.global.gpu.acquire" in ptx  # the dependency counters
