@@ -277,8 +277,8 @@ def combine_heads(op_ptr, lse_ptr, o_ptr, o_ld, b, T, nh, ns, dim, h0, h1, c0, c
     per column block, not 2 x nsplits dependent ones (that serial loop took 33 µs per dsv2-lite layer:
     docs/PERF.md); the plan splits columns over tasks so that one round trip reads every split.
     CPF 1: the next block of splits is requested before this one is summed (more registers).  AHEAD 1: the
-    next column block's first one too (HEAD_MATMUL[COMBINE], which combines a head's every column: 16
-    blocks of 32 on dsv2-lite, where an ATTN_COMBINE task takes two).  The same sums either way."""
+    next column block's first one too (HEAD_MATMUL[COMBINE], which combines a head's every column, in blocks
+    narrower than a row where a launch asks so).  The same sums either way."""
     stride = T * nh  # from one split's row of a (token, head) to the next split's
     nc = tl.cdiv(c1 - c0, BCW)
     n = T * (h1 - h0) * nc  # (token, head, column block) items
