@@ -142,16 +142,11 @@ def footprint(task: Decoded) -> list[Access]:
         out += _acc(task, "src", f["r0"], f["r1"], 0, f["cols"], False)
         out += _cache_rows(task, f, f["cols"])
     elif name == "HEAD_MATMUL":
-        N, h0, h1, hs = f["N"], f["h0"], f["h1"], f["x_hs"]
+        N, h0, h1 = f["N"], f["h0"], f["h1"]
         for h in range(h0, h1):
-            if task.has("COMBINE"):  # x's head rows, combined by the task itself (then read below)
-                out += _acc(task, "x", 0, N, h * hs, (h + 1) * hs, True)
-            c = h * hs + f["x_col0"]
+            c = h * f["x_hs"] + f["x_col0"]
             out += _acc(task, "x", 0, N, c, c + f["in_dim"], False)
             out += _acc(task, "out", 0, N, h * f["out_hs"] + f["o0"], h * f["out_hs"] + f["o1"], True)
-        if task.has("COMBINE"):
-            for b in range(N // f["T"]):
-                out += _split_partials(task, b, h0, h1, 0, hs, hs)
         span = (f["in_dim"] - 1) * f["w_ld"] + f["out_dim"] if not task.has("TRANS") else \
             (f["out_dim"] - 1) * f["w_ld"] + f["in_dim"]
         out += _flat(task, "w", h0 * f["w_hs"], (h1 - 1) * f["w_hs"] + span, False)
@@ -170,9 +165,13 @@ def footprint(task: Decoded) -> list[Access]:
             out += _acc(task, "op", row + h0, row + h1, 0, f["dim"], True, ld=f["dim"])
             out += _flat(task, "lse", row + h0, row + h1, True)
     elif name == "ATTN_COMBINE":
-        b, T, h0, h1, dim = f["b"], f["T"], f["h0"], f["h1"], f["dim"]
+        b, T, h0, h1, nh, ns, dim = f["b"], f["T"], f["h0"], f["h1"], f["nheads"], f["nsplits"], f["dim"]
         c0, c1 = f["c0"], f["c1"]
-        out += _split_partials(task, b, h0, h1, c0, c1, dim)
+        for s in range(ns):
+            for t in range(T):
+                row = ((b * ns + s) * T + t) * nh
+                out += _acc(task, "op", row + h0, row + h1, c0, c1, False, ld=dim)
+                out += _flat(task, "lse", row + h0, row + h1, False)
         for h in range(h0, h1):
             out += _acc(task, "out", b * T, (b + 1) * T, h * dim + c0, h * dim + c1, True)
     elif name == "ROUTE":
@@ -283,20 +282,6 @@ def footprint(task: Decoded) -> list[Access]:
 
 
 READ_ONLY = (Buf.W, Buf.WF)
-
-
-def _split_partials(task, b: int, h0: int, h1: int, c0: int, c1: int, dim: int) -> list:
-    """What a combine of sequence b's heads h0..h1, columns c0..c1, reads: every split's partial output rows
-    (dim long) and log-sum-exps, at row ((b·nsplits + split)·T + t)·nheads + h (ATTENTION's layout)."""
-    f = task.fields
-    T, nh, ns = f["T"], f["nheads"], f["nsplits"]
-    out = []
-    for s in range(ns):
-        for t in range(T):
-            row = ((b * ns + s) * T + t) * nh
-            out += _acc(task, "op", row + h0, row + h1, c0, c1, False, ld=dim)
-            out += _flat(task, "lse", row + h0, row + h1, False)
-    return out
 
 
 def _cache_rows(task, f, cols: int, skip: int = 0) -> list:

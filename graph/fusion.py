@@ -20,12 +20,6 @@ Rules, applied in this order (each names what it merged in the report):
                  router alone folds it, exactly (LINEAR[NORM, PAIR] on W·diag(g)'s bf16 high and low
                  parts, since its sums rank experts), so the router starts one hop earlier, the norm runs
                  beside it (the route leaves it time), and every expert reads what the default plan's do.
-- combine_into_v_up: ATTN_COMBINE read only by a HEAD_MATMUL (MLA's v_up) -> HEAD_MATMUL[COMBINE]: each task
-                 combines its heads' split partials itself, into the rows the combine wrote, before its matmul:
-                 one hop fewer after attention, the same sums (the interpreter's logits bit for bit).  Its
-                 tiles take whole heads (every output), so a head's partials are combined once: 129 splits x
-                 512 fp32 per head on dsv2-lite, 16 tasks reading 264 KB each where 128 combine tasks read
-                 33 KB each.  Opt-in (OPT_IN_RULES).
 A tensor is absorbed only when the fused op is its sole reader and it is not
 an output.  The fused op takes the program position of the chain's last op.
 CompileOptions.fusion_rules names the rules a plan applies (DEFAULT_RULES unless told).  Those in
@@ -37,17 +31,14 @@ from __future__ import annotations
 from .ir import Graph, Op, Tensor, View
 
 RULES = ("swiglu", "moe_epilogue", "residual_into_linear", "residual_norm", "rope_into_cache", "route", "hc_coeff",
-         "norm_into_linear", "norm_beside_experts", "combine_into_v_up")
+         "norm_into_linear", "norm_beside_experts")
 WEIGHT_RULES = ("norm_into_linear", "norm_beside_experts")  # rules that derive packed weights (W' = W diag(g))
 # what a plan applies unless told.  norm_beside_experts stays opt-in: its first version (session 15: -2.8%,
 # -3.1% on dsv2-lite) rounded the router's W·diag(g) to bf16, which moved routing decisions (1.2% of tokens per
 # layer on random weights); its second (the router exact, the shared experts folded: -1.1%, session 16) still
 # moved one greedy token of tiny-moe's 64-step teacher-forced GPU test.  This one, where only the router folds
-# and every expert reads the norm's rows, has not run on a GPU.  combine_into_v_up is slower where it was timed:
-# dsv2-lite T=1 (H200, ctx 4096) 3.17 ms against 2.90, 3.15 with attn_split=64 (65 splits): a head's partials
-# through one SM cost more than the hop they save
-OPT_IN_RULES = ("norm_beside_experts", "combine_into_v_up")
-DEFAULT_RULES = tuple(r for r in RULES if r not in OPT_IN_RULES)
+# and every expert reads the norm's rows, has not run on a GPU
+DEFAULT_RULES = tuple(r for r in RULES if r != "norm_beside_experts")
 
 
 class _Ctx:
@@ -195,25 +186,6 @@ def _rope_into_cache(ctx: _Ctx) -> str | None:
     return None
 
 
-def _combine_into_v_up(ctx: _Ctx) -> str | None:
-    for mm in ctx.g.ops:
-        if mm.opcode != "HEAD_MATMUL" or "COMBINE" in mm.flags:
-            continue
-        comb = ctx.sole_producer(mm.reads["x"], "ATTN_COMBINE")
-        if comb is None or not ctx.private(comb.writes["out"].tensor, mm):
-            continue
-        a, c = mm.attrs, comb.attrs
-        if a["x_hs"] != c["dim"] or a["x_col0"] or a["heads"] != c["nheads"] or a["N"] != c["B"] * c["T"]:
-            continue  # x is not the combine's [B*T, heads*dim] rows as they are
-        attrs = {**a, **{k: c[k] for k in ("T", "nheads", "nsplits")}}
-        # x stays: the task stores the combined rows there and its matmul reads them back (other tasks never do)
-        reads = {"op": comb.reads["op"], "lse": comb.reads["lse"], "w": mm.reads["w"]}
-        fused = _new(mm, mm.flags | {"COMBINE"}, reads, {"out": mm.writes["out"], "x": mm.reads["x"]}, attrs)
-        ctx.replace([comb, mm], fused)
-        return f"{comb.label} -> {mm.label} HEAD_MATMUL[COMBINE]"
-    return None
-
-
 def _whole(ctx: _Ctx, view: View) -> bool:
     return view.col0 == 0 and view.cols in (None, ctx.g.tensors[view.tensor].cols)
 
@@ -348,7 +320,6 @@ def fuse(graph: Graph, rules: tuple[str, ...] = DEFAULT_RULES) -> dict:
         "hc_coeff": lambda c: _merge_stages(c, "HC_COEFF", ("MIX", "ACT", "SINK", "COLLAPSE"), ".coeff"),
         "norm_into_linear": _norm_into_linear,
         "norm_beside_experts": lambda c: _norm_into_linear(c, beside_experts=True),
-        "combine_into_v_up": _combine_into_v_up,
     }
     changes, per_rule = [], {}
     for rule in RULES:

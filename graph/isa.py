@@ -120,10 +120,8 @@ _OPS = [
     # cache[b, pos, col0:col0+cols] = src[r, :cols], b = r // T, pos as in ROPE_TABLE
     Opcode("CACHE_WRITE", 7, _f("src* cache+ cl+ T S width col0 cols pos_offset r0 r1")),
     # out[n, h*out_hs + o] = sum_i x[n, h*x_hs + x_col0 + i] · W_h[i, o] for heads h0..h1, o in o0..o1;
-    # W_h[i, o] at w.off + h*w_hs + i*w_ld + o, or o*w_ld + i with TRANS.  COMBINE: first, x's head rows
-    # x[b*T + t, h*x_hs : +x_hs] for every row = ATTN_COMBINE of the split partials op, lse (nheads, nsplits)
-    Opcode("HEAD_MATMUL", 8, _f("x* x_hs x_col0 w+ w_hs w_ld out* out_hs N in_dim out_dim h0 h1 o0 o1 "
-                                "op+ lse+ T nheads nsplits"), ("TRANS", "COMBINE")),
+    # W_h[i, o] at w.off + h*w_hs + i*w_ld + o, or o*w_ld + i with TRANS
+    Opcode("HEAD_MATMUL", 8, _f("x* x_hs x_col0 w+ w_hs w_ld out* out_hs N in_dim out_dim h0 h1 o0 o1"), ("TRANS",)),
     # partial attention of sequence b, heads h0..h1 over cache rows [split·split_len, +split_len):
     # o_part[b, split, t, h, :dim], lse_part[b, split, t, h]
     Opcode("ATTENTION", 9, _f("q* q_hs q_col0 pe* pe_hs pe_col0 cache+ cl+ T S width b h0 h1 split split_len "

@@ -234,20 +234,12 @@ class Tiler:
         per_head = a["in_dim"] * a["out_dim"] * self.wbytes
         hpt = max(1, min(a["heads"], self.opts.tile_bytes // max(1, per_head)))
         heads, O = _blocks(a["heads"], hpt), a["out_dim"]
-        # COMBINE: a task first combines its heads' partials (every column, every row), so it takes all their
-        # outputs: two tasks of a head would each combine it (and both write its rows of x)
-        combine = "COMBINE" in op.flags
         cols = O  # with spread, when heads alone make too few tasks: output column blocks too
         if self.opts.spread:
             heads = _blocks(a["heads"], max(1, min(hpt, -(-a["heads"] // self.opts.spread))))
-            if not combine:
-                cols = _spread_block(O, self.opts.spread // len(heads), 16, 128)
-        # what a COMBINE task reads and sums per head and token row: the partials and log-sum-exps of each split
-        split_bytes = 4 * a["nsplits"] * (a["x_hs"] + 1) if combine else 0
-        split_flops = 3 * a["nsplits"] * a["x_hs"] if combine else 0
+            cols = _spread_block(O, self.opts.spread // len(heads), 16, 128)
         return [Tile({"h0": h0, "h1": h1, "o0": o0, "o1": o1}, (h1 - h0) * a["in_dim"] * (o1 - o0) * self.wbytes,
-                     4 * a["N"] * (h1 - h0) * (a["in_dim"] + o1 - o0) + a["N"] * (h1 - h0) * split_bytes,
-                     2 * a["N"] * (h1 - h0) * a["in_dim"] * (o1 - o0) + a["N"] * (h1 - h0) * split_flops)
+                     4 * a["N"] * (h1 - h0) * (a["in_dim"] + o1 - o0), 2 * a["N"] * (h1 - h0) * a["in_dim"] * (o1 - o0))
                 for h0, h1 in heads for o0, o1 in _blocks(O, cols)]
 
     def tile_attention(self, op):

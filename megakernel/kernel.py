@@ -42,19 +42,13 @@ def next_word_to_l1(word, t, end, WORDS: tl.constexpr, WPF: tl.constexpr):
 def head_matmul_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr,
                      MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr,
                      ALIGN: tl.constexpr, TRANS: tl.constexpr, TB: tl.constexpr, WORDS: tl.constexpr,
-                     WPF: tl.constexpr, EF: tl.constexpr, HM_COMBINE: tl.constexpr, BSC: tl.constexpr,
-                     BCW: tl.constexpr, CPF: tl.constexpr):
-    """A HEAD_MATMUL task as a LINEAR one runs: first weights requested, wait, body.  (ok, ready time).
-    HM_COMBINE (compiled in for plans with HEAD_MATMUL[COMBINE] tasks only): such a task combines x first."""
+                     WPF: tl.constexpr, EF: tl.constexpr):
+    """A HEAD_MATMUL task as a LINEAR one runs: first weights requested, wait, body.  (ok, ready time)."""
     w = head_matmul.prefetch(word, W, BI, BO, ALIGN, TRANS, EF)
     ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
     t_ready = now_ns(USE_TIMER)
     next_word_to_l1(word, t, end, WORDS, WPF)
     if ok == 1:
-        if HM_COMBINE:
-            if head_matmul.combines(word):
-                head_matmul.combine_x(word, A, BSC, BCW, CPF, ALIGN)
-                tl.debug_barrier()  # every thread's combined x stored before any thread's body loads it
         head_matmul.body(word, W, A, w, BI, BO, ALIGN, TRANS, TB, EF)
     return ok, t_ready
 
@@ -92,7 +86,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                ALIGN: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr, ATT_KIND: tl.constexpr,
                ROWVEC: tl.constexpr, AHEAD: tl.constexpr, NARROW: tl.constexpr, ROUTE1: tl.constexpr, PFD: tl.constexpr,
                EF: tl.constexpr, WPF: tl.constexpr, APF: tl.constexpr, PFK: tl.constexpr, HILO: tl.constexpr,
-               HELPER_SIDE: tl.constexpr, HM_COMBINE: tl.constexpr):
+               HELPER_SIDE: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
     end = tl.load(queue_ptr + pid + 1)
@@ -124,12 +118,10 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
         elif op == OP_HEAD_MATMUL:  # a copy per weight layout, so each vectorizes its loads
             if head_matmul.transposed(word):
                 ok, t_ready = head_matmul_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
-                                               MAX_SPINS, USE_TIMER, BIT, BOT, ALIGN, True, TB, WORDS, WPF, EF,
-                                               HM_COMBINE, BSC, BCW, CPF)
+                                               MAX_SPINS, USE_TIMER, BIT, BOT, ALIGN, True, TB, WORDS, WPF, EF)
             else:
                 ok, t_ready = head_matmul_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
-                                               MAX_SPINS, USE_TIMER, BI, BO, ALIGN, False, TB, WORDS, WPF, EF,
-                                               HM_COMBINE, BSC, BCW, CPF)
+                                               MAX_SPINS, USE_TIMER, BI, BO, ALIGN, False, TB, WORDS, WPF, EF)
         else:
             if APF:  # a split's cache rows asked of the L2 while it waits
                 if op == OP_ATTENTION:

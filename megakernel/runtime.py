@@ -38,7 +38,7 @@ OPERAND_BUFFERS = {
     "ROPE_TABLE": {"cl": Buf.I, "f": Buf.WF, "out": Buf.A},
     "ROPE": {"x": Buf.A, "tab": Buf.A, "out": Buf.A, "cache": Buf.C, "cl": Buf.I},
     "CACHE_WRITE": {"src": Buf.A, "cache": Buf.C, "cl": Buf.I},
-    "HEAD_MATMUL": {"x": Buf.A, "w": Buf.W, "out": Buf.A, "op": Buf.A, "lse": Buf.A},
+    "HEAD_MATMUL": {"x": Buf.A, "w": Buf.W, "out": Buf.A},
     "ATTENTION": {"q": Buf.A, "pe": Buf.A, "cache": Buf.C, "cl": Buf.I, "op": Buf.A, "lse": Buf.A},
     "ATTN_COMBINE": {"op": Buf.A, "lse": Buf.A, "out": Buf.A},
     "ROUTE": {"lg": Buf.A, "sc": Buf.A, "bias": Buf.WF, "ids": Buf.I, "wts": Buf.A, "st": Buf.I},
@@ -100,7 +100,7 @@ def check_operand_buffers(plan: Plan, tasks: list[Decoded]) -> None:
 ALIGNED_FIELDS = {
     "LINEAR": ("K", "w.off", "w2.off", "x.off", "x.ld"),
     "EXPERT_LINEAR": ("K", "w.off", "w2.off", "w_es", "x.off", "x.ld"),
-    "HEAD_MATMUL": ("w.off", "w_hs", "w_ld", "x.ld", "x_hs", "x_col0", "x.off", "o0", "op.off"),
+    "HEAD_MATMUL": ("w.off", "w_hs", "w_ld", "x.ld", "x_hs", "x_col0", "x.off", "o0"),
     "ATTENTION": ("width", "cache.off", "dim", "q.off", "q.ld", "q_hs", "q_col0", "kv_hs", "v_col0", "rope_dim",
                   "pe.off", "pe.ld", "pe_hs", "pe_col0", "op.off"),
     "ATTN_COMBINE": ("dim", "op.off", "out.off", "out.ld", "c0", "c1"),
@@ -133,7 +133,6 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     pairs = combine_cols = 16
     head_in, head_out = [16, 16], [16, 16]  # [plain, TRANS] per-head matmuls
     att_kinds = set()
-    row_combine = False  # a HEAD_MATMUL[COMBINE] task combines its heads' rows (fusion rule combine_into_v_up)
     for t in tasks:
         f = t.fields
         if t.op.name in ("LINEAR", "EXPERT_LINEAR"):
@@ -145,9 +144,6 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
             stream_n = max(stream_n, _pow2(f["N"], 1))
             k = 1 if t.has("TRANS") else 0
             head_in[k], head_out[k] = max(head_in[k], _pow2(f["in_dim"])), max(head_out[k], _pow2(f["o1"] - f["o0"]))
-            if t.has("COMBINE"):  # combines whole head rows
-                splits, combine_cols = max(splits, _pow2(f["nsplits"], 2)), max(combine_cols, _pow2(f["x_hs"]))
-                row_combine = True
         elif t.op.name == "ATTENTION":
             dmax, rmax = max(dmax, _pow2(f["dim"])), max(rmax, _pow2(f["rope_dim"]))
             att_rows = max(att_rows, _pow2(f["T"] * (f["h1"] - f["h0"])))
@@ -195,16 +191,14 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     bi, bo = min(128, head_in[0]), min(128, head_out[0])
     bot = min(128, head_out[1])
     bit = min(head_in[1], 16384 // bot)
-    # the attention combine: all splits of a task's columns in one load where 8K values allow.  A task that combines
-    # whole rows of a head (HEAD_MATMUL[COMBINE]) loads rows of 16 splits or more instead, the next 16 requested
-    # while one is summed (CPF): on dsv2-lite (129 splits x 512) 3.17 ms a step, 3.77 in blocks of 256 x 32
-    bcw = min(combine_cols, 512 if row_combine else max(16, 8192 // splits))
+    # the attention combine: all splits of a task's columns in one load where 8K values allow
+    bcw = min(combine_cols, max(16, 8192 // splits))
     # bf16 weights: activations enter the tensor cores as a bf16 (high, low) pair, ~16 mantissa bits
     align = alignment(tasks)
     return dict(BR=br, KC=kc, STAGES=stages, BD=256, BH=32, BM=bm, BJ=bj, DMAX=dmax, RMAX=rmax, BI=bi, BO=bo, BIT=bit, BOT=bot,
                 BE=experts, BP=min(256, pairs), BW=width, ALIGN=align, BT=spec_t,
                 # whole rows per load where registers allow: each block is one memory round trip
-                BSC=min(splits, max(1, 8192 // bcw)), BCW=bcw, BN=min(norm_width, 8192), BK=topk, CPF=int(row_combine),
+                BSC=min(splits, max(1, 8192 // bcw)), BCW=bcw, BN=min(norm_width, 8192), BK=topk, CPF=0,
                 SAMPLE=sample, BV=1024, TB=tb,
                 # weights asked of the L2 in bulk, a task at a time (1) or a task ahead (2): a launch variant
                 PF=0,
@@ -245,8 +239,6 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 HELPER_SIDE=int(any(t.op.name == "HELPER_RECV" for t in tasks)),
                 # LINEAR[PAIR] (norm_beside_experts' router, on exact scaled weights) compiled in (only where used)
                 HILO=int(any(t.op.name == "LINEAR" and t.has("PAIR") for t in tasks)),
-                # HEAD_MATMUL[COMBINE] (fusion rule combine_into_v_up) compiled in (only where used)
-                HM_COMBINE=int(any(t.op.name == "HEAD_MATMUL" and t.has("COMBINE") for t in tasks)),
                 # attention compiled for the plan's one kind (MLA or GQA), else the flag read per task
                 ATT_KIND=att_kinds.pop() if len(att_kinds) == 1 else 0)
 
@@ -294,8 +286,7 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
         raise MegakernelError("block override ROWVEC=2: the Triton interpreter runs no inline PTX")
     for flag, what in (("AHEAD", "a listed token's out row looked up a step ahead"),
                        ("ROUTE1", "one token's slot table from registers"), ("NARROW", "narrow chunks"),
-                       ("WPF", "the next task word's prefetch"), ("HILO", "LINEAR[PAIR] compiled in"),
-                       ("HM_COMBINE", "HEAD_MATMUL[COMBINE] compiled in")):
+                       ("WPF", "the next task word's prefetch"), ("HILO", "LINEAR[PAIR] compiled in")):
         if blocks[flag] not in (0, 1):
             raise MegakernelError(f"block override {flag}={blocks[flag]}: 0, or 1 ({what})")
     if blocks["APF"] not in (0, 1, 2):
@@ -325,9 +316,6 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
     if blocks["HILO"] < fitted["HILO"]:
         raise MegakernelError("block override HILO=0: this plan has LINEAR[PAIR] tasks (a router's weights as a high "
                               "and a low part), whose low part a kernel without HILO would not read")
-    if blocks["HM_COMBINE"] < fitted["HM_COMBINE"]:
-        raise MegakernelError("block override HM_COMBINE=0: this plan has HEAD_MATMUL[COMBINE] tasks, whose inputs a "
-                              "kernel without HM_COMBINE would read uncombined")
     if blocks["HELPER_SIDE"] < fitted["HELPER_SIDE"]:
         raise MegakernelError("block override HELPER_SIDE=0: this plan has a persistent helper's HELPER_RECV and "
                               "HELPER_SEND tasks")

@@ -326,28 +326,6 @@ def test_sibling_projections_share_the_workers():
     assert routers == [8, 8]
 
 
-def test_v_up_combines_its_inputs_on_dsv2_lite():
-    """Fusion rule combine_into_v_up on dsv2-lite's T=1 step at the benchmark's context (129 splits of 32
-    positions): a layer's 128 ATTN_COMBINE tasks go, and v_up makes one task per head (every output column,
-    where the default makes two of 64) that waits on the layer's 129 attention tasks itself."""
-    from graph.fusion import DEFAULT_RULES
-    cfg = preset("dsv2-lite").replace(num_hidden_layers=2)  # its dense first layer and one MoE layer
-    shape = StepShape(T=1, B=1, max_len=4097)
-    default, folded = (compile_step(cfg, shape, CompileOptions(fusion_rules=rules))
-                       for rules in (DEFAULT_RULES, DEFAULT_RULES + ("combine_into_v_up",)))
-    for layer in (0, 1):
-        want = _layer_tasks(default, layer)
-        assert (want[f"L{layer}.attn"], want[f"L{layer}.attn.combine"], want[f"L{layer}.attn.v_up"]) == (129, 128, 32)
-        got = _layer_tasks(folded, layer)
-        assert f"L{layer}.attn.combine" not in got and got[f"L{layer}.attn.v_up"] == 16
-        gone = (f"L{layer}.attn.combine", f"L{layer}.attn.v_up")
-        assert {k: v for k, v in got.items() if k not in gone} == {k: v for k, v in want.items() if k not in gone}
-    v_up = [folded.task(i) for i, label in enumerate(folded.task_labels) if label.startswith("L1.attn.v_up[")]
-    attention = folded.counter_labels.index("L1.attn")
-    assert all(t.has("COMBINE") and t.waits == ((attention, 129),) and (t["o0"], t["o1"]) == (0, 128)
-               and t["h1"] - t["h0"] == 1 for t in v_up)
-
-
 @settings(max_examples=200, deadline=None)
 @given(rows=st.integers(1, 5000), bytes_per_row=st.integers(1, 20000), copies=st.integers(1, 8),
        spread=st.integers(1, 200), align=st.sampled_from([1, 4, 16]), tile_bytes=st.sampled_from([4096, 262144]))

@@ -13,7 +13,6 @@ from .conftest import UNFOLDED, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("one_kernel_for_tiny_models")]
 BF16_TOL = 1e-2
-FOLD = DEFAULT_RULES + ("combine_into_v_up",)  # the opt-in fusion rule: v_up combines its inputs itself
 
 
 def _setup(name, T=2, B=2, max_len=64, workers=16, passes=0, layers=None, seed=0, rules=DEFAULT_RULES):
@@ -33,14 +32,10 @@ def _random_cache(mk, seed=0):
     mk.cache().copy_(torch.randn(mk.cache().shape, device="cuda", generator=g))
 
 
-TINY_MLA = ("tiny-moe", "tiny-mhc")
-
-
-@pytest.mark.parametrize("name,rules", [(n, DEFAULT_RULES) for n in TINY_PRESETS] + [(n, FOLD) for n in TINY_MLA],
-                         ids=list(TINY_PRESETS) + [f"{n}-combine_into_v_up" for n in TINY_MLA])
-def test_tiny_megakernel_equals_interpreter(name, rules):
+@pytest.mark.parametrize("name", TINY_PRESETS)
+def test_tiny_megakernel_equals_interpreter(name):
     from megakernel.interpreter import Interpreter
-    cfg, w, plan, mk = _setup(name, passes=1 if preset(name).num_nextn_predict_layers else 0, rules=rules)
+    cfg, w, plan, mk = _setup(name, passes=1 if preset(name).num_nextn_predict_layers else 0)
     _random_cache(mk)
     interp = Interpreter(plan, None, "cuda", share=mk.mem)
     saved = mk.cache().clone()
@@ -56,9 +51,9 @@ def test_tiny_megakernel_equals_interpreter(name, rules):
 
 
 @pytest.mark.parametrize("name,rules", [(n, r) for n in ("llama-1b", "dsv2-lite") for r in (DEFAULT_RULES, UNFOLDED)]
-                         + [("dsv2-lite", RULES), ("dsv2-lite", FOLD)],  # every rule: the opt-in ones too
+                         + [("dsv2-lite", RULES)],  # every rule: the opt-in norm_beside_experts too
                          ids=["llama-1b-default", "llama-1b-norms_unfolded", "dsv2-lite-default",
-                              "dsv2-lite-norms_unfolded", "dsv2-lite-all_rules", "dsv2-lite-combine_into_v_up"])
+                              "dsv2-lite-norms_unfolded", "dsv2-lite-all_rules"])
 def test_large_megakernel_equals_interpreter(name, rules):
     from megakernel.interpreter import Interpreter
     cfg, w, plan, mk = _setup(name, T=1, B=1, max_len=256, workers=torch.cuda.get_device_properties(0).multi_processor_count,
@@ -72,42 +67,6 @@ def test_large_megakernel_equals_interpreter(name, rules):
     mk.cache().copy_(saved)
     got = mk.step(tokens, lens)
     assert rel_err(got.logits, want.logits) <= BF16_TOL
-
-
-@pytest.mark.parametrize("T,B,max_len,lens", [(1, 1, 4097, [4000]), (2, 2, 300, [150, 297])],
-                         ids=["T1-129_splits", "T2-B2-10_splits"])
-def test_v_up_combining_its_inputs_on_dsv2_lite(T, B, max_len, lens):
-    """Fusion rule combine_into_v_up on dsv2-lite's shapes (4 layers; T=1 at the benchmark's context: 129 splits
-    of 32 positions; and two sequences of two tokens): the plan with it and without, each within bf16 tolerance
-    of the interpreter; the fold's logits equal the default plan's bit for bit where its kernel takes the
-    default's combine and v_up blocks (BSC, BCW, BIT, BOT: the same sums), within fp32 rounding with its own
-    (rows of 16 splits x 512 per load, and v_up's whole heads take BIT x BOT = 128 x 128, not 256 x 64: other
-    orders of the combine's and v_up's sums)."""
-    from megakernel.interpreter import Interpreter
-    from megakernel.runtime import LaunchConfig, Megakernel
-    workers = torch.cuda.get_device_properties(0).multi_processor_count
-    logits, blocks = {}, {}
-    for rules in (DEFAULT_RULES, FOLD):
-        cfg, w, plan, mk = _setup("dsv2-lite", T=T, B=B, max_len=max_len, workers=workers, layers=4, rules=rules)
-        _random_cache(mk)
-        saved = mk.cache().clone()
-        tokens = torch.randint(0, cfg.vocab_size, (B, T), device="cuda",
-                               generator=torch.Generator(device="cuda").manual_seed(0))
-        cache_lens = torch.tensor(lens, device="cuda")
-        want = Interpreter(plan, None, "cuda", share=mk.mem).step(tokens, cache_lens).logits
-        launches = {"fitted": mk}
-        if rules == FOLD:  # and with the default plan's combine and v_up blocks
-            launches["default_blocks"] = Megakernel(plan, None, "cuda", share=mk.mem, config=LaunchConfig(
-                blocks={k: blocks[DEFAULT_RULES][k] for k in ("BSC", "BCW", "BIT", "BOT")}))
-        for kind, runner in launches.items():
-            mk.cache().copy_(saved)
-            logits[rules, kind] = runner.step(tokens, cache_lens).logits.clone()
-            assert rel_err(logits[rules, kind], want) <= BF16_TOL, (rules, kind)
-        blocks[rules] = mk.blocks
-    assert blocks[FOLD]["HM_COMBINE"] == 1 and (blocks[FOLD]["BOT"], blocks[DEFAULT_RULES]["BOT"]) == (128, 64)
-    assert (blocks[FOLD]["BCW"], blocks[FOLD]["CPF"]) == (512, 1)
-    assert torch.equal(logits[FOLD, "default_blocks"], logits[DEFAULT_RULES, "fitted"])
-    assert rel_err(logits[FOLD, "fitted"], logits[DEFAULT_RULES, "fitted"]) <= 1e-5
 
 
 def _variant_logits(name, B, max_len, lens, variants):
@@ -176,11 +135,10 @@ def _near_tie(logits, tol=BF16_TOL):
 NOT_YET = pytest.mark.xfail(strict=True, reason="norm_beside_experts moves a tiny-moe token (step 9) on the GPU")
 TEACHER_CASES = ([(n, DEFAULT_RULES, 2, None) for n in TINY_PRESETS] + [("tiny-dense", UNFOLDED, 2, None),
                                                                        pytest.param("tiny-moe", RULES, 2, None,
-                                                                                    marks=NOT_YET),
-                                                                       ("tiny-moe", FOLD, 2, None)]
+                                                                                    marks=NOT_YET)]
                  + [(n, r, 1, 4 if n == "dsv2-lite" else None) for n in ("llama-1b", "dsv2-lite")
                     for r in (DEFAULT_RULES, UNFOLDED)])
-RULE_IDS = {DEFAULT_RULES: "default", UNFOLDED: "unfolded", RULES: "all_rules", FOLD: "combine_into_v_up"}
+RULE_IDS = {DEFAULT_RULES: "default", UNFOLDED: "unfolded", RULES: "all_rules"}
 
 
 @pytest.mark.parametrize("name,rules,B,layers", TEACHER_CASES,
@@ -212,8 +170,7 @@ def test_teacher_forced_greedy_64_steps(name, rules, B, layers):
     assert not mismatches, f"greedy tokens differ from the plain model's at (step, sequence, margin) {mismatches}"
 
 
-@pytest.mark.parametrize("name,rules", [(n, DEFAULT_RULES) for n in TINY_PRESETS] + [("tiny-moe", UNFOLDED),
-                                                                                   ("tiny-moe", FOLD)])
+@pytest.mark.parametrize("name,rules", [(n, DEFAULT_RULES) for n in TINY_PRESETS] + [("tiny-moe", UNFOLDED)])
 def test_batch_invariance_and_run_to_run(name, rules):
     """Sequence 0's logits are bit-identical alone, beside another sequence, and inside a longer step."""
     from megakernel.runtime import Megakernel

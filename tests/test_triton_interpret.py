@@ -24,12 +24,11 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reaso
 
 
 def _pair(name, workers=1, scheduler="critical_path", fuse=True, T=2, B=2, passes=1, tiling=None, blocks=None,
-          rules=DEFAULT_RULES, attn_split=4):
+          rules=DEFAULT_RULES):
     from megakernel.runtime import LaunchConfig, Megakernel
     cfg = preset(name)
     w = init_weights(cfg, seed=3)
-    shape = StepShape(T=T, B=B, max_len=16, mtp_passes=passes if cfg.num_nextn_predict_layers else 0,
-                      attn_split=attn_split)
+    shape = StepShape(T=T, B=B, max_len=16, mtp_passes=passes if cfg.num_nextn_predict_layers else 0, attn_split=4)
     plan = compile_step(cfg, shape, CompileOptions(workers=workers, scheduler=scheduler, fuse=fuse,
                                                    tiling=tiling or TilingOptions(), fusion_rules=rules))
     interp = Interpreter(plan, w)
@@ -102,22 +101,6 @@ def test_kernel_router_folds_its_norm_exactly(T, B, blocks):
     lo = next(s for s in plan.weights if s.name.endswith("~lo"))
     assert mk.mem.bufs[lo.buf][lo.offset: lo.offset + lo.rows * lo.cols].abs().max() > 0
     _compare(cfg, interp, mk, torch.tensor([3, 9][:B]))
-
-
-@pytest.mark.parametrize("name,T,B,blocks", [("tiny-moe", 2, 2, None), ("tiny-mhc", 1, 3, dict(BSC=2, BCW=8, CPF=1)),
-                                             ("tiny-moe", 1, 1, dict(BSC=4, BCW=16, CPF=0))])
-def test_kernel_v_up_combining_its_inputs(name, T, B, blocks):
-    """Fusion rule combine_into_v_up (opt-in): each v_up task (HEAD_MATMUL[COMBINE], HM_COMBINE compiled in)
-    combines its heads' partials of 6 splits into x, then its matmul reads them back; with the fitted blocks
-    (whole 32-column rows of every split per load) and smaller ones: BSC=2 or 4 (three or two blocks of splits and
-    an online maximum; with CPF the next requested early), BCW=8 or 16 (4 or 2 blocks a row, the next column
-    block's splits requested while one is summed)."""
-    cfg, plan, interp, mk = _pair(name, T=T, B=B, blocks=blocks, rules=DEFAULT_RULES + ("combine_into_v_up",),
-                                  attn_split=3)
-    tasks = [decode(word) for word in plan.words]
-    assert mk.blocks["HM_COMBINE"] == 1 and not any(t.op.name == "ATTN_COMBINE" for t in tasks)
-    assert {t["nsplits"] for t in tasks if t.op.name == "HEAD_MATMUL" and t.has("COMBINE")} == {6}
-    _compare(cfg, interp, mk, torch.tensor([3, 11, 7][:B]))
 
 
 def test_kernel_one_token_route_from_registers():
@@ -268,31 +251,14 @@ def test_block_overrides_that_would_change_the_result_are_refused():
                ({"APF": 1}, "APF=1: the Triton interpreter runs no inline PTX"), ({"APF": 3}, "APF=3: 0, 1"),
                ({"PFK": 64}, "PFK=64: the Triton interpreter runs no inline PTX"), ({"PFK": -1}, "PFK=-1: 0 .off."),
                ({"AHEAD": 2}, "AHEAD=2: 0, or 1"), ({"ROUTE1": 2}, "ROUTE1=2: 0, or 1"),
-               ({"NARROW": 2}, "NARROW=2: 0, or 1"), ({"NARROW": 1, "KC": 16}, "NARROW=1 needs KC/4"),
-               ({"HM_COMBINE": 2}, "HM_COMBINE=2: 0, or 1")]
+               ({"NARROW": 2}, "NARROW=2: 0, or 1"), ({"NARROW": 1, "KC": 16}, "NARROW=1 needs KC/4")]
     for override, why in refused:
         with pytest.raises(MegakernelError, match=why):
             check_block_overrides({**fitted, **override}, fitted)
     with pytest.raises(MegakernelError, match="SAMPLE=0"):
         check_block_overrides({**fitted, "SAMPLE": 0}, {**fitted, "SAMPLE": 1})
-    with pytest.raises(MegakernelError, match="HM_COMBINE=0: this plan has HEAD_MATMUL.COMBINE. tasks"):
-        check_block_overrides({**fitted, "HM_COMBINE": 0}, {**fitted, "HM_COMBINE": 1})
     with pytest.raises(MegakernelError, match="HELPER_SIDE=0: this plan has a persistent helper"):
         check_block_overrides({**fitted, "HELPER_SIDE": 0}, {**fitted, "HELPER_SIDE": 1})
-
-
-def test_block_sizes_fit_a_whole_row_combine():
-    """A plan whose v_up tasks combine their inputs (combine_into_v_up) loads whole rows of 16 splits, the next
-    16 requested while one is summed (dsv2-lite, 129 splits x 512: 3.17 ms a step where the combine's 256 x 32
-    blocks took 3.77); the default plan's combine keeps every split of a 32-column block in one load."""
-    from megakernel.runtime import block_sizes
-    cfg = preset("dsv2-lite").replace(num_hidden_layers=2)
-    fitted = []
-    for rules in (DEFAULT_RULES, DEFAULT_RULES + ("combine_into_v_up",)):
-        plan = compile_step(cfg, StepShape(T=1, B=1, max_len=4097), CompileOptions(fusion_rules=rules))
-        blocks = block_sizes([decode(w) for w in plan.words], torch.bfloat16)
-        fitted.append(tuple(blocks[k] for k in ("BSC", "BCW", "CPF", "HM_COMBINE")))
-    assert fitted == [(256, 32, 0, 0), (16, 512, 1, 1)]
 
 
 def test_block_sizes_fit_the_step():

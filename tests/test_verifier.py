@@ -53,39 +53,6 @@ def test_dropped_dependency_is_a_hazard():
     pytest.fail("no task to mutate")
 
 
-def test_v_up_combining_its_inputs_is_verified(monkeypatch):
-    """combine_into_v_up's footprints: a v_up task that combines its inputs reads every split's partials (a
-    dropped wait on attention races with its writes), and writes its heads' rows of x (two tasks of one head
-    would both write them: the tiling gives each task whole heads, and a tiling that did not is refused)."""
-    from graph.fusion import DEFAULT_RULES
-    from graph.tiling import Tiler
-    options = CompileOptions(workers=16, scheduler="round_robin", fusion_rules=DEFAULT_RULES + ("combine_into_v_up",))
-    plan = compile_step(preset("tiny-moe"), StepShape(T=2, B=2, max_len=16, attn_split=5), options)
-    first = next(i for i, t in enumerate(map(plan.task, range(plan.num_tasks)))
-                 if t.op.name == "HEAD_MATMUL" and t.has("COMBINE"))
-    assert plan.counter_labels[plan.task(first).waits[0][0]].endswith(".attn")  # its one wait: attention
-    bad = copy.deepcopy(plan)
-    bad.words[first, 3:5] = (-1, 0)
-    with pytest.raises(PlanError, match="read/write hazard on A"):
-        verify_plan(bad)
-    whole = Tiler.tile_head_matmul
-
-    def halves(self, op):  # each task's outputs in two
-        tiles = whole(self, op)
-        if "COMBINE" not in op.flags:
-            return tiles
-        out = []
-        for tile in tiles:
-            o0, o1 = tile.fields["o0"], tile.fields["o1"]
-            out += [copy.deepcopy(tile) for _ in range(2)]
-            out[-2].fields["o1"] = out[-1].fields["o0"] = (o0 + o1) // 2
-        return out
-    monkeypatch.setattr(Tiler, "tile_head_matmul", halves)
-    with pytest.raises(PlanError, match="write-after-write hazard"):
-        compile_step(preset("tiny-moe"), StepShape(T=2, B=2, max_len=16, attn_split=5),
-                     CompileOptions(workers=8, fusion_rules=options.fusion_rules))
-
-
 def test_queue_order_cycle_is_a_deadlock():
     plan = _plan(workers=1)
     tasks = [decode(w) for w in plan.words]

@@ -55,8 +55,7 @@ def task_work(word) -> int:
     if word.op.name == "ATTENTION":
         return f["split_len"] * f["width"] * (f["h1"] - f["h0"] if not word.has("MLA") else 1)
     if word.op.name == "HEAD_MATMUL":  # its footprint spans each head's whole weight block
-        combined = f["nsplits"] * f["N"] * f["x_hs"] if word.has("COMBINE") else 0  # the partials it combines first
-        return (f["h1"] - f["h0"]) * (f["in_dim"] * (f["o1"] - f["o0"]) + combined)
+        return (f["h1"] - f["h0"]) * f["in_dim"] * (f["o1"] - f["o0"])
     if word.op.name == "ATTN_COMBINE":
         return f["nsplits"] * (f["h1"] - f["h0"]) * f["dim"]
     return sum((a.row1 - a.row0) * (a.col1 - a.col0) for a in footprint(word))

@@ -59,30 +59,17 @@ def reference(task, mem) -> None:
 
 
 def reference_combine(task, mem) -> None:
-    combine_partials(task, mem, task["b"], task["dim"], task["h0"], task["h1"], task["c0"], task["c1"], "out")
-
-
-def combine_partials(task, mem, b: int, dim: int, h0: int, h1: int, c0: int, c1: int, out_key: str) -> None:
-    """Sequence b's heads h0..h1, columns c0..c1 of their dim-wide rows: operand out_key's row b·T + t,
-    columns h·dim + c = sum_s exp(lse_s - m) o_s[c] / sum_s exp(lse_s - m), m = max_s lse_s, from the task's
-    op and lse (ATTN_COMBINE, and HEAD_MATMUL[COMBINE] for whole rows).  Each (token, head) alone and the
-    column sums split after split, so any column block of a row gets the bits of the whole row's."""
-    T, nh, ns = task["T"], task["nheads"], task["nsplits"]
-    lse_buf, op_buf = mem.bufs[task["lse.buf"]], mem.bufs[task["op.buf"]]
-    cols = torch.arange(c0, c1, device=mem.device)
+    b, T, nh, ns, dim = task["b"], task["T"], task["nheads"], task["nsplits"], task["dim"]
+    h0, h1, c0, c1 = task["h0"], task["h1"], task["c0"], task["c1"]
     for t in range(T):
         rows = torch.tensor([((b * ns + s) * T + t) * nh for s in range(ns)], device=mem.device)
         for h in range(h0, h1):
-            lse = lse_buf[task["lse.off"] + rows + h]
-            parts = op_buf[task["op.off"] + ((rows + h) * dim)[:, None] + cols]
-            m = lse.max()
-            wgt = torch.exp(lse - torch.where(torch.isinf(m), torch.zeros_like(m), m))  # a split with no keys: 0
-            acc = wgt[0] * parts[0]
-            for s in range(1, ns):
-                acc = acc + wgt[s] * parts[s]
-            den = wgt.sum()
-            out = acc / torch.where(den > 0, den, torch.ones_like(den))
-            mem.mat(task, out_key, 1, c1 - c0, row0=b * T + t, col0=h * dim + c0).copy_(out[None])
+            lse = mem.bufs[task["lse.buf"]][task["lse.off"] + rows + h]
+            parts = mem.bufs[task["op.buf"]][task["op.off"] + ((rows + h) * dim)[:, None]
+                                             + torch.arange(c0, c1, device=mem.device)]
+            weights = torch.softmax(lse, dim=0)  # exp(lse_s - logsumexp(lse))
+            out = (weights[:, None] * parts).sum(0)
+            mem.mat(task, "out", 1, c1 - c0, row0=b * T + t, col0=h * dim + c0).copy_(out[None])
 
 
 # ---- GPU body ----------------------------------------------------------------------------
@@ -258,82 +245,43 @@ def combine_block(sb, first, stride, ns, dim, d, dmask, lse_ptr, op_ptr, BSC: tl
 
 @triton.jit
 def combine_body(word, A, BSC: tl.constexpr, BCW: tl.constexpr, CPF: tl.constexpr, ALIGN: tl.constexpr):
-    """An ATTN_COMBINE task: combine_heads over its heads and columns, into out."""
+    """Per token and head, columns c0..c1: out = sum_s exp(lse[s] - LSE) o[s, :], LSE = log sum_s exp(lse[s]).
+    [BSC splits, BCW columns] per load and an online maximum: ceil(nsplits / BSC) memory round trips
+    per column block, not 2 x nsplits dependent ones (that serial loop took 33 µs per dsv2-lite layer:
+    docs/PERF.md); the plan splits columns over tasks so that one round trip reads every split.
+    CPF 1: the next block is requested before this one is summed (more registers).
+    Each lane keeps its own partial sum until the end: a fixed order, whatever the neighbours."""
     b, T, nh, ns, dim = (fld(word, ATTN_COMBINE_B), fld(word, ATTN_COMBINE_T), fld(word, ATTN_COMBINE_NHEADS),
                          fld(word, ATTN_COMBINE_NSPLITS), aligned(fld(word, ATTN_COMBINE_DIM), ALIGN))
     h0, h1 = fld(word, ATTN_COMBINE_H0), fld(word, ATTN_COMBINE_H1)
     c0, c1 = aligned(fld(word, ATTN_COMBINE_C0), ALIGN), aligned(fld(word, ATTN_COMBINE_C1), ALIGN)
     op_ptr, lse_ptr = A + aligned(off(word, ATTN_COMBINE_OP_OFF), ALIGN), A + off(word, ATTN_COMBINE_LSE_OFF)
     o_ptr, o_ld = A + aligned(off(word, ATTN_COMBINE_OUT_OFF), ALIGN), aligned(fld(word, ATTN_COMBINE_OUT_LD), ALIGN)
-    combine_heads(op_ptr, lse_ptr, o_ptr, o_ld, b, T, nh, ns, dim, h0, h1, c0, c1, BSC, BCW, CPF, 0)
-
-
-@triton.jit
-def combine_heads(op_ptr, lse_ptr, o_ptr, o_ld, b, T, nh, ns, dim, h0, h1, c0, c1, BSC: tl.constexpr,
-                  BCW: tl.constexpr, CPF: tl.constexpr, AHEAD: tl.constexpr):
-    """Sequence b's tokens, heads h0..h1, columns c0..c1 of their dim-wide rows, stored at o_ptr + (b·T + t)·o_ld
-    + h·dim: out = sum_s exp(lse[s] - LSE) o[s, :], LSE = log sum_s exp(lse[s]).
-    [BSC splits, BCW columns] per load and an online maximum: ceil(nsplits / BSC) memory round trips
-    per column block, not 2 x nsplits dependent ones (that serial loop took 33 µs per dsv2-lite layer:
-    docs/PERF.md); the plan splits columns over tasks so that one round trip reads every split.
-    CPF 1: the next block of splits is requested before this one is summed (more registers).  AHEAD 1: the
-    next column block's first one too (HEAD_MATMUL[COMBINE], which combines a head's every column, in blocks
-    narrower than a row where a launch asks so).  The same sums either way."""
     stride = T * nh  # from one split's row of a (token, head) to the next split's
     nc = tl.cdiv(c1 - c0, BCW)
-    n = T * (h1 - h0) * nc  # (token, head, column block) items
-    if AHEAD:
-        lse, part = first_splits(0, b, T, nh, ns, dim, h0, h1, c0, c1, nc, stride, lse_ptr, op_ptr, BSC, BCW)
-    for i in range(n):
-        t, h, d, dmask, first = combine_item(i, b, T, nh, ns, h0, h1, c0, c1, nc, BCW)
-        if AHEAD:  # the last item asks for itself again: no address past the partials
-            lse_n, part_n = first_splits(tl.minimum(i + 1, n - 1), b, T, nh, ns, dim, h0, h1, c0, c1, nc, stride,
-                                         lse_ptr, op_ptr, BSC, BCW)
-        else:
-            lse, part = combine_block(0, first, stride, ns, dim, d, dmask, lse_ptr, op_ptr, BSC)
-        out = sum_splits(lse, part, first, stride, ns, dim, d, dmask, lse_ptr, op_ptr, BSC, BCW, CPF)
+    for i in range(T * (h1 - h0) * nc):  # (token, head, column block)
+        t, h, cb = i // (nc * (h1 - h0)), h0 + (i // nc) % (h1 - h0), c0 + (i % nc) * BCW
+        d = cb + tl.arange(0, BCW)
+        dmask = d < c1
+        first = (b * ns * T + t) * nh + h
+        m = tl.full([], -float("inf"), tl.float32)
+        total = tl.zeros((BSC,), tl.float32)
+        acc = tl.zeros((BSC, BCW), tl.float32)
+        lse, part = combine_block(0, first, stride, ns, dim, d, dmask, lse_ptr, op_ptr, BSC)
+        for sb in range(0, ns, BSC):
+            if CPF:
+                lse_n, part_n = combine_block(sb + BSC, first, stride, ns, dim, d, dmask, lse_ptr, op_ptr, BSC)
+            m_new = tl.maximum(m, tl.max(lse, axis=0))
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+            scale = tl.exp(m - m_safe)  # rescales what the earlier blocks summed
+            wgt = tl.exp(lse - m_safe)
+            total = total * scale + wgt
+            acc = acc * scale + wgt[:, None] * part
+            m = m_new
+            if CPF:
+                lse, part = lse_n, part_n
+            else:
+                lse, part = combine_block(sb + BSC, first, stride, ns, dim, d, dmask, lse_ptr, op_ptr, BSC)
+        den = tl.sum(total, axis=0)
+        out = tl.sum(acc, axis=0) / tl.where(den > 0, den, 1.0)
         tl.store(o_ptr + (b * T + t) * o_ld + h * dim + d, out, mask=dmask)
-        if AHEAD:
-            lse, part = lse_n, part_n
-
-
-@triton.jit
-def combine_item(i, b, T, nh, ns, h0, h1, c0, c1, nc, BCW: tl.constexpr):
-    """Item i's (token, head, columns, their mask, the row of its first split)."""
-    t, h, cb = i // (nc * (h1 - h0)), h0 + (i // nc) % (h1 - h0), c0 + (i % nc) * BCW
-    d = cb + tl.arange(0, BCW)
-    return t, h, d, d < c1, (b * ns * T + t) * nh + h
-
-
-@triton.jit
-def first_splits(i, b, T, nh, ns, dim, h0, h1, c0, c1, nc, stride, lse_ptr, op_ptr, BSC: tl.constexpr,
-                 BCW: tl.constexpr):
-    """Item i's first block of splits."""
-    t, h, d, dmask, first = combine_item(i, b, T, nh, ns, h0, h1, c0, c1, nc, BCW)
-    return combine_block(0, first, stride, ns, dim, d, dmask, lse_ptr, op_ptr, BSC)
-
-
-@triton.jit
-def sum_splits(lse, part, first, stride, ns, dim, d, dmask, lse_ptr, op_ptr, BSC: tl.constexpr, BCW: tl.constexpr,
-               CPF: tl.constexpr):
-    """One item's combined columns, from its first block of splits (lse, part) on.  Each lane keeps its own
-    partial sum until the end: a fixed order, whatever the neighbours."""
-    m = tl.full([], -float("inf"), tl.float32)
-    total = tl.zeros((BSC,), tl.float32)
-    acc = tl.zeros((BSC, BCW), tl.float32)
-    for sb in range(0, ns, BSC):
-        if CPF:
-            lse_n, part_n = combine_block(sb + BSC, first, stride, ns, dim, d, dmask, lse_ptr, op_ptr, BSC)
-        m_new = tl.maximum(m, tl.max(lse, axis=0))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-        scale = tl.exp(m - m_safe)  # rescales what the earlier blocks summed
-        wgt = tl.exp(lse - m_safe)
-        total = total * scale + wgt
-        acc = acc * scale + wgt[:, None] * part
-        m = m_new
-        if CPF:
-            lse, part = lse_n, part_n
-        else:
-            lse, part = combine_block(sb + BSC, first, stride, ns, dim, d, dmask, lse_ptr, op_ptr, BSC)
-    den = tl.sum(total, axis=0)
-    return tl.sum(acc, axis=0) / tl.where(den > 0, den, 1.0)

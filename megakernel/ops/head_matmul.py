@@ -1,25 +1,19 @@
-"""HEAD_MATMUL: a small matmul per attention head (MLA's absorbed W_UK and W_UV); with COMBINE, the attention
-combine of its heads' inputs first (fusion rule combine_into_v_up)."""
+"""HEAD_MATMUL: a small matmul per attention head (MLA's absorbed W_UK and W_UV)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .attention import combine_heads, combine_partials
 from .common import aligned, fld, has, off
-from .fields import (FLAG_HEAD_MATMUL_COMBINE, FLAG_HEAD_MATMUL_TRANS, HEAD_MATMUL_FLAGS, HEAD_MATMUL_H0,
-                     HEAD_MATMUL_H1, HEAD_MATMUL_IN_DIM, HEAD_MATMUL_LSE_OFF, HEAD_MATMUL_N, HEAD_MATMUL_NHEADS,
-                     HEAD_MATMUL_NSPLITS, HEAD_MATMUL_O0, HEAD_MATMUL_O1, HEAD_MATMUL_OP_OFF, HEAD_MATMUL_OUT_HS,
-                     HEAD_MATMUL_OUT_LD, HEAD_MATMUL_OUT_OFF, HEAD_MATMUL_T, HEAD_MATMUL_W_HS, HEAD_MATMUL_W_LD,
-                     HEAD_MATMUL_W_OFF, HEAD_MATMUL_X_COL0, HEAD_MATMUL_X_HS, HEAD_MATMUL_X_LD, HEAD_MATMUL_X_OFF)
+from .fields import (FLAG_HEAD_MATMUL_TRANS, HEAD_MATMUL_FLAGS, HEAD_MATMUL_H0, HEAD_MATMUL_H1,
+                     HEAD_MATMUL_IN_DIM, HEAD_MATMUL_N, HEAD_MATMUL_O0, HEAD_MATMUL_O1, HEAD_MATMUL_OUT_HS, HEAD_MATMUL_OUT_LD,
+                     HEAD_MATMUL_OUT_OFF, HEAD_MATMUL_W_HS, HEAD_MATMUL_W_LD, HEAD_MATMUL_W_OFF, HEAD_MATMUL_X_COL0,
+                     HEAD_MATMUL_X_HS, HEAD_MATMUL_X_LD, HEAD_MATMUL_X_OFF)
 
 
 def reference(task, mem) -> None:
     N, i_dim, o0, o1 = task["N"], task["in_dim"], task["o0"], task["o1"]
-    if task.has("COMBINE"):  # x's head rows first, as ATTN_COMBINE would have written them
-        for b in range(N // task["T"]):
-            combine_partials(task, mem, b, task["x_hs"], task["h0"], task["h1"], 0, task["x_hs"], "x")
     w_buf = mem.bufs[task["w.buf"]]
     for h in range(task["h0"], task["h1"]):
         x = mem.mat(task, "x", N, i_dim, col0=h * task["x_hs"] + task["x_col0"]).float()
@@ -70,27 +64,6 @@ def task_fields(word, W, ALIGN: tl.constexpr):
     i_dim = fld(word, HEAD_MATMUL_IN_DIM)
     o0, o1 = aligned(fld(word, HEAD_MATMUL_O0), ALIGN), fld(word, HEAD_MATMUL_O1)  # output columns of this task
     return w_ptr, w_hs, w_ld, h0, h1, i_dim, o0, o1, N
-
-
-@triton.jit
-def combines(word):
-    return has(fld(word, HEAD_MATMUL_FLAGS), FLAG_HEAD_MATMUL_COMBINE)
-
-
-@triton.jit
-def combine_x(word, A, BSC: tl.constexpr, BCW: tl.constexpr, CPF: tl.constexpr, ALIGN: tl.constexpr):
-    """COMBINE, after the task's wait: x's head rows h0..h1 of every token, combined from the attention splits'
-    partials as an ATTN_COMBINE task would, the next block's loads requested while one is summed (a task combines
-    its heads' every column: runtime.block_sizes fits whole rows).  The caller's barrier orders these stores
-    before body()'s loads."""
-    T, N, nh, ns = (fld(word, HEAD_MATMUL_T), fld(word, HEAD_MATMUL_N), fld(word, HEAD_MATMUL_NHEADS),
-                    fld(word, HEAD_MATMUL_NSPLITS))
-    h0, h1 = fld(word, HEAD_MATMUL_H0), fld(word, HEAD_MATMUL_H1)
-    dim = aligned(fld(word, HEAD_MATMUL_X_HS), ALIGN)  # a head's row of x: the combine's rows are x_hs wide
-    op_ptr, lse_ptr = A + aligned(off(word, HEAD_MATMUL_OP_OFF), ALIGN), A + off(word, HEAD_MATMUL_LSE_OFF)
-    x_ptr, x_ld = A + aligned(off(word, HEAD_MATMUL_X_OFF), ALIGN), aligned(fld(word, HEAD_MATMUL_X_LD), ALIGN)
-    for b in range(N // T):
-        combine_heads(op_ptr, lse_ptr, x_ptr, x_ld, b, T, nh, ns, dim, h0, h1, 0, dim, BSC, BCW, CPF, 1)
 
 
 @triton.jit
