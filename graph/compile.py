@@ -46,15 +46,17 @@ class CompileError(ValueError):
 
 def compile_options(spec: str, workers: int) -> tuple[CompileOptions, int]:
     """'KEY=V,...' of TilingOptions fields, CostModel fields (the scheduler's task times: task_overhead=3e-6),
-    attn_split, workers (overriding the argument) and fusion rules, removed from the default ones
+    attn_split, workers (overriding the argument), vocab_block and fusion rules, removed from the default ones
     (rope_into_cache=0) or put back (tools: bench, replay) -> (options, attn_split)."""
-    tiling, cost, attn_split, rules = {}, {}, 0, DEFAULT_RULES
+    tiling, cost, attn_split, rules, vocab_block = {}, {}, 0, DEFAULT_RULES, CompileOptions.vocab_block
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
         if key == "attn_split":
             attn_split = int(value)
         elif key == "workers":
             workers = int(value)
+        elif key == "vocab_block":
+            vocab_block = int(value)
         elif key in RULES:
             chosen = set(rules) | {key} if int(value) else set(rules) - {key}
             rules = tuple(r for r in RULES if r in chosen)  # in the order fuse() applies them
@@ -64,9 +66,9 @@ def compile_options(spec: str, workers: int) -> tuple[CompileOptions, int]:
             cost[key] = type(getattr(CostModel, key))(float(value))
         else:
             raise CompileError(f"plan options {spec!r}: unknown key {key!r} (TilingOptions or CostModel fields, "
-                               f"attn_split, workers or a fusion rule: {', '.join(RULES)})")
-    return (CompileOptions(workers=workers, tiling=TilingOptions(**tiling), cost=CostModel(**cost), fusion_rules=rules),
-            attn_split)
+                               f"attn_split, workers, vocab_block or a fusion rule: {', '.join(RULES)})")
+    return (CompileOptions(workers=workers, vocab_block=vocab_block, tiling=TilingOptions(**tiling),
+                           cost=CostModel(**cost), fusion_rules=rules), attn_split)
 
 
 def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | None = None) -> Plan:

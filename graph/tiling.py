@@ -22,7 +22,10 @@ class TilingOptions:
     row_align: int = 8
     act_rows: int = 16  # activation rows per task for row-parallel ops
     attn_heads: int = 0  # query heads per attention task (0: all for MLA, one KV group for GQA)
-    rope_heads: int = 0  # heads per ROPE task (0: all of a row's heads in one task)
+    # heads per ROPE task (0: all of a row's heads in one task).  4: llama-1b's 32-head query rope, the tail of each
+    # layer's chain before attention, becomes 8 tasks: -2.7% / -3.5% (two runs), dsv2-lite +0.5% (noise), logits
+    # bit-identical (docs/PERF.md session 19; session 12, when the queues set llama's step, measured no change)
+    rope_heads: int = 4
     # > 0: split an op that would make fewer tasks than this (a layer's small projections, the
     # router, per-head matmuls, the attention combine) into up to this many, down to min_tile_bytes
     # each: such ops sit on the step's dependency chain, where only their slowest task counts

@@ -240,12 +240,12 @@ def _same_step(cfg, plans, seed: int, lens) -> None:
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
 def test_rope_split_by_heads_writes_what_one_task_writes(name):
     """TilingOptions.rope_heads=1: each ROPE task rotates one head (a decode step's query rope is
-    otherwise one task of every head on each layer's chain); the step writes the same cache and logits,
-    bit for bit, as with one task per row."""
+    otherwise one task of a block of heads, or with rope_heads=0 of every head); the step writes the same cache
+    and logits, bit for bit, as with one task per row."""
     from graph.compile import compile_options
     cfg = preset(name)
     shape = StepShape(T=2, B=2, max_len=16, mtp_passes=2)
-    whole = compile_step(cfg, shape, CompileOptions(workers=4))
+    whole = compile_step(cfg, shape, compile_options("rope_heads=0", 4)[0])
     split = compile_step(cfg, shape, compile_options("rope_heads=1", 4)[0])
     ropes = [split.task(i) for i in range(split.num_tasks) if split.task(i).op.name == "ROPE"]
     assert all(t["heads"] - t["h0"] == 1 for t in ropes) and any(t.has("CACHE") for t in ropes)
@@ -339,3 +339,17 @@ def test_balanced_tiles_never_lengthen_the_phase(rows, bytes_per_row, copies, sp
             <= _phase(rows, per, copies, spread, bytes_per_row, opts.task_overhead_bytes))
     assert best == per or best * bytes_per_row <= max(per * bytes_per_row, opts.balance_bytes)
     assert best == per or best * bytes_per_row >= opts.min_tile_bytes
+
+
+def test_compile_options_reads_each_kind_of_key_and_names_an_unknown_one():
+    """The bench's and replay's plan variants: tiling and cost-model fields, attn_split, workers, vocab_block and
+    fusion rules each land where compile_step reads them; a misspelt key is refused by name."""
+    from graph.compile import CompileError, compile_options
+    opts, split = compile_options("rope_heads=0,task_overhead=2e-6,attn_split=64,workers=7,vocab_block=1024,"
+                                  "rope_into_cache=0", 132)
+    assert (opts.tiling.rope_heads, opts.cost.task_overhead, split, opts.workers, opts.vocab_block) == \
+        (0, 2e-6, 64, 7, 1024)
+    assert "rope_into_cache" not in opts.fusion_rules
+    assert compile_options("", 132)[0].vocab_block == CompileOptions().vocab_block
+    with pytest.raises(CompileError, match="'vocab_blok'"):
+        compile_options("vocab_blok=1024", 132)
