@@ -513,7 +513,7 @@ class ChainRun:
         return [self.act[o:o + n] for o, (n, _) in zip(self.chain.y_off, self.chain.shapes)]
 
 
-def compile_sm90(slots: int, sub: int, warps: int, wait: bool = True, row_major: bool = False):
+def compile_sm90(slots: int, sub: int, warps: int, wait: bool = True, row_major: bool = False, maxnreg: int = 0):
     """The kernel compiled for an H100/H200 on any machine (Gluon has no interpreter: a CPU's check)."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend, GPUTarget
@@ -530,10 +530,11 @@ def compile_sm90(slots: int, sub: int, warps: int, wait: bool = True, row_major:
     first = MAX_K_CLASSES  # pointers follow the descriptors; 16-byte aligned, as the JIT finds torch tensors
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(first, first + 6)}
     return triton.compile(GluonASTSource(fn=gemv_chain_kernel, signature=sig, constexprs=const, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+                          target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
-def _compile_triton_sm90(fn, pointers: dict, constexprs: dict):
+def _compile_triton_sm90(fn, pointers: dict, constexprs: dict, warps: int = 8):
     """A plain-Triton chain kernel compiled for sm_90a on any machine (a CPU's check of its TTGIR, PTX and SASS):
     `pointers` (name -> type) in the kernel's order, all 16-byte aligned as the JIT finds torch tensors."""
     from triton.backends.compiler import GPUTarget
@@ -541,7 +542,7 @@ def _compile_triton_sm90(fn, pointers: dict, constexprs: dict):
     sig = {**pointers, **{n: "constexpr" for n in constexprs}}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
 _CHAIN_POINTERS = {n: "*i32" for n in ("tasks", "queue", "counters", "epoch_ptr", "err")}
