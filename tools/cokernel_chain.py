@@ -45,7 +45,7 @@ SM_SHARED = 228 * 1024 - 2 * 1024  # an H100/H200 SM's shared memory less the 1 
 
 @triton.jit
 def norm_kernel(A, norms, queue, counters, epoch_ptr, err, FIELDS: tl.constexpr, STRIDE: tl.constexpr,
-                BLOCK: tl.constexpr):
+                BLOCK: tl.constexpr, EPS: tl.constexpr):
     """Worker w runs norm tasks queue[w]..queue[w+1]: each (GEMV index j, its task count, y offset, z offset,
     K') waits until GEMV j's counter (2j) reaches epoch x count, writes z = y[:K'] * rsqrt(mean(y[:K']^2) + eps)
     and signals counter 2j + 1."""
@@ -62,7 +62,7 @@ def norm_kernel(A, norms, queue, counters, epoch_ptr, err, FIELDS: tl.constexpr,
             for kb in range(0, k, BLOCK):
                 v = tl.load(A + y_off + kb + c, mask=kb + c < k, other=0.0, cache_modifier=".cg")
                 sq += v * v
-            r = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / k + 1e-6)
+            r = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / k + EPS)
             for kb in range(0, k, BLOCK):
                 v = tl.load(A + y_off + kb + c, mask=kb + c < k, other=0.0, cache_modifier=".cg")
                 tl.store(A + z_off + kb + c, v * r, mask=kb + c < k)
@@ -118,7 +118,7 @@ class CoChain:
         self.launch_gluon(self.tasks, self.counters, self.epochs)
         with torch.cuda.stream(side):
             norm_kernel[(self.workers,)](self.act, self.norms, self.norm_queue, self.counters, self.norm_epochs,
-                                         self.err, FIELDS=NORM_FIELDS, STRIDE=gs.STRIDE, BLOCK=1024,
+                                         self.err, FIELDS=NORM_FIELDS, STRIDE=gs.STRIDE, BLOCK=1024, EPS=EPS,
                                          num_warps=norm_warps)
         main.wait_stream(side)
 
@@ -163,7 +163,7 @@ def compile_norm_sm90(warps: int = 4):
     """The Triton side compiled for sm_90a on any machine."""
     return gs._compile_triton_sm90(norm_kernel, {"A": "*fp32", "norms": "*i32", "queue": "*i32", "counters": "*i32",
                                                  "epoch_ptr": "*i32", "err": "*i32"},
-                                   {"FIELDS": NORM_FIELDS, "STRIDE": gs.STRIDE, "BLOCK": 1024}, warps)
+                                   {"FIELDS": NORM_FIELDS, "STRIDE": gs.STRIDE, "BLOCK": 1024, "EPS": EPS}, warps)
 
 
 def ptxas_registers(ptx: str) -> int:
