@@ -47,6 +47,21 @@ def test_phases_measure_a_queued_op_late():
     assert all(name.startswith("L0.") for name in rows)
 
 
+def test_scale_multiplies_only_the_named_opcodes():
+    """--scale LINEAR=0.5,ATTENTION=2: those tasks' times halved and doubled, every other task's kept; an opcode
+    the plan lacks is refused by name."""
+    import pytest
+    plan = compile_step(preset("tiny-dense"), StepShape(T=1, B=1, max_len=16), CompileOptions(workers=4))
+    words = replay.structure(plan)[0]
+    seconds = [1e-6 * (i + 1) for i in range(len(words))]
+    scaled = replay.scaled_seconds(words, seconds, "LINEAR=0.5,ATTENTION=2")
+    factor = {"LINEAR": 0.5, "ATTENTION": 2.0}
+    assert {w.op.name for w in words} >= set(factor)
+    assert scaled == [s * factor.get(w.op.name, 1.0) for w, s in zip(words, seconds)]
+    with pytest.raises(SystemExit, match="'ROUTE'"):
+        replay.scaled_seconds(words, seconds, "ROUTE=2")
+
+
 def tmp_trace(events: dict) -> str:
     """A Chrome trace as megakernel.profiler.task_trace writes it: an X event per task (ts = ready, dur), waits."""
     import json
