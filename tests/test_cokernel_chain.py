@@ -6,6 +6,7 @@ On a GPU: the two kernels side by side equal torch, launch after launch."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,11 @@ def test_compiles_for_sm90_and_fits_one_sm():
     assert out.returncode == 0, out.stderr[-3000:]
     shared, regs = (int(part.split()[0]) for part in out.stdout.split("together ")[1:3])
     assert shared <= cc.SM_SHARED and regs <= 65536, out.stdout
+    # the launch kwarg's cap reached ptxas, and the two warpgroups' setmaxnreg share out no more than it gives the
+    # CTA (a setmaxnreg.inc past the CTA's pool would block for ever)
+    gluon_regs = int(re.search(r"gluon \d+ warps x (\d+)", out.stdout).group(1))
+    setmax = [int(n) for n in re.search(r"setmaxnreg \[([\d, ]+)\]", out.stdout).group(1).split(",")]
+    assert gluon_regs <= cc.GLUON_MAXNREG and max(setmax) + min(setmax) <= 2 * gluon_regs, out.stdout
 
 
 @pytest.mark.gpu

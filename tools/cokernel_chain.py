@@ -7,8 +7,8 @@ Why: the Gluon ring (tools/gluon_stream.py) is the only weight stream faster tha
 (0.70 ms against the LINEAR body's 0.82, docs/PERF.md session 19), but a plain @triton.jit body with tensors
 does not compile inside a Gluon kernel, so a Gluon megakernel means porting every op body.  The alternative
 tried here: a Gluon kernel that runs only the streamed tasks and a Triton kernel that runs the rest, both
-persistent with one CTA per SM, co-resident (the Gluon CTA's 5 warps and ~200 KB of shared memory beside the
-Triton CTA's warps and registers), captured side by side in one CUDA graph (two streams).
+persistent with one CTA per SM, co-resident (the Gluon CTA's 5 warps, launched as 8, and ~200 KB of shared memory
+beside the Triton CTA's warps and registers), captured side by side in one CUDA graph (two streams).
 
 The chain: gluon_stream's 64 GEMVs, with an RMSNorm between each GEMV and the next (z = y[:K'] *
 rsqrt(mean(y[:K']^2) + eps), K' the next GEMV's K), run by the Triton kernel: GEMV j (Gluon, its tasks on every
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -41,6 +42,26 @@ EPS = 1e-6
 # it; without the cap Gluon asks for 256 a thread, the whole register file, and nothing co-resides
 GLUON_MAXNREG = 128
 SM_SHARED = 228 * 1024 - 2 * 1024  # an H100/H200 SM's shared memory less the 1 KB the hardware keeps per CTA
+CU_FUNC_CACHE_PREFER_SHARED, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 1, 9  # cuda.h's enums
+CU_SHAREDMEM_CARVEOUT_MAX_SHARED = 100  # percent of the SM's shared memory
+
+
+def largest_shared_split(kernel) -> None:
+    """Loads a compiled kernel and has it prefer the SM's largest shared-memory split, as both kernels here must:
+    an SM's L1/shared split is one for all the CTAs it holds, Triton sets a preference (PREFER_SHARED) only on a
+    kernel that needs more than 48 KB (the Gluon one), and cuFuncSetCacheConfig's docs allow a device-side
+    synchronization between kernels of different preferences; left alone, the norm kernel's CTAs (16 bytes) could
+    hold SMs in a split the Gluon CTA's ~197 KB does not fit, or wait for the Gluon kernel to end: either way a
+    wait past MAX_SPINS, read as "the two kernels do not co-reside" when only their preferences differed."""
+    import ctypes
+    kernel._init_handles()  # the module loaded and kernel.function set, as a first launch would
+    cuda = ctypes.CDLL("libcuda.so.1")
+    fn = ctypes.c_void_p(kernel.function)
+    carveout = (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, CU_SHAREDMEM_CARVEOUT_MAX_SHARED)
+    for call, rc in (("cuFuncSetCacheConfig", cuda.cuFuncSetCacheConfig(fn, CU_FUNC_CACHE_PREFER_SHARED)),
+                     ("cuFuncSetAttribute", cuda.cuFuncSetAttribute(fn, *carveout))):
+        if rc:
+            raise RuntimeError(f"cokernel chain: {call} on {kernel.name} returned CUresult {rc}")
 
 
 @triton.jit
@@ -105,6 +126,7 @@ class CoChain:
         self.norm_epochs = torch.zeros(workers, dtype=torch.int32, device=device)
         self.err = torch.zeros(1, dtype=torch.int32, device=device)
         self.act = torch.zeros(base, dtype=torch.float32, device=device)
+        self._prepared = set()  # norm_warps values whose kernels prepare() has compiled and configured
 
     def set_input(self, x0: torch.Tensor) -> None:
         self.act.zero_()
@@ -113,19 +135,33 @@ class CoChain:
     def launch(self, side: torch.cuda.Stream, norm_warps: int = 4) -> None:
         """The Gluon kernel on the current stream and the Triton one on `side`, concurrently (a fork and a join
         by events, so a graph captures two parallel kernel nodes)."""
+        self.prepare(norm_warps)
         main = torch.cuda.current_stream()
         side.wait_stream(main)
         self.launch_gluon(self.tasks, self.counters, self.epochs)
         with torch.cuda.stream(side):
-            norm_kernel[(self.workers,)](self.act, self.norms, self.norm_queue, self.counters, self.norm_epochs,
-                                         self.err, FIELDS=NORM_FIELDS, STRIDE=gs.STRIDE, BLOCK=1024, EPS=EPS,
-                                         num_warps=norm_warps)
+            self.launch_norms(norm_warps)
         main.wait_stream(side)
 
-    def launch_gluon(self, tasks, counters, epochs) -> None:
-        gs.gemv_chain_kernel[(self.workers,)](*self.descs, tasks, self.chain.queue, counters, epochs, self.err,
-                                              self.act, WAIT=True, SLOTS=self.slots, SUB=self.sub, WARPS=4, RM=False,
-                                              num_warps=4, maxnreg=GLUON_MAXNREG)
+    def prepare(self, norm_warps: int = 4) -> None:
+        """Both kernels compiled, loaded and given the same shared-memory split before either first runs: a first
+        launch() would otherwise compile the norm kernel while the Gluon one already spins on norm 0's counter."""
+        if norm_warps not in self._prepared:
+            largest_shared_split(self.launch_gluon(self.tasks, self.counters, self.epochs, warmup=True))
+            largest_shared_split(self.launch_norms(norm_warps, warmup=True))
+            self._prepared.add(norm_warps)
+
+    def launch_norms(self, norm_warps: int, warmup: bool = False):
+        """The Triton kernel on the current stream (warmup: compiled, not launched; its CompiledKernel returned)."""
+        return norm_kernel.run(self.act, self.norms, self.norm_queue, self.counters, self.norm_epochs, self.err,
+                               grid=(self.workers,), warmup=warmup, FIELDS=NORM_FIELDS, STRIDE=gs.STRIDE, BLOCK=1024,
+                               EPS=EPS, num_warps=norm_warps)
+
+    def launch_gluon(self, tasks, counters, epochs, warmup: bool = False):
+        """gluon_stream's kernel on the current stream, capped at GLUON_MAXNREG registers (warmup: compiled only)."""
+        return gs.gemv_chain_kernel.run(*self.descs, tasks, self.chain.queue, counters, epochs, self.err, self.act,
+                                        grid=(self.workers,), warmup=warmup, WAIT=True, SLOTS=self.slots, SUB=self.sub,
+                                        WARPS=4, RM=False, num_warps=4, maxnreg=GLUON_MAXNREG)
 
     def launch_alone(self) -> None:
         """The GEMVs without the norms (gluon_stream's chain: GEMV j reads y_{j-1}), same kernel and registers."""
@@ -168,7 +204,6 @@ def compile_norm_sm90(warps: int = 4):
 
 def ptxas_registers(ptx: str) -> int:
     """Registers a thread uses, as ptxas reports for sm_90a."""
-    import re
     import subprocess
     import tempfile
     with tempfile.TemporaryDirectory() as d:
@@ -190,10 +225,15 @@ def main() -> None:
     if args.compile_only:
         k = compile_norm_sm90(args.norm_warps)
         g = gs.compile_sm90(6, 4, 4, maxnreg=GLUON_MAXNREG)
-        regs = g.metadata.num_warps * 32 * GLUON_MAXNREG + args.norm_warps * 32 * ptxas_registers(k.asm["ptx"])
+        # what ptxas gives each (the Gluon CTA's launch allocation, which its partitions' setmaxnreg share out),
+        # allocated 8 a thread at a time
+        gluon_regs, norm_regs = (-(-ptxas_registers(x.asm["ptx"]) // 8) * 8 for x in (g, k))
+        regs = g.metadata.num_warps * 32 * gluon_regs + args.norm_warps * 32 * norm_regs
+        setmax = sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", g.asm["ptx"])})
         print(f"sm_90a: norm kernel {k.metadata.shared} bytes shared; gluon:6x4 {g.metadata.shared} bytes shared, "
               f"together {k.metadata.shared + g.metadata.shared} of {SM_SHARED} two CTAs may have; registers together {regs} of "
-              f"65536 (gluon {g.metadata.num_warps} warps x {GLUON_MAXNREG})")
+              f"65536 (gluon {g.metadata.num_warps} warps x {gluon_regs}, its warpgroups' setmaxnreg {setmax}; norms "
+              f"{args.norm_warps} warps x {norm_regs})")
         return
     if not torch.cuda.is_available():
         raise SystemExit("cokernel_chain times Gluon and Triton kernels side by side: it needs a GPU")
