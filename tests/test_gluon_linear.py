@@ -31,10 +31,28 @@ def box(chain: gli.LinearChain, kclass: int, row: int, ntiles: int) -> torch.Ten
     return out
 
 
+def run_queues(chain: gli.LinearChain):
+    """The tasks in an order the kernel may run them: each worker's queue in turn, as far as its next task's wait
+    holds (op 0, or counter[op - 1] at its task count, field 11), each task adding 1 to counter[op] (field 10) as
+    it ends; every task must run (no deadlock).  A wait's count set too low lets a task run before all of what it
+    reads was written."""
+    tasks, queue = chain.tasks.tolist(), chain.queue.tolist()
+    nxt, counters, ran = queue[:-1], [0] * len(chain.ops), True
+    while ran:
+        ran = False
+        for w in range(len(nxt)):
+            while nxt[w] < queue[w + 1] and (tasks[nxt[w]][10] == 0
+                                             or counters[tasks[nxt[w]][10] - 1] >= tasks[nxt[w]][11]):
+                yield tasks[nxt[w]]
+                counters[tasks[nxt[w]][10]] += 1
+                nxt[w], ran = nxt[w] + 1, True
+    assert nxt == queue[1:], f"deadlock: workers stopped at {nxt} of {queue[1:]}, counters {counters}"
+
+
 def replay(chain: gli.LinearChain, x0: torch.Tensor) -> torch.Tensor:
     act = torch.zeros(chain.act_size)
     act[:x0.numel()] = x0
-    for t in sorted(chain.tasks.tolist(), key=lambda t: t[10]):  # op order: every wait holds
+    for t in run_queues(chain):
         kclass, g_row, u_row, k, ntiles, x_off, out_off, res_off, nrows, flags = t[:10]
         x = torch.zeros(ntiles * gli.COLS.value)
         x[:k] = act[x_off: x_off + k]
