@@ -51,18 +51,6 @@ LAYER = [("qkv", 3072, 2048, F_NORM), ("o", 2048, 2048, F_RES), ("gate_up", 8192
 
 
 @gluon.jit
-def _tile_copies(d0, d1, d2, d3, kclass, at, bar, dst):
-    if kclass == 0:
-        tma.async_copy_global_to_shared(d0, at, bar, dst)
-    elif kclass == 1:
-        tma.async_copy_global_to_shared(d1, at, bar, dst)
-    elif kclass == 2:
-        tma.async_copy_global_to_shared(d2, at, bar, dst)
-    else:
-        tma.async_copy_global_to_shared(d3, at, bar, dst)
-
-
-@gluon.jit
 def _producer(d0, d1, d2, d3, tasks, queue, ring, ready, empty, SLOTS: gl.constexpr, SUB: gl.constexpr):
     """The worker's tasks' tiles in queue order, SLOTS slots of SUB tiles ahead of the consumers; a SILU_MUL
     task's gate tiles, then its up tiles.  It never waits on a dependency counter."""
@@ -79,28 +67,9 @@ def _producer(d0, d1, d2, d3, tasks, queue, ring, ready, empty, SLOTS: gl.conste
                 mbarrier.wait(empty.index(s), ((it // SLOTS) & 1) ^ 1)  # a fresh barrier passes parity 1
                 mbarrier.expect(ready.index(s), SUB * ROWS * COLS * 2)
                 for j in gl.static_range(SUB):
-                    _tile_copies(d0, d1, d2, d3, kclass, [row, (c + j) * COLS], ready.index(s),
-                                 ring.index(s * SUB + j))
+                    gs.copy_by_k_class(d0, d1, d2, d3, kclass, [row, (c + j) * COLS], ready.index(s),
+                                       ring.index(s * SUB + j))
                 it += 1
-
-
-@gluon.jit
-def _matrix_sums(ring, ready, empty, it, x_ptr, K, ntiles, SLOTS: gl.constexpr, SUB: gl.constexpr,
-                 WARPS: gl.constexpr):
-    """[16] row sums of one matrix's tiles of the task (ntiles, SUB a slot) times x[:K]; the ring position after."""
-    tile_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
-    cols = gl.arange(0, COLS, gl.SliceLayout(0, tile_l))
-    acc = gl.zeros([ROWS, COLS], gl.float32, tile_l)
-    for c in range(0, ntiles, SUB):
-        s = it % SLOTS
-        mbarrier.wait(ready.index(s), (it // SLOTS) & 1)
-        for j in gl.static_range(SUB):
-            k = (c + j) * COLS + cols
-            xs = gl.load(x_ptr + k, mask=k < K, other=0.0)
-            acc += ring.index(s * SUB + j).load(tile_l).to(gl.float32) * xs[None, :]
-        mbarrier.arrive(empty.index(s), count=1)  # after a barrier: every consumer warp has read the slot
-        it += 1
-    return gl.sum(acc, axis=1), it
 
 
 @gluon.jit
@@ -123,10 +92,8 @@ def _consumer(tasks, queue, counters, epoch_ptr, err, act, ring, ready, empty, W
     tile_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
     rows = gl.arange(0, ROWS, gl.SliceLayout(1, tile_l))
     pid = gl.program_id(0)
-    epoch = gl.load(epoch_ptr + pid) + 1  # counters only grow: this launch's targets are epoch x count
-    gl.store(epoch_ptr + pid, epoch)
+    epoch, ok = gs.launch_epoch(epoch_ptr, err)
     it = 0
-    ok = gl.atomic_add(err, 0, sem="relaxed", scope="gpu") == 0
     for t in range(gl.load(queue + pid), gl.load(queue + pid + 1)):
         task = tasks + t * FIELDS
         K = (gl.load(task + 3) // 8) * 8  # multiples of 8 (the host checks): 16-byte activation loads
@@ -141,10 +108,10 @@ def _consumer(tasks, queue, counters, epoch_ptr, err, act, ring, ready, empty, W
         r = 1.0
         if (flags & NORM) != 0:
             r = _norm_scale(x_ptr, K, EPS_C, WARPS)
-        y, it = _matrix_sums(ring, ready, empty, it, x_ptr, K, ntiles, SLOTS, SUB, WARPS)
+        y, it = gs.tile_sums(ring, ready, empty, it, x_ptr, K, ntiles, SLOTS, SUB, WARPS)
         y = y * r
         if (flags & SILU) != 0:
-            u, it = _matrix_sums(ring, ready, empty, it, x_ptr, K, ntiles, SLOTS, SUB, WARPS)
+            u, it = gs.tile_sums(ring, ready, empty, it, x_ptr, K, ntiles, SLOTS, SUB, WARPS)
             y = y / (1.0 + gl.exp(-y)) * (u * r)
         mask = (rows < gl.load(task + 8)) & ok
         if (flags & RES) != 0:
@@ -157,12 +124,7 @@ def _consumer(tasks, queue, counters, epoch_ptr, err, act, ring, ready, empty, W
 @gluon.jit
 def linear_chain_kernel(d0, d1, d2, d3, tasks, queue, counters, epoch_ptr, err, act, WAIT: gl.constexpr,
                         SLOTS: gl.constexpr, SUB: gl.constexpr, WARPS: gl.constexpr, EPS_C: gl.constexpr):
-    ring = gl.allocate_shared_memory(gl.bfloat16, [SLOTS * SUB, ROWS, COLS], d0.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(SLOTS):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+    ring, ready, empty = gs.ring_buffers(d0, SLOTS, SUB)
     gl.warp_specialize([(_consumer, (tasks, queue, counters, epoch_ptr, err, act, ring, ready, empty, WAIT, SLOTS,
                                      SUB, WARPS, EPS_C)),
                         (_producer, (d0, d1, d2, d3, tasks, queue, ring, ready, empty, SLOTS, SUB))], [1], [40])
@@ -310,22 +272,8 @@ class Run:
 
 def compile_sm90(slots: int, sub: int, warps: int = 4, wait: bool = True):
     """The kernel compiled for an H100/H200 on any machine (Gluon has no interpreter: a CPU's check)."""
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-    tile = torch.zeros(ROWS.value, COLS.value, dtype=torch.bfloat16)
-    desc = native_specialize_impl(BaseBackend, TensorDescriptor.from_tensor(tile, [ROWS.value, COLS.value], layout),
-                                  False, True, True)[0]
-    sig = {**{f"d{i}": desc for i in range(gs.MAX_K_CLASSES)},
-           **{n: "*i32" for n in ("tasks", "queue", "counters", "epoch_ptr", "err")}, "act": "*fp32",
-           **{n: "constexpr" for n in ("WAIT", "SLOTS", "SUB", "WARPS", "EPS_C")}}
-    const = {"WAIT": wait, "SLOTS": slots, "SUB": sub, "WARPS": warps, "EPS_C": EPS}
-    first = gs.MAX_K_CLASSES
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(first, first + 6)}
-    return triton.compile(GluonASTSource(fn=linear_chain_kernel, signature=sig, constexprs=const, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return gs.compile_ring_kernel_sm90(linear_chain_kernel, {"WAIT": wait, "SLOTS": slots, "SUB": sub,
+                                                             "WARPS": warps, "EPS_C": EPS}, warps)
 
 
 def main() -> None:

@@ -72,6 +72,52 @@ LLAMA_1B = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # (N, K) o
 
 
 @gluon.jit
+def copy_by_k_class(d0, d1, d2, d3, kclass, at, bar, dst):
+    """The TMA box at `at` of the row-major arena viewed as [arena / K, K] through K class kclass's descriptor."""
+    if kclass == 0:
+        tma.async_copy_global_to_shared(d0, at, bar, dst)
+    elif kclass == 1:
+        tma.async_copy_global_to_shared(d1, at, bar, dst)
+    elif kclass == 2:
+        tma.async_copy_global_to_shared(d2, at, bar, dst)
+    else:
+        tma.async_copy_global_to_shared(d3, at, bar, dst)
+
+
+@gluon.jit
+def ring_buffers(desc, SLOTS: gl.constexpr, SUB: gl.constexpr):
+    """The ring: SLOTS slots of SUB [ROWS, COLS] bf16 tiles in shared memory, laid out as desc's TMA boxes land,
+    and each slot's two mbarriers (ready: its bytes landed; empty: the consumers are done with it)."""
+    ring = gl.allocate_shared_memory(gl.bfloat16, [SLOTS * SUB, ROWS, COLS], desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(SLOTS):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    return ring, ready, empty
+
+
+@gluon.jit
+def tile_sums(ring, ready, empty, it, x_ptr, K, ntiles, SLOTS: gl.constexpr, SUB: gl.constexpr,
+              WARPS: gl.constexpr):
+    """[ROWS] row sums of a task's next ntiles tiles from the ring (SUB a slot) times x[:K]; the ring position
+    after them."""
+    tile_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+    cols = gl.arange(0, COLS, gl.SliceLayout(0, tile_l))
+    acc = gl.zeros([ROWS, COLS], gl.float32, tile_l)
+    for c in range(0, ntiles, SUB):
+        s = it % SLOTS
+        mbarrier.wait(ready.index(s), (it // SLOTS) & 1)
+        for j in gl.static_range(SUB):
+            k = (c + j) * COLS + cols
+            xs = gl.load(x_ptr + k, mask=k < K, other=0.0)
+            acc += ring.index(s * SUB + j).load(tile_l).to(gl.float32) * xs[None, :]
+        mbarrier.arrive(empty.index(s), count=1)  # after a barrier: every consumer warp has read the slot
+        it += 1
+    return gl.sum(acc, axis=1), it
+
+
+@gluon.jit
 def _producer(d0, d1, d2, d3, tasks, queue, ring, ready, empty, SLOTS: gl.constexpr, SUB: gl.constexpr,
               RM: gl.constexpr):
     """Streams the worker's tiles into the ring in queue order, SLOTS ahead of the consumers: a slot holds
@@ -91,15 +137,8 @@ def _producer(d0, d1, d2, d3, tasks, queue, ring, ready, empty, SLOTS: gl.conste
             mbarrier.expect(ready.index(s), SUB * ROWS * COLS * 2)
             for j in gl.static_range(SUB):
                 if RM:
-                    at = [row0, (c + j) * COLS]
-                    if kclass == 0:
-                        tma.async_copy_global_to_shared(d0, at, ready.index(s), ring.index(s * SUB + j))
-                    elif kclass == 1:
-                        tma.async_copy_global_to_shared(d1, at, ready.index(s), ring.index(s * SUB + j))
-                    elif kclass == 2:
-                        tma.async_copy_global_to_shared(d2, at, ready.index(s), ring.index(s * SUB + j))
-                    else:
-                        tma.async_copy_global_to_shared(d3, at, ready.index(s), ring.index(s * SUB + j))
+                    copy_by_k_class(d0, d1, d2, d3, kclass, [row0, (c + j) * COLS], ready.index(s),
+                                    ring.index(s * SUB + j))
                 else:
                     tma.async_copy_global_to_shared(d0, [(tile0 + c + j) * ROWS, 0], ready.index(s),
                                                     ring.index(s * SUB + j))
@@ -122,17 +161,24 @@ def _wait(counter, target, err):
 
 
 @gluon.jit
+def launch_epoch(epoch_ptr, err):
+    """This launch's epoch for the worker (counters only grow: a wait's target is epoch x count) and whether no
+    worker had flagged an error when it started."""
+    pid = gl.program_id(0)
+    epoch = gl.load(epoch_ptr + pid) + 1
+    gl.store(epoch_ptr + pid, epoch)
+    return epoch, gl.atomic_add(err, 0, sem="relaxed", scope="gpu") == 0
+
+
+@gluon.jit
 def _consumer(tasks, queue, counters, epoch_ptr, err, act, ring, ready, empty, WAIT: gl.constexpr,
               SLOTS: gl.constexpr, SUB: gl.constexpr, WARPS: gl.constexpr):
     """Runs the worker's tasks: wait on the previous GEMV's counter, stream its tiles, store, signal."""
     tile_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
-    cols = gl.arange(0, COLS, gl.SliceLayout(0, tile_l))
     rows = gl.arange(0, ROWS, gl.SliceLayout(1, tile_l))
     pid = gl.program_id(0)
-    epoch = gl.load(epoch_ptr + pid) + 1  # counters only grow: this launch's targets are epoch x count
-    gl.store(epoch_ptr + pid, epoch)
+    epoch, ok = launch_epoch(epoch_ptr, err)
     it = 0
-    ok = gl.atomic_add(err, 0, sem="relaxed", scope="gpu") == 0
     for t in range(gl.load(queue + pid), gl.load(queue + pid + 1)):
         task = tasks + t * FIELDS
         ntiles = gl.load(task + 1)
@@ -145,17 +191,7 @@ def _consumer(tasks, queue, counters, epoch_ptr, err, act, ring, ready, empty, W
             if gemv > 0:
                 if ok:
                     ok = _wait(counters + (gemv - 1) * COUNTER_STRIDE, epoch * gl.load(task + 7), err)
-        acc = gl.zeros([ROWS, COLS], gl.float32, tile_l)
-        for c in range(0, ntiles, SUB):
-            s = it % SLOTS
-            mbarrier.wait(ready.index(s), (it // SLOTS) & 1)
-            for j in gl.static_range(SUB):
-                k = (c + j) * COLS + cols
-                xs = gl.load(act + x_off + k, mask=k < K, other=0.0)
-                acc += ring.index(s * SUB + j).load(tile_l).to(gl.float32) * xs[None, :]
-            mbarrier.arrive(empty.index(s), count=1)  # after a barrier: every consumer warp has read the slot
-            it += 1
-        out = gl.sum(acc, axis=1)
+        out, it = tile_sums(ring, ready, empty, it, act + x_off, K, ntiles, SLOTS, SUB, WARPS)
         gl.store(act + y_off + rows, out, mask=(rows < nrows) & ok)
         gl.thread_barrier()  # every consumer's stores before the release
         gl.atomic_add(counters + gemv * COUNTER_STRIDE, 1, sem="release", scope="gpu")
@@ -164,12 +200,7 @@ def _consumer(tasks, queue, counters, epoch_ptr, err, act, ring, ready, empty, W
 @gluon.jit
 def gemv_chain_kernel(d0, d1, d2, d3, tasks, queue, counters, epoch_ptr, err, act, WAIT: gl.constexpr,
                       SLOTS: gl.constexpr, SUB: gl.constexpr, WARPS: gl.constexpr, RM: gl.constexpr):
-    ring = gl.allocate_shared_memory(gl.bfloat16, [SLOTS * SUB, ROWS, COLS], d0.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(SLOTS):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+    ring, ready, empty = ring_buffers(d0, SLOTS, SUB)
     gl.warp_specialize([(_consumer, (tasks, queue, counters, epoch_ptr, err, act, ring, ready, empty, WAIT, SLOTS,
                                      SUB, WARPS)),
                         (_producer, (d0, d1, d2, d3, tasks, queue, ring, ready, empty, SLOTS, SUB, RM))], [1],
@@ -515,6 +546,13 @@ class ChainRun:
 
 def compile_sm90(slots: int, sub: int, warps: int, wait: bool = True, row_major: bool = False, maxnreg: int = 0):
     """The kernel compiled for an H100/H200 on any machine (Gluon has no interpreter: a CPU's check)."""
+    return compile_ring_kernel_sm90(gemv_chain_kernel, {"WAIT": wait, "SLOTS": slots, "SUB": sub, "WARPS": warps,
+                                                        "RM": row_major}, warps, maxnreg)
+
+
+def compile_ring_kernel_sm90(fn, constexprs: dict, warps: int, maxnreg: int = 0):
+    """A ring kernel with this file's arguments (four tile descriptors, the task table, queue, counters, epochs,
+    error flag, activations) and these constexprs, compiled for sm_90 on any machine."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -525,11 +563,10 @@ def compile_sm90(slots: int, sub: int, warps: int, wait: bool = True, row_major:
                                   False, True, True)[0]
     sig = {**{f"d{i}": desc for i in range(MAX_K_CLASSES)},
            **{n: "*i32" for n in ("tasks", "queue", "counters", "epoch_ptr", "err")}, "act": "*fp32",
-           **{n: "constexpr" for n in ("WAIT", "SLOTS", "SUB", "WARPS", "RM")}}
-    const = {"WAIT": wait, "SLOTS": slots, "SUB": sub, "WARPS": warps, "RM": row_major}
+           **{n: "constexpr" for n in constexprs}}
     first = MAX_K_CLASSES  # pointers follow the descriptors; 16-byte aligned, as the JIT finds torch tensors
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(first, first + 6)}
-    return triton.compile(GluonASTSource(fn=gemv_chain_kernel, signature=sig, constexprs=const, attrs=attrs),
+    return triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})})
 
