@@ -15,7 +15,9 @@
 #   helper   experts on a helper with the megakernel as main: its GPU tests (tests/test_helper_megakernel.py)
 #            and tools/helper_bench.py on $HELPER (default cuda:1: the nvidia-h200-x2 kind) for dsv2-lite;
 #   gluon    the warp-specialized Gluon GEMV chain (tools/gluon_stream.py): its GPU tests, then Llama-1B's 64
-#            GEMVs with and without dependency waits beside cuBLAS in a CUDA graph, for $GLUON_VARIANTS;
+#            GEMVs with and without dependency waits beside cuBLAS in a CUDA graph, for $GLUON_VARIANTS; then
+#            LINEAR's epilogues in the ring (tools/gluon_linear.py) and the ring beside a Triton kernel on the
+#            same SMs (tools/cokernel_chain.py), each after its GPU tests (~5 min in all);
 #   anchors  the outside yardstick, if a copy of ../shared/anchors sits in .anchors/ (git-ignored;
 #            carry it with the device tool);
 #   all      tests,bench,spec,anchors.
@@ -55,7 +57,7 @@ if [[ "$parts" == *,tests,* ]]; then
     python3 -c "import xdist" 2>/dev/null && procs="-n ${TESTS_PROCS:-3}"
     # shellcheck disable=SC2086
     timeout "${TESTS_TIMEOUT:-570}" python3 -m pytest $procs -m gpu tests/test_gpu.py tests/test_weight_stream.py tests/test_helper.py \
-        tests/test_gluon_stream.py -v \
+        tests/test_gluon_stream.py tests/test_gluon_linear.py tests/test_cokernel_chain.py -v \
         -p no:cacheprovider --durations=25 ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
         | tee "$out/gpu_tests.log" | tail -40 || worst $?
 fi
@@ -96,11 +98,14 @@ if [[ "$parts" == *,helper,* ]]; then
         | tail -16 || worst $?
 fi
 if [[ "$parts" == *,gluon,* ]]; then
-    timeout 120 python3 -m pytest -m gpu tests/test_gluon_stream.py -q -p no:cacheprovider 2>&1 \
-        | tee "$out/gluon_tests.log" | tail -5 || worst $?
+    timeout 150 python3 -m pytest -m gpu tests/test_gluon_stream.py tests/test_gluon_linear.py \
+        tests/test_cokernel_chain.py -q -p no:cacheprovider 2>&1 | tee "$out/gluon_tests.log" | tail -8 || worst $?
     # shellcheck disable=SC2086
-    timeout 300 python3 tools/gluon_stream.py --variants $gluon_variants --out "$out" 2>&1 \
-        | tee "$out/gluon_stream.log" | tail -12 || worst $?
+    timeout 200 python3 tools/gluon_stream.py --variants $gluon_variants --iters 30 --out "$out" 2>&1 \
+        | tee "$out/gluon_stream.log" | grep -v "^{" | tail -14 || worst $?
+    timeout 120 python3 tools/gluon_linear.py --variants 6x4 12x2 3x8 --out "$out" 2>&1 \
+        | tee "$out/gluon_linear.log" | grep -v "^{" | tail -8 || worst $?
+    timeout 120 python3 tools/cokernel_chain.py --out "$out" 2>&1 | tee "$out/cokernel_chain.log" | tail -5 || worst $?
 fi
 if [[ "$parts" == *,anchors,* ]] && [ -f .anchors/torch_baselines.py ]; then
     timeout 560 python3 .anchors/torch_baselines.py 2>&1 | tee "$out/anchors.log" | tail -12 || worst $?
