@@ -10,6 +10,10 @@ STAGES - 1 slots in flight through every task's start, wait and epilogue.  Each 
 bounded spin in its first slot's turn (spin_wait: one asm, so the loop still pipelines), its activations read
 after it by asm loads the pipeliner cannot move above the wait, its row sums stored and signalled in its last
 slot's turn.
+
+Measured (docs/PERF.md session 19): 2.34 TB/s without waits and 1.15 ms on the chain, below the LINEAR body's
+3.27 TB/s / 0.82 ms with the Gluon ring's bytes in flight, so bytes in flight are not what plain Triton lacks.
+Kept as that evidence, and as the way to make Triton's pipeliner run a loop with waits and releases in it.
 """
 
 import triton
