@@ -67,6 +67,12 @@ assert k1.asm["ptx"].count("cp.async.bulk.prefetch.L2.global") >= 5, k1.asm["ptx
 assert "prefetch.global.L1" in k1.asm["ptx"] and "evict_first" in k1.asm["ptx"]
 assert "prefetch.global.L2 " in k1.asm["ptx"] and "prefetch.global.L2 " not in ptx
 assert "evict_first" not in ptx and "prefetch.global.L1" not in ptx  # off: the default stream is unchanged
+# the attention kind a GQA-only plan compiles (llama-1b's: runtime.block_sizes sets ATT_KIND=2), its head-line
+# prefetch (APF=2) compiled in and MLA's bulk one out
+gqa = triton.compile(ASTSource(fn=megakernel, signature=sig, constexprs=dict(one, ATT_KIND=2), attrs=attrs),
+                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 1})
+assert gqa.asm["cubin"] and "prefetch.global.L2 " in gqa.asm["ptx"]
+assert gqa.asm["ptx"].count("cp.async.bulk.prefetch.L2.global") < k1.asm["ptx"].count("cp.async.bulk.prefetch.L2.global")
 print("shared", k.metadata.shared)
 """
 
