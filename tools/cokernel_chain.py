@@ -120,12 +120,13 @@ class CoChain:
         self.norms = torch.tensor([norms[j] for j in order], dtype=torch.int32, device=device)
         counts = torch.bincount(torch.tensor([j % workers for j in range(len(norms))]), minlength=workers)
         self.norm_queue = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32).to(device)
-        self.z_off, self.act_size = z_off, base
+        self.act_size = base
         self.counters = torch.zeros(2 * len(shapes) * gs.STRIDE, dtype=torch.int32, device=device)
         self.epochs = torch.zeros(workers, dtype=torch.int32, device=device)
         self.norm_epochs = torch.zeros(workers, dtype=torch.int32, device=device)
         self.err = torch.zeros(1, dtype=torch.int32, device=device)
         self.act = torch.zeros(base, dtype=torch.float32, device=device)
+        self.alone = (torch.zeros_like(self.counters), torch.zeros_like(self.epochs))  # launch_alone's counters
         self._prepared = set()  # norm_warps values whose kernels prepare() has compiled and configured
 
     def set_input(self, x0: torch.Tensor) -> None:
@@ -165,9 +166,7 @@ class CoChain:
 
     def launch_alone(self) -> None:
         """The GEMVs without the norms (gluon_stream's chain: GEMV j reads y_{j-1}), same kernel and registers."""
-        if not hasattr(self, "_alone"):
-            self._alone = (torch.zeros_like(self.counters), torch.zeros_like(self.epochs))
-        self.launch_gluon(self.chain.tasks, *self._alone)
+        self.launch_gluon(self.chain.tasks, *self.alone)
 
     @property
     def descs(self):
@@ -202,18 +201,6 @@ def compile_norm_sm90(warps: int = 4):
                                    {"FIELDS": NORM_FIELDS, "STRIDE": gs.STRIDE, "BLOCK": 1024, "EPS": EPS}, warps)
 
 
-def ptxas_registers(ptx: str) -> int:
-    """Registers a thread uses, as ptxas reports for sm_90a."""
-    import subprocess
-    import tempfile
-    with tempfile.TemporaryDirectory() as d:
-        Path(d, "k.ptx").write_text(ptx)
-        out = subprocess.run([str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"),
-                              "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.o"], capture_output=True, text=True,
-                             check=True)
-    return int(re.search(r"Used (\d+) registers", out.stderr).group(1))
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=16)
@@ -227,12 +214,12 @@ def main() -> None:
         g = gs.compile_sm90(6, 4, 4, maxnreg=GLUON_MAXNREG)
         # what ptxas gives each (the Gluon CTA's launch allocation, which its partitions' setmaxnreg share out),
         # allocated 8 a thread at a time
-        gluon_regs, norm_regs = (-(-ptxas_registers(x.asm["ptx"]) // 8) * 8 for x in (g, k))
+        gluon_regs, norm_regs = (-(-gs.ptxas_registers(x.asm["ptx"]) // 8) * 8 for x in (g, k))
         regs = g.metadata.num_warps * 32 * gluon_regs + args.norm_warps * 32 * norm_regs
         setmax = sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", g.asm["ptx"])})
         print(f"sm_90a: norm kernel {k.metadata.shared} bytes shared; gluon:6x4 {g.metadata.shared} bytes shared, "
-              f"together {k.metadata.shared + g.metadata.shared} of {SM_SHARED} two CTAs may have; registers together {regs} of "
-              f"65536 (gluon {g.metadata.num_warps} warps x {gluon_regs}, its warpgroups' setmaxnreg {setmax}; norms "
+              f"together {k.metadata.shared + g.metadata.shared} of {SM_SHARED} two CTAs may have; registers "
+              f"together {regs} of 65536 (gluon {g.metadata.num_warps} warps x {gluon_regs}, its warpgroups' setmaxnreg {setmax}; norms "
               f"{args.norm_warps} warps x {norm_regs})")
         return
     if not torch.cuda.is_available():

@@ -40,7 +40,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -582,6 +585,17 @@ def _compile_triton_sm90(fn, pointers: dict, constexprs: dict, warps: int = 8):
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
+def ptxas_registers(ptx: str) -> int:
+    """Registers a thread of this PTX uses, as ptxas reports for sm_90a (offline: a CompiledKernel knows its
+    registers only once loaded on a GPU)."""
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "k.ptx").write_text(ptx)
+        out = subprocess.run([str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"),
+                              "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.o"], capture_output=True, text=True,
+                             check=True)
+    return int(re.search(r"Used (\d+) registers", out.stderr).group(1))
+
+
 _CHAIN_POINTERS = {n: "*i32" for n in ("tasks", "queue", "counters", "epoch_ptr", "err")}
 
 
@@ -656,7 +670,7 @@ def main() -> None:
                 ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
                 ahead = ttgir[:ttgir.find('SPIN:')].count('async_tma_copy_global_to_local')
                 print(f"sm_90a: {v}, {ptx.count('cp.async.bulk.tensor')} TMA loads ({ahead} before the wait), "
-                      f"shared {k.metadata.shared} bytes, {k.n_regs if hasattr(k, 'n_regs') else '?'} registers, "
+                      f"shared {k.metadata.shared} bytes, {ptxas_registers(ptx)} registers, "
                       f"ptx {len(ptx)} chars")
             if v.kind in ("mma", "mmas"):
                 ptx = compile_mma_sm90(split=v.kind == "mmas", bufs=mma_buffers(v)).asm["ptx"]
