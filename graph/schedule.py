@@ -2,7 +2,9 @@
 
 `critical_path` is list scheduling: tasks become ready when every task of the
 ops they depend on has finished (plus a dependency hop); a free worker takes
-the ready task with the longest remaining path to the end of the step.
+the ready task with the longest remaining path to the end of the step.  With worker
+classes (a second kernel's workers that run only LINEAR tasks: compile option
+stream_kernel) a free worker takes only ready tasks of its own class.
 `round_robin` deals tasks in program order and is kept as a baseline;
 `blocked` gives each worker a contiguous slice of program order (for sequential
 execution under TRITON_INTERPRET).  Both
@@ -55,7 +57,21 @@ def bottom_levels(tasks: list[SchedTask], op_deps: dict[int, set[int]], hop: flo
     return level
 
 
-def critical_path(tasks: list[SchedTask], op_deps: dict[int, set[int]], workers: int, hop: float) -> Schedule:
+def critical_path(tasks: list[SchedTask], op_deps: dict[int, set[int]], workers: int, hop: float,
+                  classes: list[int] | None = None, class_workers: list[int] | None = None) -> Schedule:
+    """classes: each task's worker class (indexed like `tasks`), for workers that run only some opcodes
+    (compile option stream_kernel: a second kernel's workers take the LINEAR tasks); class k owns
+    queues sum(class_workers[:k]) .. + class_workers[k] (default: `workers` per class), and a free
+    worker takes only ready tasks of its own class, longest remaining path first.  Every class's
+    workers run in the one timeline (two co-resident kernels).  None: one class of `workers`."""
+    counts = [workers] if classes is None else list(class_workers or [workers] * (max(classes, default=0) + 1))
+    cls = classes if classes is not None else [0] * len(tasks)
+    if len(cls) != len(tasks) or any(not 0 <= c < len(counts) for c in cls):
+        raise ValueError(f"classes: one class in 0..{len(counts) - 1} per task")
+    empty = sorted({c for c in cls if counts[c] < 1})
+    if empty:
+        raise ValueError(f"worker class(es) {empty} have tasks but no workers")
+    worker_class = [k for k, n in enumerate(counts) for _ in range(n)]
     by_op = _op_tasks(tasks)
     level = bottom_levels(tasks, op_deps, hop)
     succ: dict[int, list[int]] = {}
@@ -66,32 +82,42 @@ def critical_path(tasks: list[SchedTask], op_deps: dict[int, set[int]], workers:
                 succ.setdefault(d, []).append(op)
     op_finish: dict[int, float] = {}
     remaining = {op: len(ids) for op, ids in by_op.items()}
-    waiting: list[tuple[float, float, int]] = []  # (ready time, -level, task)
-    ready: list[tuple[float, int, float]] = []  # (-level, task, ready time)
+    waiting: list[list[tuple[float, float, int]]] = [[] for _ in counts]  # per class: (ready time, -level, task)
+    ready: list[list[tuple[float, int, float]]] = [[] for _ in counts]  # per class: (-level, task, ready time)
+    free = [(0.0, w) for w in range(len(worker_class))]
+    parked: list[list[tuple[float, int]]] = [[] for _ in counts]  # free workers whose class had nothing released
 
     def release(op: int) -> None:
         t = max((op_finish[d] + hop for d in op_deps.get(op, ()) if d in by_op), default=0.0)
         for i in by_op[op]:
-            heapq.heappush(waiting, (t, -level[op], i))
+            heapq.heappush(waiting[cls[i]], (t, -level[op], i))
+            for item in parked[cls[i]]:  # never with one class: some task is always released
+                heapq.heappush(free, item)
+            parked[cls[i]].clear()
 
     for op, n in pending.items():
         if n == 0:
             release(op)
-    free = [(0.0, w) for w in range(workers)]
-    queues: list[list[int]] = [[] for _ in range(workers)]
-    busy = [0.0] * workers
+    queues: list[list[int]] = [[] for _ in worker_class]
+    busy = [0.0] * len(worker_class)
     makespan = 0.0
-    for _ in range(len(tasks)):
+    placed = 0
+    while placed < len(tasks):
         now, w = heapq.heappop(free)
-        while waiting and waiting[0][0] <= now:
-            t, neg, i = heapq.heappop(waiting)
-            heapq.heappush(ready, (neg, i, t))
-        if ready:
-            _, i, _ = heapq.heappop(ready)
+        c = worker_class[w]
+        if not waiting[c] and not ready[c]:
+            parked[c].append((now, w))
+            continue
+        while waiting[c] and waiting[c][0][0] <= now:
+            t, neg, i = heapq.heappop(waiting[c])
+            heapq.heappush(ready[c], (neg, i, t))
+        if ready[c]:
+            _, i, _ = heapq.heappop(ready[c])
             start = now
         else:
-            t, _, i = heapq.heappop(waiting)
+            t, _, i = heapq.heappop(waiting[c])
             start = t
+        placed += 1
         finish = start + tasks[i].seconds
         queues[w].append(i)
         busy[w] += tasks[i].seconds
