@@ -7,6 +7,7 @@ so the reuse can never race (the verifier checks this again on the tasks).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .ir import Graph, Tensor
@@ -59,14 +60,19 @@ def weight_order(graph: Graph) -> list[Tensor]:
     return list(seen.values())
 
 
-def plan_memory(graph: Graph, reuse: bool = True, weights: list[Tensor] | None = None) -> MemoryReport:
+def plan_memory(graph: Graph, reuse: bool = True, weights: list[Tensor] | None = None,
+                row_align: dict[str, int] | None = None) -> MemoryReport:
     """`weights`: the arena order (default: this graph's first-use order).  Passing one canonical
-    order for every shape gives all plans of a model one weight layout, so they can share it."""
+    order for every shape gives all plans of a model one weight layout, so they can share it.
+    `row_align`: weight name -> a row length K whose multiple the weight must start at (also a multiple
+    of ALIGN), so the arena seen as [elements / K, K] rows holds the matrix from a whole row on
+    (compile option stream_kernel: the stream kernel's one TMA descriptor per K); the gaps are zeros."""
     anc = ancestors(graph)
     sizes = {b: 0 for b in Buf}
+    row_align = row_align or {}
     for w in weights if weights is not None else weight_order(graph):
         t = graph.tensors.setdefault(w.name, Tensor(w.name, w.buf, w.rows, w.cols, w.role, w.parts, w.data))
-        t.offset = _align(sizes[t.buf])
+        t.offset = _align(sizes[t.buf], math.lcm(ALIGN, row_align[w.name]) if w.name in row_align else ALIGN)
         sizes[t.buf] = t.offset + t.numel
     unplaced = [t.name for t in graph.tensors.values() if t.role in ("weight", "const") and t.offset is None]
     if unplaced:
