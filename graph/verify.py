@@ -6,7 +6,11 @@ Checks, with every violation named by its tasks:
   (with every worker co-resident, an acyclic plan always completes);
 - hazards: two tasks whose accesses overlap, at least one writing, are ordered by happens-before
   (reachability in that same graph), unless they are routed writes of one op declared disjoint;
-- bounds: every access lies inside its buffer.
+- bounds: every access lies inside its buffer;
+- stream plans (plan.options["stream_workers"] = S, compile option stream_kernel): the last S queues
+  (a second, co-resident kernel's workers) hold only LINEAR tasks and the others none; every LINEAR's
+  weights (w, and w2 with SILU_MUL or PAIR) lie in W at a multiple of its K, K a multiple of 8, and at
+  most STREAM_MAX_K distinct K (stream_violation).
 """
 
 from __future__ import annotations
@@ -19,9 +23,37 @@ import numpy as np
 from .footprint import READ_ONLY, Access, declared_disjoint, footprint, overlaps
 from .isa import Buf, decode
 
+STREAM_OPCODES = frozenset({"LINEAR"})  # what a stream plan's stream workers run, and only they
+STREAM_MAX_K = 4  # distinct LINEAR K: the stream kernel's TMA descriptors (one per row length of the arena)
+STREAM_K_ALIGN = 8  # elements: a TMA row's 16 bytes of bf16
+
 
 class PlanError(ValueError):
     """A plan that must not run; the message names the tasks involved."""
+
+
+def stream_violation(tasks: list, labels: list[str]) -> str | None:
+    """Why a stream plan's LINEAR tasks do not fit the stream kernel, or None: its weights are read as the
+    arena viewed [elements / K, K] through one TMA descriptor per K, a task's tile from row w.off // K + r0,
+    so w.off (and w2.off, with SILU_MUL or PAIR) must be a multiple of K, in W; at most STREAM_MAX_K K."""
+    ks: dict[int, str] = {}
+    for i, t in enumerate(tasks):
+        if t.op.name not in STREAM_OPCODES:
+            continue
+        K, op = t["K"], labels[i].split("[")[0]
+        if K % STREAM_K_ALIGN:
+            return f"LINEAR {op} (task {i}): K={K} is not a multiple of {STREAM_K_ALIGN}"
+        for key in ("w", "w2") if t.has("SILU_MUL") or t.has("PAIR") else ("w",):
+            if t[key + ".buf"] != Buf.W:
+                return f"LINEAR {op} (task {i}): {key} is in buffer {t[key + '.buf']}, not W"
+            if t[key + ".off"] % K:
+                return (f"LINEAR {op} (task {i}): {key}.off={t[key + '.off']} is not a multiple of K={K} "
+                        f"({t[key + '.off'] % K} past row {t[key + '.off'] // K} of the arena seen as [*, {K}])")
+        ks.setdefault(K, op)
+    if len(ks) > STREAM_MAX_K:
+        return (f"LINEAR tasks have {len(ks)} distinct K ({', '.join(f'{k} ({op})' for k, op in sorted(ks.items()))}), "
+                f"more than the stream kernel's {STREAM_MAX_K} weight descriptors")
+    return None
 
 
 def verify_plan(plan, check_hazards: bool = True, tasks: list | None = None) -> dict:
@@ -40,6 +72,20 @@ def verify_plan(plan, check_hazards: bool = True, tasks: list | None = None) -> 
     if plan.queue_ptr[0] != 0 or plan.queue_ptr[-1] != n or any(
             a > b for a, b in zip(plan.queue_ptr, plan.queue_ptr[1:])):
         raise PlanError(f"queue pointers {plan.queue_ptr[:4]}... do not partition {n} tasks")
+    stream = plan.options.get("stream_workers") or 0
+    if stream:
+        body = plan.workers - stream
+        if body < 1:
+            raise PlanError(f"stream plan: {stream} stream workers of {plan.workers} leave no body worker")
+        for i, t in enumerate(tasks):
+            if (t.op.name in STREAM_OPCODES) != (worker_of[i] >= body):
+                where = f"stream queue {worker_of[i]} (>= {body})" if worker_of[i] >= body else \
+                    f"body queue {worker_of[i]} (< {body})"
+                raise PlanError(f"stream plan: {name(i)}, a {t.op.name} task, is on {where}: LINEAR tasks go on "
+                                f"the last {stream} queues (the stream kernel's workers), every other task before them")
+        why = stream_violation(tasks, label)
+        if why:
+            raise PlanError(f"stream plan: {why}")
 
     # ---- counters -----------------------------------------------------------------
     signallers: dict[int, list[int]] = defaultdict(list)
