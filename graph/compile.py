@@ -17,13 +17,13 @@ from .cost import CostModel
 from .fusion import DEFAULT_RULES, RULES, WEIGHT_RULES, fuse
 from .cse import cse
 from .ir import Graph, Op
-from .isa import MAX_WAITS, OPCODES, WORDS, encode
+from .isa import MAX_WAITS, OPCODES, WORDS, decode, encode
 from .lower import StepShape, lower
 from .memory import ancestors, plan_memory, weight_order
 from .plan import IOSlot, Plan, WeightSlot
 from .schedule import SchedTask, blocked, critical_path, round_robin
 from .tiling import Tiler, TilingOptions
-from .verify import verify_plan
+from .verify import STREAM_OPCODES, stream_violation, verify_plan
 
 
 @dataclass
@@ -38,6 +38,10 @@ class CompileOptions:
     tiling: TilingOptions = field(default_factory=TilingOptions)
     cost: CostModel = field(default_factory=CostModel)
     verify: bool = True
+    # a plan for two co-resident kernels: queues 0..workers-1 run every task but LINEAR (this kernel),
+    # queues workers..2·workers-1 only LINEAR (a stream kernel's workers), each LINEAR's weights at a
+    # multiple of its K in W (plan.options["stream_workers"] = workers; graph/verify.py's stream rules)
+    stream_kernel: bool = False
 
 
 class CompileError(ValueError):
@@ -46,9 +50,10 @@ class CompileError(ValueError):
 
 def compile_options(spec: str, workers: int) -> tuple[CompileOptions, int]:
     """'KEY=V,...' of TilingOptions fields, CostModel fields (the scheduler's task times: task_overhead=3e-6),
-    attn_split, workers (overriding the argument), vocab_block and fusion rules, removed from the default ones
-    (rope_into_cache=0) or put back (tools: bench, replay) -> (options, attn_split)."""
+    attn_split, workers (overriding the argument), vocab_block, stream_kernel (0/1) and fusion rules, removed
+    from the default ones (rope_into_cache=0) or put back (tools: bench, replay) -> (options, attn_split)."""
     tiling, cost, attn_split, rules, vocab_block = {}, {}, 0, DEFAULT_RULES, CompileOptions.vocab_block
+    stream_kernel = CompileOptions.stream_kernel
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
         if key == "attn_split":
@@ -57,6 +62,8 @@ def compile_options(spec: str, workers: int) -> tuple[CompileOptions, int]:
             workers = int(value)
         elif key == "vocab_block":
             vocab_block = int(value)
+        elif key == "stream_kernel":
+            stream_kernel = bool(int(value))
         elif key in RULES:
             chosen = set(rules) | {key} if int(value) else set(rules) - {key}
             rules = tuple(r for r in RULES if r in chosen)  # in the order fuse() applies them
@@ -66,15 +73,17 @@ def compile_options(spec: str, workers: int) -> tuple[CompileOptions, int]:
             cost[key] = type(getattr(CostModel, key))(float(value))
         else:
             raise CompileError(f"plan options {spec!r}: unknown key {key!r} (TilingOptions or CostModel fields, "
-                               f"attn_split, workers, vocab_block or a fusion rule: {', '.join(RULES)})")
+                               f"attn_split, workers, vocab_block, stream_kernel or a fusion rule: {', '.join(RULES)})")
     return (CompileOptions(workers=workers, vocab_block=vocab_block, tiling=TilingOptions(**tiling),
-                           cost=CostModel(**cost), fusion_rules=rules), attn_split)
+                           cost=CostModel(**cost), fusion_rules=rules, stream_kernel=stream_kernel), attn_split)
 
 
 def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | None = None) -> Plan:
     opts = options or CompileOptions()
     if opts.workers < 1:
         raise CompileError("workers must be >= 1")
+    if opts.stream_kernel and opts.scheduler != "critical_path":
+        raise CompileError(f"stream_kernel needs the critical_path scheduler, not {opts.scheduler}")
     t0 = time.perf_counter()
     if shape.attn_split == 0:
         shape = dataclasses.replace(shape, attn_split=attention_split(cfg, shape, opts.workers))
@@ -86,8 +95,9 @@ def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | N
         passes.append(fuse(graph, opts.fusion_rules))
     graph.renumber()
     graph.prune()
-    mem = plan_memory(graph, reuse=opts.reuse_memory,
-                      weights=canonical_weights(cfg, shape.helper_slots, tuple(opts.fusion_rules) if opts.fuse else ()))
+    layout = (cfg, shape.helper_slots, tuple(opts.fusion_rules) if opts.fuse else ())
+    mem = plan_memory(graph, reuse=opts.reuse_memory, weights=canonical_weights(*layout),
+                      row_align=dict(canonical_linear_rows(*layout)) if opts.stream_kernel else None)
     passes.append({"pass": "memory", "A_bytes": mem.sizes["A"] * 4, "I_bytes": mem.sizes["I"] * 4,
                    "unshared_bytes": mem.activation_bytes_unshared, "reused_blocks": mem.reused,
                    "W_elements": mem.sizes["W"], "WF_elements": mem.sizes["WF"]})
@@ -109,13 +119,24 @@ def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | N
             task_tile.append((op, k))
             total_bytes += tile.weight_bytes + tile.act_bytes
     scheduler = {"critical_path": critical_path, "round_robin": round_robin, "blocked": blocked}[opts.scheduler]
-    sched = scheduler(sched_tasks, deps, opts.workers, opts.cost.hop_latency)
+    if opts.stream_kernel:  # class 1: the stream kernel's workers, queues W..2W-1
+        classes = [int(op.opcode in STREAM_OPCODES) for op, _ in task_tile]
+        sched = critical_path(sched_tasks, deps, opts.workers, opts.cost.hop_latency, classes=classes,
+                              class_workers=[opts.workers, opts.workers])
+    else:
+        sched = scheduler(sched_tasks, deps, opts.workers, opts.cost.hop_latency)
     passes.append({"pass": "schedule", "scheduler": opts.scheduler, "workers": opts.workers,
+                   **({"stream_workers": opts.workers} if opts.stream_kernel else {}),
                    "critical_path_ms": round(sched.makespan * 1e3, 4), "balance": round(sched.balance, 3)})
 
     words, labels, ptr = _encode(graph, op_tiles, task_tile, sched.queues, deps)
+    if opts.stream_kernel:
+        why = stream_violation([decode(w) for w in words], labels)
+        if why:
+            raise CompileError(f"stream_kernel: {why}")
     plan = Plan(
-        config=cfg.to_hf_dict(), shape=dataclasses.asdict(shape), workers=opts.workers, words=words, queue_ptr=ptr,
+        config=cfg.to_hf_dict(), shape=dataclasses.asdict(shape), workers=len(sched.queues), words=words,
+        queue_ptr=ptr,
         task_labels=labels, counter_labels=[op.label for op in graph.ops], buffers=mem.sizes,
         weights=[WeightSlot(t.name, int(t.buf), t.offset, t.rows, t.cols, [list(p) for p in t.parts])
                  for t in graph.tensors.values() if t.role == "weight"],
@@ -130,7 +151,8 @@ def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | N
                   "floor_ms": opts.cost.floor_seconds(step_bytes(cfg, shape.T, shape.B, shape.max_len).total) * 1e3},
         options={"workers": opts.workers, "scheduler": opts.scheduler, "cse": opts.cse, "fuse": opts.fuse,
                  "fusion_rules": list(opts.fusion_rules), "tiling": dataclasses.asdict(tiling),
-                 "cost": dataclasses.asdict(opts.cost)},
+                 "cost": dataclasses.asdict(opts.cost),
+                 **({"stream_kernel": True, "stream_workers": opts.workers} if opts.stream_kernel else {})},
     )
     if opts.verify:
         report = verify_plan(plan)
@@ -151,7 +173,6 @@ def attention_split(cfg: ModelConfig, shape: StepShape, workers: int) -> int:
     return max(block, block * math.ceil(shape.max_len / splits / block))
 
 
-@functools.lru_cache(maxsize=16)  # one lowering (and, with a weight rule, fusion) per model and layout
 def canonical_weights(cfg: ModelConfig, helper_slots: int = -1, rules: tuple[str, ...] = ()) -> tuple:
     """The weight arena's order for every plan of a model: the order in which one decode step
     and every MTP layer, as the unfused graph first reads them.  Helper plans (helper_slots >= 0)
@@ -160,12 +181,31 @@ def canonical_weights(cfg: ModelConfig, helper_slots: int = -1, rules: tuple[str
     `rules` instead (which norms fold depends on the others: residual_norm keeps its norms): the
     derived weights, without those only they read.  Cached: every compile of a model asks for it, and
     plan_memory only reads the tensors it returns."""
+    return _canonical(cfg, helper_slots, rules)[0]
+
+
+def canonical_linear_rows(cfg: ModelConfig, helper_slots: int = -1, rules: tuple[str, ...] = ()) -> tuple:
+    """(weight, K) for every weight the canonical graph's LINEAR ops read as w or w2 (K: the lcm of
+    their K, the matrix's row length): where stream plans start a weight (plan_memory's row_align), so
+    every stream plan of a model has one layout, whichever of those weights it reads."""
+    return _canonical(cfg, helper_slots, rules)[1]
+
+
+@functools.lru_cache(maxsize=16)  # one lowering (and, with a weight rule, fusion) per model and layout
+def _canonical(cfg: ModelConfig, helper_slots: int, rules: tuple[str, ...]) -> tuple[tuple, tuple]:
     n = cfg.num_nextn_predict_layers
     graph = lower(cfg, StepShape(T=1, B=1, max_len=1 + n, mtp_passes=n, helper_slots=helper_slots))
     if any(r in WEIGHT_RULES for r in rules):
         cse(graph)
         fuse(graph, rules)
-    return tuple(weight_order(graph))
+    rows: dict[str, int] = {}
+    for op in graph.ops:
+        if op.opcode in STREAM_OPCODES:
+            for key in ("w", "w2"):
+                if key in op.reads:
+                    name = op.reads[key].tensor
+                    rows[name] = math.lcm(rows.get(name, 1), int(op.attrs["K"]))
+    return tuple(weight_order(graph)), tuple(rows.items())
 
 
 def _wait_list(op: Op, deps: dict[int, set[int]], anc: list[int], ntasks: dict[int, int]) -> list[tuple[int, int]]:
