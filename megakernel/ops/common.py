@@ -139,7 +139,7 @@ def now_ns(USE_TIMER: tl.constexpr):
     if USE_TIMER:
         return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
     else:
-        return tl.zeros((), tl.int64)
+        return tl.cast(0, tl.int64)  # a scalar (tl.zeros needs a layout in Gluon, whose stream kernel calls this)
 
 
 @triton.jit
@@ -147,7 +147,7 @@ def sm_id(USE_TIMER: tl.constexpr):
     if USE_TIMER:
         return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
     else:
-        return tl.zeros((), tl.int32)
+        return tl.cast(0, tl.int32)
 
 
 @triton.jit
@@ -165,7 +165,7 @@ def poll_stop(err, scratch, USE_TIMER: tl.constexpr):
             "mov.u64 g, %globaltimer; shr.u64 g, g, 10; cvt.u32.u64 t, g; @p st.global.b32 [$1], t; mov.u32 $0, 0; }",
             "=r,l", [scratch], dtype=tl.int32, is_pure=False, pack=1)
     failed = tl.atomic_add(err, 0, sem="acquire", scope="gpu") != 0
-    now = tl.zeros((), tl.int32)
+    now = tl.cast(0, tl.int32)
     if USE_TIMER:
         now = tl.inline_asm_elementwise("ld.volatile.global.b32 $0, [$1];", "=r,l", [scratch], dtype=tl.int32,
                                         is_pure=False, pack=1)
@@ -227,7 +227,7 @@ def wait_task(word, t, counters, epoch, err, pid, MAX_WAITS: tl.constexpr, TIMEO
             ptr = counters + c.to(tl.int64) * COUNTER_STRIDE
             state = err + ERR_HEADER + pid * ERR_PER_WORKER
             seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-            start = tl.zeros((), tl.int32)
+            start = tl.cast(0, tl.int32)  # scalars as tl.cast: these compile inside Gluon too
             spins = 0
             reason = 0
             while (seen < target) & (reason == 0):
