@@ -34,10 +34,10 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megakernel.ops.linear_ring import fill_slots, norm_scale  # noqa: E402
 from tools import gluon_stream as gs  # noqa: E402
 
 ROWS, COLS = gs.ROWS, gs.COLS  # a tile: 16 rows x 256 columns of bf16, one TMA box
@@ -61,27 +61,7 @@ def _producer(d0, d1, d2, d3, tasks, queue, ring, ready, empty, SLOTS: gl.conste
         kclass, ntiles = gl.load(task), gl.load(task + 4)
         mats = 1 + ((gl.load(task + 9) & SILU) != 0).to(gl.int32)
         for m in range(mats):
-            row = gl.load(task + 1 + m)
-            for c in range(0, ntiles, SUB):
-                s = it % SLOTS
-                mbarrier.wait(empty.index(s), ((it // SLOTS) & 1) ^ 1)  # a fresh barrier passes parity 1
-                mbarrier.expect(ready.index(s), SUB * ROWS * COLS * 2)
-                for j in gl.static_range(SUB):
-                    gs.copy_by_k_class(d0, d1, d2, d3, kclass, [row, (c + j) * COLS], ready.index(s),
-                                       ring.index(s * SUB + j))
-                it += 1
-
-
-@gluon.jit
-def _norm_scale(x_ptr, K, eps, WARPS: gl.constexpr):
-    """rsqrt(mean(x[:K]^2) + eps), summed in 256-wide chunks in a fixed order."""
-    tile_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
-    cols = gl.arange(0, COLS, gl.SliceLayout(0, tile_l))
-    sq = gl.zeros([COLS], gl.float32, gl.SliceLayout(0, tile_l))
-    for kb in range(0, K, COLS):
-        v = gl.load(x_ptr + kb + cols, mask=kb + cols < K, other=0.0)
-        sq += v * v
-    return 1.0 / gl.sqrt(gl.sum(sq, axis=0) / K + eps)
+            it = fill_slots(d0, d1, d2, d3, kclass, gl.load(task + 1 + m), ntiles, ring, ready, empty, it, SLOTS, SUB)
 
 
 @gluon.jit
@@ -107,7 +87,7 @@ def _consumer(tasks, queue, counters, epoch_ptr, err, act, ring, ready, empty, W
                     ok = gs._wait(counters + (op - 1) * gs.COUNTER_STRIDE, epoch * gl.load(task + 11), err)
         r = 1.0
         if (flags & NORM) != 0:
-            r = _norm_scale(x_ptr, K, EPS_C, WARPS)
+            r = norm_scale(x_ptr, K, EPS_C, WARPS)
         y, it = gs.tile_sums(ring, ready, empty, it, x_ptr, K, ntiles, SLOTS, SUB, WARPS)
         y = y * r
         if (flags & SILU) != 0:

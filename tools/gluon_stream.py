@@ -58,66 +58,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megakernel.memory import STREAM_SLACK  # noqa: E402
 from megakernel.ops import linear  # noqa: E402
+# the ring's pieces are the engine's (its stream kernel streams LINEAR tasks the same way)
+from megakernel.ops.linear_ring import (COLS, MAX_K_CLASSES, ROWS, TILE_COLS, TILE_ROWS, copy_by_k_class,  # noqa: E402,F401
+                                        ring_buffers, tile_sums)
 from tools import mma_stream  # noqa: E402
 from tools.tma_stream import flat_ring_kernel, plain_load, spin_wait  # noqa: E402
 
-TILE_ROWS, TILE_COLS = 16, 256  # a weight tile: 16 output rows x 256 columns of bf16 (8 KB), one TMA box
-ROWS, COLS = gl.constexpr(TILE_ROWS), gl.constexpr(TILE_COLS)  # the same, for the kernel
 # a task: first tile, tiles, x offset, K, y offset, valid rows, its GEMV, that GEMV's predecessor's task count,
 # its matrix's offset in the row-major arena and its first row (the plain-Triton kernel), and for row-major
 # TMA its K class (which descriptor) and its first row in that class's [arena / K, K] view
 FIELDS = gl.constexpr(12)
-MAX_K_CLASSES = 4  # distinct K of one chain that row-major TMA addresses (one descriptor each)
 MAX_SPINS = gl.constexpr(1 << 24)  # a dependency wait polls at most this often, then flags an error (never hangs)
 STRIDE = 32  # int32s between counters: one per 128-byte line
 COUNTER_STRIDE = gl.constexpr(STRIDE)
 LLAMA_1B = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # (N, K) of one layer's GEMVs
-
-
-@gluon.jit
-def copy_by_k_class(d0, d1, d2, d3, kclass, at, bar, dst):
-    """The TMA box at `at` of the row-major arena viewed as [arena / K, K] through K class kclass's descriptor."""
-    if kclass == 0:
-        tma.async_copy_global_to_shared(d0, at, bar, dst)
-    elif kclass == 1:
-        tma.async_copy_global_to_shared(d1, at, bar, dst)
-    elif kclass == 2:
-        tma.async_copy_global_to_shared(d2, at, bar, dst)
-    else:
-        tma.async_copy_global_to_shared(d3, at, bar, dst)
-
-
-@gluon.jit
-def ring_buffers(desc, SLOTS: gl.constexpr, SUB: gl.constexpr):
-    """The ring: SLOTS slots of SUB [ROWS, COLS] bf16 tiles in shared memory, laid out as desc's TMA boxes land,
-    and each slot's two mbarriers (ready: its bytes landed; empty: the consumers are done with it)."""
-    ring = gl.allocate_shared_memory(gl.bfloat16, [SLOTS * SUB, ROWS, COLS], desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(SLOTS):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    return ring, ready, empty
-
-
-@gluon.jit
-def tile_sums(ring, ready, empty, it, x_ptr, K, ntiles, SLOTS: gl.constexpr, SUB: gl.constexpr,
-              WARPS: gl.constexpr):
-    """[ROWS] row sums of a task's next ntiles tiles from the ring (SUB a slot) times x[:K]; the ring position
-    after them."""
-    tile_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
-    cols = gl.arange(0, COLS, gl.SliceLayout(0, tile_l))
-    acc = gl.zeros([ROWS, COLS], gl.float32, tile_l)
-    for c in range(0, ntiles, SUB):
-        s = it % SLOTS
-        mbarrier.wait(ready.index(s), (it // SLOTS) & 1)
-        for j in gl.static_range(SUB):
-            k = (c + j) * COLS + cols
-            xs = gl.load(x_ptr + k, mask=k < K, other=0.0)
-            acc += ring.index(s * SUB + j).load(tile_l).to(gl.float32) * xs[None, :]
-        mbarrier.arrive(empty.index(s), count=1)  # after a barrier: every consumer warp has read the slot
-        it += 1
-    return gl.sum(acc, axis=1), it
 
 
 @gluon.jit
