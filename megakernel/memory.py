@@ -37,14 +37,14 @@ class Memory:
             Buf.H: mailboxes(sizes.get("H", 0), self.device),
         }
         if share is not None:
-            if share.layout != _layout(plan):
+            if share.layout != weight_layout(plan):
                 raise ValueError("plans do not share a weight layout and cache shape; cannot share buffers")
             self.dtype, self.layout = share.dtype, share.layout
             self.bufs = {**{b: share.bufs[b] for b in (Buf.W, Buf.WF, Buf.C)}, **acts}
             return
         w = resolve_shared(cfg, weights)
         self.dtype = dtype or w["model.embed_tokens.weight"].dtype
-        self.layout = _layout(plan)
+        self.layout = weight_layout(plan)
         self.bufs: dict[int, torch.Tensor] = {
             Buf.W: torch.zeros(sizes["W"] + STREAM_SLACK, dtype=self.dtype, device=self.device),
             Buf.WF: torch.zeros(max(1, sizes["WF"]), dtype=torch.float32, device=self.device),
@@ -125,7 +125,7 @@ def _all_finite(t: torch.Tensor, chunk: int = 1 << 26) -> bool:
     return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
 
 
-def _layout(plan: Plan) -> tuple:
+def weight_layout(plan: Plan) -> tuple:
     # where each weight and constant lies, whatever order a plan lists them in (a plan lists those it
     # reads in its own order, derived weights among them)
     return (tuple(sorted((w.name, w.buf, w.offset) for w in plan.weights)),

@@ -410,7 +410,19 @@ def precompile(plan: Plan, dtype: torch.dtype, config: LaunchConfig | None = Non
     dtypes = [torch.int32] * 5 + [torch.int64] + [buffer_dtype(b, dtype) for b in KERNEL_BUFFERS]  # as _args orders
     args = [torch.zeros(64, dtype=t, device=dev) for t in dtypes]
     return megakernel.warmup(*args, **kernel_constants(blocks, wait_bound_s(tasks, config), config, dev.type == "cuda"),
-                             grid=(plan.workers,), num_warps=config.num_warps, num_stages=config.num_stages)
+                             grid=(plan.workers - stream_workers(plan),), num_warps=body_warps(plan, config),
+                             num_stages=config.num_stages)
+
+
+def stream_workers(plan: Plan) -> int:
+    """How many of the plan's queues (the last ones) a stream kernel runs: 0 for a plain plan."""
+    return int(plan.options.get("stream_workers") or 0)
+
+
+def body_warps(plan: Plan, config: LaunchConfig) -> int:
+    """Warps of the Triton kernel's CTA: at most 4 beside a stream kernel, whose CTA takes half of each SM's
+    registers (megakernel/stream_kernel.py), so that the two fit one SM whatever registers the Triton bodies need."""
+    return min(config.num_warps, 4) if stream_workers(plan) else config.num_warps
 
 
 class Megakernel(PlanRunner):
@@ -440,6 +452,18 @@ class Megakernel(PlanRunner):
         self.blocks = launch_blocks(tasks, self.mem.dtype, self.config)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.compiled = None
+        # a stream_kernel plan: its last queues hold the LINEAR tasks, run by a Gluon kernel beside this one
+        self.body_workers = plan.workers - stream_workers(plan)
+        self.num_warps = body_warps(plan, self.config)
+        self.stream = None
+        if self.body_workers < plan.workers:
+            if self.device.type != "cuda":
+                raise MegakernelError("this plan has stream workers (compiled with stream_kernel=1): their LINEAR "
+                                      "tasks run in a Gluon kernel, which needs a CUDA device (Gluon has no "
+                                      "interpreter); compile the plan without the option for TRITON_INTERPRET")
+            from .stream_kernel import StreamKernel
+            self.stream = StreamKernel(self)
+            self.side = torch.cuda.Stream(self.device)
         self.launch_hooks: list = []  # called before every launch or replay (a helper service's wake-up)
         # called after every launch or replay, while the step runs (a helper's overlapped migration)
         self.after_launch_hooks: list = []
@@ -461,26 +485,38 @@ class Megakernel(PlanRunner):
         """JIT-compile (never inside graph capture) and refuse grids that cannot all be resident."""
         if self.compiled is not None or INTERPRET:
             return self.compiled
-        grid = (self.plan.workers,)
+        grid = (self.body_workers,)
         self.compiled = megakernel.warmup(*self._args(), **self._constexprs(), grid=grid,
-                                          num_warps=self.config.num_warps, num_stages=self.config.num_stages)
+                                          num_warps=self.num_warps, num_stages=self.config.num_stages)
         self.compiled._init_handles()
         props = torch.cuda.get_device_properties(self.device)
-        regs = -(-max(1, self.compiled.n_regs) // 8) * 8 * 32 * self.config.num_warps  # allocated 8 a thread at a time
-        per_sm = min(props.max_threads_per_multi_processor // (32 * self.config.num_warps),
+        regs = -(-max(1, self.compiled.n_regs) // 8) * 8 * 32 * self.num_warps  # allocated 8 a thread at a time
+        per_sm = min(props.max_threads_per_multi_processor // (32 * self.num_warps),
                      props.regs_per_multiprocessor // regs,
                      props.shared_memory_per_multiprocessor // max(1, self.compiled.metadata.shared))
-        if self.plan.workers > props.multi_processor_count * per_sm:
-            raise MegakernelError(f"plan has {self.plan.workers} workers but only {props.multi_processor_count} SMs "
+        if self.body_workers > props.multi_processor_count * per_sm:
+            raise MegakernelError(f"plan has {self.body_workers} workers but only {props.multi_processor_count} SMs "
                                   f"x {per_sm} resident programs fit ({self.compiled.n_regs} registers/thread, "
                                   f"{self.compiled.metadata.shared} B shared): refusing a launch that could hang")
         self.resident_per_sm = per_sm
+        if self.stream is not None:  # both kernels loaded and checked to fit an SM together before either runs
+            self.stream.compile(self.compiled)
         return self.compiled
 
     def kernel(self) -> None:
         """Issue the kernel on the current stream (compiled before; nothing else: a graph captures it)."""
-        megakernel[(self.plan.workers,)](*self._args(), **self._constexprs(), num_warps=self.config.num_warps,
+        if self.stream is None:
+            megakernel[(self.body_workers,)](*self._args(), **self._constexprs(), num_warps=self.num_warps,
+                                             num_stages=self.config.num_stages)
+            return
+        # the two kernels side by side: a fork and a join by events, which a graph captures as two parallel nodes
+        main = torch.cuda.current_stream(self.device)
+        self.side.wait_stream(main)
+        megakernel[(self.body_workers,)](*self._args(), **self._constexprs(), num_warps=self.num_warps,
                                          num_stages=self.config.num_stages)
+        with torch.cuda.stream(self.side):
+            self.stream.kernel()
+        main.wait_stream(self.side)
 
     def launch(self) -> None:
         self.compile()

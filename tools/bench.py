@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from graph.compile import CompileOptions, compile_options, compile_step
-from graph.fusion import WEIGHT_RULES
 from graph.lower import StepShape
 from megakernel.interpreter import Interpreter
+from megakernel.memory import weight_layout
 from megakernel.profiler import count_launches, task_trace
 from megakernel.runtime import LaunchConfig, Megakernel
 from model import Cache, Reference, init_weights, preset
@@ -246,9 +246,10 @@ def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path,
 
     def plan_variant(spec: str):
         vplan, config = variant_plan(cfg, T, max_len, workers, spec)
-        if set(vplan.options["fusion_rules"]) & set(WEIGHT_RULES) == set(plan.options["fusion_rules"]) & set(WEIGHT_RULES):
-            return Megakernel(vplan, None, "cuda", share=mk.mem, config=config)  # the same weight layout
-        # another choice of the rules that derive weights (norm_into_linear=0) packs its own arena; same cache
+        if weight_layout(vplan) == weight_layout(plan):
+            return Megakernel(vplan, None, "cuda", share=mk.mem, config=config)
+        # another choice of the rules that derive weights (norm_into_linear=0), or stream_kernel's row-aligned
+        # matrices, packs its own arena; same cache
         vk = Megakernel(vplan, weights, "cuda", dtype, config=config)
         vk.cache().copy_(cache.data)
         return vk

@@ -34,7 +34,14 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megakernel.stream_kernel import largest_shared_split as _set_split  # noqa: E402
 from tools import gluon_stream as gs  # noqa: E402
+
+
+def largest_shared_split(kernel) -> None:
+    """Both kernels at the SM's largest shared-memory split (an SM holds CTAs of one split: see the engine's)."""
+    kernel._init_handles()  # the module loaded and kernel.function set, as a first launch would
+    _set_split(kernel)
 
 EPS = 1e-6
 # the Gluon CTA's registers at launch: 8 warps (4 consumers, the producer's warpgroup) x 128 = half an SM's 64K,
@@ -42,26 +49,6 @@ EPS = 1e-6
 # it; without the cap Gluon asks for 256 a thread, the whole register file, and nothing co-resides
 GLUON_MAXNREG = 128
 SM_SHARED = 228 * 1024 - 2 * 1024  # an H100/H200 SM's shared memory less the 1 KB the hardware keeps per CTA
-CU_FUNC_CACHE_PREFER_SHARED, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 1, 9  # cuda.h's enums
-CU_SHAREDMEM_CARVEOUT_MAX_SHARED = 100  # percent of the SM's shared memory
-
-
-def largest_shared_split(kernel) -> None:
-    """Loads a compiled kernel and has it prefer the SM's largest shared-memory split, as both kernels here must:
-    an SM's L1/shared split is one for all the CTAs it holds, Triton sets a preference (PREFER_SHARED) only on a
-    kernel that needs more than 48 KB (the Gluon one), and cuFuncSetCacheConfig's docs allow a device-side
-    synchronization between kernels of different preferences; left alone, the norm kernel's CTAs (16 bytes) could
-    hold SMs in a split the Gluon CTA's ~197 KB does not fit, or wait for the Gluon kernel to end: either way a
-    wait past MAX_SPINS, read as "the two kernels do not co-reside" when only their preferences differed."""
-    import ctypes
-    kernel._init_handles()  # the module loaded and kernel.function set, as a first launch would
-    cuda = ctypes.CDLL("libcuda.so.1")
-    fn = ctypes.c_void_p(kernel.function)
-    carveout = (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, CU_SHAREDMEM_CARVEOUT_MAX_SHARED)
-    for call, rc in (("cuFuncSetCacheConfig", cuda.cuFuncSetCacheConfig(fn, CU_FUNC_CACHE_PREFER_SHARED)),
-                     ("cuFuncSetAttribute", cuda.cuFuncSetAttribute(fn, *carveout))):
-        if rc:
-            raise RuntimeError(f"cokernel chain: {call} on {kernel.name} returned CUresult {rc}")
 
 
 @triton.jit
