@@ -57,7 +57,7 @@ if [[ "$parts" == *,tests,* ]]; then
     python3 -c "import xdist" 2>/dev/null && procs="-n ${TESTS_PROCS:-3}"
     # shellcheck disable=SC2086
     timeout "${TESTS_TIMEOUT:-570}" python3 -m pytest $procs -m gpu tests/test_gpu.py tests/test_weight_stream.py tests/test_helper.py \
-        tests/test_gluon_stream.py tests/test_gluon_linear.py tests/test_cokernel_chain.py -v \
+        tests/test_gluon_stream.py tests/test_gluon_linear.py tests/test_cokernel_chain.py tests/test_stream_kernel.py -v \
         -p no:cacheprovider --durations=25 ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
         | tee "$out/gpu_tests.log" | tail -40 || worst $?
 fi
