@@ -19,11 +19,11 @@ import triton.language as tl
 
 from .ops import (argmax, attention, elementwise, embed, head_matmul, helper, helper_side, linear, mhc, moe, norm, rope,
                   spec)
-from .ops.common import COUNTER_STRIDE, now_ns, prefetch_word_l1, sm_id, wait_task
+from .ops.common import now_ns, prefetch_word_l1, signal_done, wait_task
 from .ops.fields import (OP_ACCEPT, OP_ARGMAX, OP_ATTENTION, OP_ATTN_COMBINE, OP_CACHE_WRITE, OP_EMBED, OP_EWISE,
                          OP_EXPERT_LINEAR, OP_GATHER, OP_HC_COEFF, OP_HC_EXPAND, OP_HC_HEAD, OP_HEAD_MATMUL, OP_HELPER_CALL,
                          OP_HELPER_RECV, OP_HELPER_SEND, OP_HELPER_WAIT, OP_LINEAR,
-                         OP_MOE_COMBINE, OP_RMSNORM, OP_ROPE, OP_ROPE_TABLE, OP_ROUTE, WORD_SIGNAL)
+                         OP_MOE_COMBINE, OP_RMSNORM, OP_ROPE, OP_ROPE_TABLE, OP_ROUTE)
 
 
 
@@ -176,11 +176,5 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                         helper_side.send_body(word, A, I, HB, USE_TIMER, BD)
         if ok == 1:
             tl.debug_barrier()  # every thread's stores happen before the release below
-            tl.atomic_add(counters + tl.load(word + WORD_SIGNAL).to(tl.int64) * COUNTER_STRIDE, 1, sem="release", scope="gpu")
-            if PROFILE:
-                rec = prof + t.to(tl.int64) * 4
-                tl.store(rec, t_begin)
-                tl.store(rec + 1, t_ready)
-                tl.store(rec + 2, now_ns(USE_TIMER))
-                tl.store(rec + 3, sm_id(USE_TIMER).to(tl.int64))
+            signal_done(word, t, counters, prof, t_begin, t_ready, PROFILE, USE_TIMER)
         t += 1

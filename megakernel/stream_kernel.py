@@ -4,9 +4,12 @@ A plan compiled with the `stream_kernel` option has 2W queues: the first W (body
 LINEAR and run in megakernel.kernel; the last W (stream workers) hold only LINEAR tasks and run here, one CTA per
 SM next to the Triton CTA (both persistent, co-resident: refused otherwise).  They hand work over through the same
 counters, epochs and error flag, so a stream task waits and signals exactly as a Triton task does (common.py's
-bounded wait_task, a scalar Triton function that compiles inside Gluon).  Why two kernels: the Gluon ring streams
-weights faster than any plain-Triton body measured (docs/PERF.md sessions 19-20), and porting every other op body to
-Gluon's explicit layouts is not needed for it (tools/cokernel_chain.py measured the cross-kernel hop).
+bounded wait_task and signal_done, scalar Triton functions that compile inside Gluon).  Why two kernels: on
+Llama-1B's GEMV chain the Gluon ring streams faster than any plain-Triton body (docs/PERF.md session 19), and this
+takes it into the engine without porting every other op body to Gluon's explicit layouts.  Measured (session 20):
+correct, but slower (llama-1b 1.27 against 1.13 ms): inside the megakernel the Triton LINEAR body already streams
+a large task at the ring's per-SM rate, and the Triton bodies at 4 warps beside a streaming CTA take 30-60% longer.
+So it is an opt-in plan option (`stream_kernel=1`), not the default.
 
 Per worker: a 1-warp producer walks the queue and streams each task's weight tiles into the shared-memory ring
 (ops/linear_ring.py), never waiting on a counter; the consumer warps wait for the task's inputs, sum the tiles,
@@ -24,10 +27,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from graph.isa import Buf, decode
-from .ops.common import COUNTER_STRIDE, aligned, ffld, fld, now_ns, off, sm_id, wait_task
+from .ops.common import aligned, ffld, fld, now_ns, off, signal_done, wait_task
 from .ops.fields import (FLAG_LINEAR_NORM, FLAG_LINEAR_PAIR, FLAG_LINEAR_RES, FLAG_LINEAR_SILU_MUL, LINEAR_EPS,
                          LINEAR_FLAGS, LINEAR_K, LINEAR_OUT_OFF, LINEAR_R0, LINEAR_R1, LINEAR_RES_OFF, LINEAR_W2_OFF,
-                         LINEAR_W_OFF, LINEAR_X_OFF, WORD_SIGNAL)
+                         LINEAR_W_OFF, LINEAR_X_OFF)
 from .runtime import stream_workers
 from .ops.linear_ring import (MAX_K_CLASSES, TILE_COLS, TILE_ROWS, fill_slots, norm_scale, ntiles_of, ring_buffers,
                               tile_sums)
@@ -112,14 +115,7 @@ def _consumer(words, queue_ptr, counters, worker_epoch, err, prof, A, ring, read
             gl.store(out_ptr + rb + rows, y, mask=mask)
         gl.thread_barrier()  # every consumer's stores before the release
         if ok == 1:
-            gl.atomic_add(counters + fld(word, WORD_SIGNAL).to(gl.int64) * COUNTER_STRIDE, 1, sem="release",
-                          scope="gpu")
-            if PROFILE:
-                rec = prof + t.to(gl.int64) * 4
-                gl.store(rec, t_begin)
-                gl.store(rec + 1, t_ready)
-                gl.store(rec + 2, now_ns(USE_TIMER))
-                gl.store(rec + 3, sm_id(USE_TIMER).to(gl.int64))
+            signal_done(word, t, counters, prof, t_begin, t_ready, PROFILE, USE_TIMER)
 
 
 @gluon.jit

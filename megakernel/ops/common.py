@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fields import WORD_WAITS
+from .fields import WORD_SIGNAL, WORD_WAITS
 
 COUNTER_STRIDE = tl.constexpr(32)  # int32s between counters: one counter per 128-byte line
 ERR_HEADER = tl.constexpr(4)  # err[0]: the flag; then per worker: reason, task, counter, seen, target
@@ -148,6 +148,19 @@ def sm_id(USE_TIMER: tl.constexpr):
         return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
     else:
         return tl.cast(0, tl.int32)
+
+
+@triton.jit
+def signal_done(word, t, counters, prof, t_begin, t_ready, PROFILE: tl.constexpr, USE_TIMER: tl.constexpr):
+    """A finished task's release of its counter (call after the barrier that orders every thread's stores) and,
+    with PROFILE, its record (begin, ready, end, SM).  Scalars only: the stream kernel (Gluon) calls it too."""
+    tl.atomic_add(counters + tl.load(word + WORD_SIGNAL).to(tl.int64) * COUNTER_STRIDE, 1, sem="release", scope="gpu")
+    if PROFILE:
+        rec = prof + t.to(tl.int64) * 4
+        tl.store(rec, t_begin)
+        tl.store(rec + 1, t_ready)
+        tl.store(rec + 2, now_ns(USE_TIMER))
+        tl.store(rec + 3, sm_id(USE_TIMER).to(tl.int64))
 
 
 @triton.jit
