@@ -73,3 +73,24 @@ def tmp_trace(events: dict) -> str:
     json.dump({"traceEvents": out}, f)
     f.close()
     return f.name
+
+
+def test_report_relists_a_stream_plan_by_worker_class(monkeypatch):
+    """A stream_kernel plan's relisted schedule keeps LINEAR tasks on the stream workers and the rest on the body
+    workers, as the compiler placed them (a relisting across the classes would time a plan no kernel runs)."""
+    plan = compile_step(preset("tiny-dense"), StepShape(T=1, B=1, max_len=16), CompileOptions(workers=4,
+                                                                                              stream_kernel=True))
+    parsed = replay.structure(plan)
+    words = parsed[0]
+    seen = {}
+    real = replay.critical_path
+
+    def spy(tasks, deps, workers, hop, classes=None, counts=None):
+        schedule = real(tasks, deps, workers, hop, classes, counts)
+        seen["queues"] = schedule.queues
+        return schedule
+    monkeypatch.setattr(replay, "critical_path", spy)
+    replay.report("stream plan", plan, [1e-6] * len(words), 1e-6, parsed=parsed)
+    body = plan.workers - plan.options["stream_workers"]
+    for q, queue in enumerate(seen["queues"]):
+        assert all((words[i].op.name == "LINEAR") == (q >= body) for i in queue), q

@@ -15,7 +15,9 @@ measured here.  Prints a table, writes JSON (and, with
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import re
 import statistics
 import time
 import traceback
@@ -155,6 +157,8 @@ def precompile_run(args, workers: int) -> None:
             jobs += [(name, T, args.ctx, workers, "", "", False)]
             jobs += [(name, T, args.ctx, workers, "", spec, False) for spec in args.variants]
             jobs += [(name, T, args.ctx, workers, spec, "", False) for spec in args.plan_variants]
+            if args.profile_variants:
+                jobs += [(name, T, args.ctx, workers, spec, "", True) for spec in args.plan_variants]
             if args.profile:
                 jobs.append((name, T, args.ctx, workers, "", "", True))
     t0 = time.perf_counter()
@@ -168,7 +172,7 @@ def precompile_run(args, workers: int) -> None:
     print(f"precompiled {len(jobs)} kernels in {time.perf_counter() - t0:.0f} s ({args.jobs} processes)", flush=True)
 
 
-def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path, profile: bool,
+def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path, profile: bool | str,
                 variants=(), baselines=("eager", "graph", "compile"), plan_variants=()) -> dict:
     cfg = preset(name)
     row: dict = {"model": name, "T": T, "ctx": ctx}
@@ -238,11 +242,27 @@ def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path,
             v.update(tasks=vk.plan.num_tasks, ms=time_ms(vk.replay, iters=50, warmup=10),
                      regs=vk.compiled.n_regs, spills=vk.compiled.n_spills,
                      rel_err_vs_main=rel_err(out_v.logits, first.logits))
+            if profile == "variants" and row_key == "plan_variant":  # its trace beside the main plan's
+                pk = Megakernel(vk.plan, None, "cuda", share=vk.mem,
+                                config=dataclasses.replace(vk.config, profile=True))
+                v["profiled_step_us"] = profiled(pk, f"trace_{name}_T{T}_{re.sub('[^A-Za-z0-9]+', '_', spec)}.json")
+                del pk
             del vk
         except Exception as e:
             v["error"] = repr(e)[:300]
         row.setdefault(row_key + "s", []).append(v)
         print(f"{name} T={T}: {row_key} {spec}: " + (f"{v['ms']:.3f} ms" if "ms" in v else v["error"][:80]), flush=True)
+
+    def profiled(pk, file: str, into: dict | None = None) -> float:
+        """A profiled step's trace (the second step: the first loads what the kernel reads) into out / file;
+        the per-op table's heaviest ops into `into`; the profiled step's time."""
+        pk.step(tokens, lens)
+        pk.step(tokens, lens)
+        table = task_trace(pk, out / file)
+        if into is not None:
+            ops = sorted(table["ops"].items(), key=lambda kv: -kv[1]["busy_us"])
+            into["top_ops"] = [(k, v["tasks"], round(v["busy_us"], 1), round(v["wait_us"], 1)) for k, v in ops[:12]]
+        return table["step_us"]
 
     def plan_variant(spec: str):
         vplan, config = variant_plan(cfg, T, max_len, workers, spec)
@@ -262,12 +282,7 @@ def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path,
 
     if profile:
         pk = Megakernel(plan, None, "cuda", share=mk.mem, config=LaunchConfig(profile=True))
-        pk.step(tokens, lens)
-        pk.step(tokens, lens)
-        table = task_trace(pk, out / f"trace_{name}_T{T}.json")
-        row["profiled_step_us"] = table["step_us"]
-        ops = sorted(table["ops"].items(), key=lambda kv: -kv[1]["busy_us"])
-        row["top_ops"] = [(k, v["tasks"], round(v["busy_us"], 1), round(v["wait_us"], 1)) for k, v in ops[:12]]
+        row["profiled_step_us"] = profiled(pk, f"trace_{name}_T{T}.json", row)
     return row
 
 
@@ -278,6 +293,8 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--workers", type=int, default=0, help="default: the GPU's SM count")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile-variants", action="store_true",
+                   help="with --profile: a trace of each plan variant too (tools/replay.py --layer N reads it)")
     p.add_argument("--baselines", nargs="*", default=["eager", "graph", "compile"],
                    choices=["eager", "graph", "compile"], help="plain-PyTorch baselines to time (default: all)")
     p.add_argument("--variants", nargs="*", default=[], metavar="KEY=V,...",
@@ -301,7 +318,8 @@ def main() -> None:
     for name in args.models:
         for T in args.T:
             try:
-                row = bench_model(name, T, args.ctx, bw, workers, out, args.profile, args.variants, args.baselines,
+                profile = "variants" if args.profile and args.profile_variants else args.profile
+                row = bench_model(name, T, args.ctx, bw, workers, out, profile, args.variants, args.baselines,
                                   args.plan_variants)
             except Exception as e:  # keep going: one failure should not hide the other rows
                 traceback.print_exc()

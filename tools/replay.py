@@ -154,7 +154,10 @@ def report(title: str, plan, seconds: list[float], hop: float, top: int = 12, pa
     tasks = [SchedTask(w.signal, s) for w, s in zip(words, seconds)]
     replay, busy = simulate(tasks, deps, queues, hop)
     # the same tasks list-scheduled knowing these times (what a calibrated cost model would do)
-    relisted, _ = simulate(tasks, deps, critical_path(tasks, deps, plan.workers, hop).queues, hop)
+    stream = int(plan.options.get("stream_workers") or 0)  # a stream_kernel plan: LINEAR on its own workers
+    classes = [int(w.op.name == "LINEAR") for w in words] if stream else None
+    counts = [plan.workers - stream, stream] if stream else None
+    relisted, _ = simulate(tasks, deps, critical_path(tasks, deps, plan.workers, hop, classes, counts).queues, hop)
     length, chain = critical_chain(plan, words, deps, seconds, hop)
     per: dict[str, list] = defaultdict(lambda: [0, 0.0, 0])
     for fam, s, n in chain:
