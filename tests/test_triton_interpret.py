@@ -296,3 +296,17 @@ def test_route_with_many_experts_and_a_large_top_k_is_refused():
                 check_operand_buffers(plan, tasks)
         else:
             check_operand_buffers(plan, tasks)
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
+def test_attention_key_blocks_in_flight_change_nothing(name):
+    """ATTENTION's launch variant STAGES (key blocks requested ahead: 1, 2 the default, 3) changes when loads are
+    issued, not the sums: over splits of several key blocks (BJ=1 against splits of 4 positions), every depth
+    equals the interpreter and the three give the same bits."""
+    logits = []
+    for stages in (1, 2, 3):
+        cfg, plan, interp, mk = _pair(name, passes=0, blocks=dict(BJ=1, STAGES=stages))
+        assert plan.shape["attn_split"] == 4 and mk.blocks["STAGES"] == stages
+        _compare(cfg, interp, mk, torch.tensor([5, 13]))
+        logits.append(mk.result().logits)
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[1], logits[2])

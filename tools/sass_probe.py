@@ -7,6 +7,9 @@
     python tools/sass_probe.py stream [--lines] [KEY=V,...]...
         the weight stream alone (ops/linear.stream_chunks, bf16 weights): its hot loop's instructions
         by opcode, per variant (BR, KC, TB: tokens per weight chunk, DEPTH: chunks in flight, PFD: L2 prefetch distance); --lines adds them by source line
+    python tools/sass_probe.py attention [--lines] [KEY=V,...]...
+        ATTENTION's body alone (GQA, bf16 cache, llama-1b's T=1 block sizes by default: BM=16, BJ=128, DMAX=64,
+        STAGES=2, 8 warps): its key-block loop's instructions by opcode, barriers and shared-memory traffic
 
 How the weight stream was rebuilt in session 4 (docs/PERF.md): ncu said ~730 instructions per 4 KB a
 warp streams; this tool showed where they came from (a cross-warp reduction per chunk, divisions,
@@ -34,7 +37,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megakernel.ops import linear  # noqa: E402
+from megakernel.ops import attention, linear  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 INSTR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -76,6 +79,16 @@ def compile_sass(fn, pointers: dict, scalars: list[str], const: dict, num_warps:
     return info + f" | {k.asm['ptx'].count('ld.global.v4')} ld.global.v4 in PTX", sass
 
 
+@triton.jit
+def attention_probe(words, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr,
+                    STAGES: tl.constexpr, ALIGN: tl.constexpr, KIND: tl.constexpr, EF: tl.constexpr):
+    """One ATTENTION task (its word's fields read at run time), as the persistent kernel runs it."""
+    attention.body(words, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, "bf16x2", KIND, EF)
+
+
+ATTENTION_PROBE_ARGS = ({"words": "*i32", "A": "*fp32", "I": "*i32", "C": "*bf16"}, [])
+
+
 def sass_lines(sass: str, labels: dict | None = None) -> list[tuple[int, str, str]]:
     """(offset, source file:line, instruction) of every instruction of nvdisasm -g output; labels,
     if given, gets each branch label's offset."""
@@ -99,16 +112,22 @@ def sass_lines(sass: str, labels: dict | None = None) -> list[tuple[int, str, st
     return items
 
 
-def hot_loop(sass: str) -> list[tuple[str, str]]:
-    """(source line, instruction) inside the widest backward branch."""
+def loops(sass: str) -> list[list[tuple[str, str]]]:
+    """(source line, instruction) of each backward branch's span, widest first."""
     labels = {}
     items = sass_lines(sass, labels)
-    best = (0, -1)
+    spans = set()
     for addr, _, ins in items:
         m = re.search(r"BRA.*`\(\.(L_x_\d+)\)", ins)
-        if m and labels.get(m.group(1), addr) < addr and addr - labels[m.group(1)] > best[1] - best[0]:
-            best = (labels[m.group(1)], addr)
-    return [(w, ins) for addr, w, ins in items if best[0] <= addr <= best[1]]
+        if m and labels.get(m.group(1), addr) < addr:
+            spans.add((labels[m.group(1)], addr))
+    return [[(w, ins) for addr, w, ins in items if a <= addr <= b]
+            for a, b in sorted(spans, key=lambda span: span[0] - span[1])]
+
+
+def hot_loop(sass: str) -> list[tuple[str, str]]:
+    """(source line, instruction) inside the widest backward branch."""
+    return (loops(sass) or [[]])[0]
 
 
 def opcode(ins: str) -> str:
@@ -129,6 +148,26 @@ def probe_stream(variants: list[str], lines: bool) -> None:
         print(f"  hot loop {len(loop)} instructions: " + ", ".join(f"{o} {n}" for o, n in ops.most_common(16)))
         if lines:
             by_line = collections.Counter(w for w, _ in loop)
+            for w, n in sorted(by_line.items(), key=lambda kv: -kv[1])[:20]:
+                print(f"    {w:28s} {n}")
+
+
+def probe_attention(variants: list[str], lines: bool) -> None:
+    """The narrowest loop with tensor-core instructions: one key block (ATTENTION's inner loop)."""
+    for spec in variants or [""]:
+        const = {**dict(BM=16, BJ=128, DMAX=64, RMAX=16, STAGES=2, ALIGN=8, KIND=2, EF=0), **parse_variant(spec)}
+        num_warps = const.pop("num_warps", 8)
+        info, sass = compile_sass(attention_probe, *ATTENTION_PROBE_ARGS, const, num_warps)
+        with_mma = [lp for lp in loops(sass) if any(opcode(ins) in ("HMMA", "HGMMA") for _, ins in lp)]
+        block = min(with_mma, key=len) if with_mma else []
+        ops = collections.Counter(opcode(ins) for _, ins in block)
+        print(f"attention {spec or 'default'} ({const}, {num_warps} warps): {info}")
+        print(f"  key-block loop {len(block)} instructions; barriers {ops['BAR']}, shared stores {ops['STS']}, "
+              f"shared loads {ops['LDS'] + ops['LDSM']} (LDSM {ops['LDSM']}), global loads {ops['LDG']}, "
+              f"shuffles {ops['SHFL']}, tensor-core {ops['HMMA'] + ops['HGMMA']}")
+        print("  " + ", ".join(f"{o} {n}" for o, n in ops.most_common(18)))
+        if lines:
+            by_line = collections.Counter(w for w, _ in block)
             for w, n in sorted(by_line.items(), key=lambda kv: -kv[1])[:20]:
                 print(f"    {w:28s} {n}")
 
@@ -180,13 +219,15 @@ def probe_kernel(model: str, variants: list[str], lines: bool = False) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["kernel", "stream"])
+    p.add_argument("what", choices=["kernel", "stream", "attention"])
     p.add_argument("variants", nargs="*", metavar="KEY=V,...")
     p.add_argument("--model", default="dsv2-lite")
     p.add_argument("--lines", action="store_true")
-    args = p.parse_args()
+    args = p.parse_intermixed_args()  # options before or after the variants, as the usage lines write them
     if args.what == "stream":
         probe_stream(args.variants, args.lines)
+    elif args.what == "attention":
+        probe_attention(args.variants, args.lines)
     else:
         probe_kernel(args.model, args.variants, args.lines)
 

@@ -103,7 +103,9 @@ def kv_block(cache, width, jb, j1, k_col, v_col, dim, d, dmask, e, emask, mla, B
 @triton.jit
 def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr,
          STAGES: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr, KIND: tl.constexpr, EF: tl.constexpr = 0):
-    """STAGES 2: the next cache block is in flight while this one is reduced; 1: one at a time.
+    """STAGES 2: the next cache block is in flight while this one is reduced; 3: the next two (a launch
+    variant: session 17's ncu put GQA attention's time on its key loads, ~3 us a 128-position block); 1: one
+    at a time.  The sums are the same in every order of loads.
     KIND: 1 every attention task of the plan is MLA, 2 none is (compiled for that kind alone), 0 read
     the flag per task."""
     if KIND == 0:
@@ -153,10 +155,13 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
         l_i = tl.zeros((BM,), tl.float32)
         acc = tl.zeros((BM, DMAX), tl.float32)
         keys, kpe, values = kv_block(cache, width, j0, j1, k_col, v_col, dim, d, dmask, e, emask, mla, BJ, KIND, EF)
+        if STAGES > 2:  # the block after it too, before the loop (rows past j1 are masked off: no traffic)
+            keys_1, kpe_1, values_1 = kv_block(cache, width, j0 + BJ, j1, k_col, v_col, dim, d, dmask, e, emask, mla,
+                                               BJ, KIND, EF)
         for jb in range(j0, j1, BJ):
-            if STAGES > 1:  # request the next block before this one's arithmetic
-                keys_n, kpe_n, values_n = kv_block(cache, width, jb + BJ, j1, k_col, v_col, dim, d, dmask, e, emask,
-                                                   mla, BJ, KIND, EF)
+            if STAGES > 1:  # request the block STAGES - 1 ahead before this one's arithmetic
+                keys_n, kpe_n, values_n = kv_block(cache, width, jb + (STAGES - 1) * BJ, j1, k_col, v_col, dim, d,
+                                                   dmask, e, emask, mla, BJ, KIND, EF)
             js = jb + tl.arange(0, BJ)
             jmask = js < j1
             s = mma(q, tl.trans(keys), tl.zeros((BM, BJ), tl.float32), DOT_PREC)
@@ -172,7 +177,10 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = mma(p, values, acc * alpha[:, None], DOT_PREC)
             m_i = m_new
-            if STAGES > 1:
+            if STAGES > 2:
+                keys, kpe, values = keys_1, kpe_1, values_1
+                keys_1, kpe_1, values_1 = keys_n, kpe_n, values_n
+            elif STAGES > 1:
                 keys, kpe, values = keys_n, kpe_n, values_n
             else:
                 keys, kpe, values = kv_block(cache, width, jb + BJ, j1, k_col, v_col, dim, d, dmask, e, emask, mla, BJ,
