@@ -154,7 +154,8 @@ def stream_k_classes(plan, tasks=None) -> list[int]:
         two = t.has("SILU_MUL") or t.has("PAIR")
         if f["K"] % 8 or f["w.off"] % f["K"] or (two and f["w2.off"] % f["K"]):
             raise StreamKernelError(f"stream task {label}: K={f['K']}, w.off={f['w.off']}, w2.off={f['w2.off']}: "
-                                    "the matrices must start at multiples of K, K a multiple of 8 (stream_kernel plans)")
+                                    "the matrices must start at multiples of K, K a multiple of 8 "
+                                    "(stream_kernel plans)")
         ks.add(f["K"])
     if len(ks) > MAX_K_CLASSES:
         raise StreamKernelError(f"stream tasks have {len(ks)} distinct K {sorted(ks)}, the kernel addresses at most "
@@ -218,8 +219,8 @@ class StreamKernel:
                                  mk.prof, mk.mem.bufs[Buf.A], self.worker0, grid=(self.workers,), warmup=warmup,
                                  WORDS=c["WORDS"], MAX_WAITS=c["MAX_WAITS"], TIMEOUT_NS=c["TIMEOUT_NS"],
                                  MAX_SPINS=c["MAX_SPINS"], USE_TIMER=c["USE_TIMER"], PROFILE=c["PROFILE"],
-                                 ALIGN=min(c["ALIGN"], 4), SLOTS=self.slots, SUB=self.sub, WARPS=CONSUMER_WARPS, BOX=self.box,
-                                 num_warps=CONSUMER_WARPS, maxnreg=MAXNREG)
+                                 ALIGN=min(c["ALIGN"], 4), SLOTS=self.slots, SUB=self.sub, WARPS=CONSUMER_WARPS,
+                                 BOX=self.box, num_warps=CONSUMER_WARPS, maxnreg=MAXNREG)
 
     def compile(self, triton_kernel):
         """Compiled and loaded, both kernels set to the largest shared split, and refused unless one CTA of each
@@ -237,7 +238,8 @@ class StreamKernel:
             if (regs > props.regs_per_multiprocessor or shared > props.shared_memory_per_multiprocessor
                     or self.workers > props.multi_processor_count):
                 raise StreamKernelError(
-                    f"stream kernel ({g.n_regs} registers x {g.metadata.num_warps} warps, {g.metadata.shared} B shared) "
+                    f"stream kernel ({g.n_regs} registers x {g.metadata.num_warps} warps, "
+                    f"{g.metadata.shared} B shared) "
                     f"and megakernel ({t.n_regs} x {t.metadata.num_warps}, {t.metadata.shared} B) do not fit one SM "
                     f"together ({regs} of {props.regs_per_multiprocessor} registers, {shared} of "
                     f"{props.shared_memory_per_multiprocessor} B shared) on {self.workers} workers: refusing a launch "

@@ -87,6 +87,22 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def stall_is_a_watchdog_error_then_recovers(mk, task: int, tokens, lens) -> None:
+    """A captured megakernel's step with `task` waiting on a counter nobody signals raises the watchdog's error
+    within a second, and once undone the next step gives the logits of a step before the stall."""
+    import time
+    import pytest
+    from megakernel.runtime import WatchdogError
+    good = mk.step(tokens, lens).logits.clone()
+    undo = mk.inject_stall(task)
+    t0 = time.perf_counter()
+    with pytest.raises(WatchdogError, match="timed out"):
+        mk.step(tokens, lens)
+    assert time.perf_counter() - t0 < 1.0
+    undo()
+    assert torch.equal(mk.step(tokens, lens).logits, good)
+
+
 # Block sizes every tiny preset's plans (T <= 8, B <= 3, any attention split) fit within: GPU tests
 # build dozens of small plans, and each distinct set of block sizes is another JIT compile of the
 # megakernel (~30-40 s on an H200), so they run under megakernel.runtime.shared_blocks(TINY_BLOCKS):

@@ -9,7 +9,7 @@ from graph.fusion import DEFAULT_RULES, RULES
 from graph.lower import StepShape
 from model import TINY_PRESETS, Cache, Reference, init_weights, preset
 
-from .conftest import UNFOLDED, rel_err
+from .conftest import UNFOLDED, rel_err, stall_is_a_watchdog_error_then_recovers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("one_kernel_for_tiny_models")]
 BF16_TOL = 1e-2
@@ -209,20 +209,10 @@ def test_one_graph_replay_is_at_most_three_launches(name):
 
 
 def test_watchdog_error_within_a_second_then_recovers():
-    import time
-    from megakernel.runtime import WatchdogError
     cfg, w, plan, mk = _setup("tiny-moe")
     mk.capture()
-    tokens = torch.zeros(2, 2, dtype=torch.long, device="cuda")
-    lens = torch.tensor([0, 0], device="cuda")
-    good = mk.step(tokens, lens).logits
-    undo = mk.inject_stall(plan.num_tasks // 2)
-    t0 = time.perf_counter()
-    with pytest.raises(WatchdogError, match="timed out"):
-        mk.step(tokens, lens)
-    assert time.perf_counter() - t0 < 1.0
-    undo()
-    assert torch.equal(mk.step(tokens, lens).logits, good)
+    stall_is_a_watchdog_error_then_recovers(mk, plan.num_tasks // 2, torch.zeros(2, 2, dtype=torch.long, device="cuda"),
+                                            torch.tensor([0, 0], device="cuda"))
 
 
 def test_refuses_more_workers_than_fit():

@@ -13,7 +13,7 @@ from graph.compile import CompileOptions, compile_step
 from graph.lower import StepShape
 from model import init_weights, preset
 
-from .conftest import rel_err
+from .conftest import rel_err, stall_is_a_watchdog_error_then_recovers
 
 BF16_TOL = 1e-2
 
@@ -39,7 +39,8 @@ for profile, box in ((False, 16), (True, 8)):
            "A": "*fp32", "WORKER0": "i32", **{n: "constexpr" for n in const}}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(7, 14)}
     k = triton.compile(GluonASTSource(fn=sk.stream_kernel, signature=sig, constexprs=const, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": sk.CONSUMER_WARPS, "maxnreg": sk.MAXNREG})
+                       target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": sk.CONSUMER_WARPS, "maxnreg": sk.MAXNREG})
     ptx = k.asm["ptx"]
     # weights by TMA into the ring, mbarrier hand-offs, the plan's acquire waits and release signals, the bound
     assert "cp.async.bulk.tensor" in ptx and "mbarrier.try_wait" in ptx
@@ -124,18 +125,8 @@ def test_stream_kernel_equals_interpreter(name, layers):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_stream_task_stall_is_a_watchdog_error_then_recovers():
-    import time
-    from megakernel.runtime import WatchdogError
     cfg, plan, mk = _gpu_setup("tiny-dense", max_len=64)
     mk.capture()
-    tokens = torch.ones(1, 1, dtype=torch.long, device="cuda")
-    lens = torch.tensor([5], device="cuda")
-    good = mk.step(tokens, lens).logits.clone()
     stream_task = plan.queue_ptr[mk.body_workers]  # the first stream worker's first task
-    undo = mk.inject_stall(stream_task)
-    t0 = time.perf_counter()
-    with pytest.raises(WatchdogError, match="timed out"):
-        mk.step(tokens, lens)
-    assert time.perf_counter() - t0 < 1.0
-    undo()
-    assert torch.equal(mk.step(tokens, lens).logits, good)
+    stall_is_a_watchdog_error_then_recovers(mk, stream_task, torch.ones(1, 1, dtype=torch.long, device="cuda"),
+                                            torch.tensor([5], device="cuda"))
