@@ -130,8 +130,9 @@ def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | N
                    "critical_path_ms": round(sched.makespan * 1e3, 4), "balance": round(sched.balance, 3)})
 
     words, labels, ptr = _encode(graph, op_tiles, task_tile, sched.queues, deps)
-    if opts.stream_kernel:
-        why = stream_violation([decode(w) for w in words], labels)
+    decoded = [decode(w) for w in words] if opts.stream_kernel else None  # the verifier reads them too
+    if decoded is not None:
+        why = stream_violation(decoded, labels)
         if why:
             raise CompileError(f"stream_kernel: {why}")
     plan = Plan(
@@ -155,7 +156,7 @@ def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | N
                  **({"stream_kernel": True, "stream_workers": opts.workers} if opts.stream_kernel else {})},
     )
     if opts.verify:
-        report = verify_plan(plan)
+        report = verify_plan(plan, tasks=decoded)
         passes.append({"pass": "verify", **report})
     passes.append({"pass": "total", "compile_s": round(time.perf_counter() - t0, 3)})
     return plan

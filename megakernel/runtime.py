@@ -414,6 +414,11 @@ def precompile(plan: Plan, dtype: torch.dtype, config: LaunchConfig | None = Non
                              num_stages=config.num_stages)
 
 
+def cta_registers(compiled) -> int:
+    """Registers one CTA of a loaded kernel takes from its SM (allocated 8 a thread at a time)."""
+    return -(-max(1, compiled.n_regs) // 8) * 8 * 32 * compiled.metadata.num_warps
+
+
 def stream_workers(plan: Plan) -> int:
     """How many of the plan's queues (the last ones) a stream kernel runs: 0 for a plain plan."""
     return int(plan.options.get("stream_workers") or 0)
@@ -462,7 +467,7 @@ class Megakernel(PlanRunner):
                                       "tasks run in a Gluon kernel, which needs a CUDA device (Gluon has no "
                                       "interpreter); compile the plan without the option for TRITON_INTERPRET")
             from .stream_kernel import StreamKernel
-            self.stream = StreamKernel(self)
+            self.stream = StreamKernel(self, tasks)
             self.side = torch.cuda.Stream(self.device)
         self.launch_hooks: list = []  # called before every launch or replay (a helper service's wake-up)
         # called after every launch or replay, while the step runs (a helper's overlapped migration)
@@ -490,9 +495,8 @@ class Megakernel(PlanRunner):
                                           num_warps=self.num_warps, num_stages=self.config.num_stages)
         self.compiled._init_handles()
         props = torch.cuda.get_device_properties(self.device)
-        regs = -(-max(1, self.compiled.n_regs) // 8) * 8 * 32 * self.num_warps  # allocated 8 a thread at a time
         per_sm = min(props.max_threads_per_multi_processor // (32 * self.num_warps),
-                     props.regs_per_multiprocessor // regs,
+                     props.regs_per_multiprocessor // cta_registers(self.compiled),
                      props.shared_memory_per_multiprocessor // max(1, self.compiled.metadata.shared))
         if self.body_workers > props.multi_processor_count * per_sm:
             raise MegakernelError(f"plan has {self.body_workers} workers but only {props.multi_processor_count} SMs "
@@ -505,18 +509,15 @@ class Megakernel(PlanRunner):
 
     def kernel(self) -> None:
         """Issue the kernel on the current stream (compiled before; nothing else: a graph captures it)."""
-        if self.stream is None:
-            megakernel[(self.body_workers,)](*self._args(), **self._constexprs(), num_warps=self.num_warps,
-                                             num_stages=self.config.num_stages)
-            return
-        # the two kernels side by side: a fork and a join by events, which a graph captures as two parallel nodes
-        main = torch.cuda.current_stream(self.device)
-        self.side.wait_stream(main)
+        if self.stream is not None:  # beside a stream kernel: a fork and a join by events (two parallel graph nodes)
+            main = torch.cuda.current_stream(self.device)
+            self.side.wait_stream(main)
         megakernel[(self.body_workers,)](*self._args(), **self._constexprs(), num_warps=self.num_warps,
                                          num_stages=self.config.num_stages)
-        with torch.cuda.stream(self.side):
-            self.stream.kernel()
-        main.wait_stream(self.side)
+        if self.stream is not None:
+            with torch.cuda.stream(self.side):
+                self.stream.kernel()
+            main.wait_stream(self.side)
 
     def launch(self) -> None:
         self.compile()

@@ -31,7 +31,7 @@ from .ops.common import aligned, ffld, fld, now_ns, off, signal_done, wait_task
 from .ops.fields import (FLAG_LINEAR_NORM, FLAG_LINEAR_PAIR, FLAG_LINEAR_RES, FLAG_LINEAR_SILU_MUL, LINEAR_EPS,
                          LINEAR_FLAGS, LINEAR_K, LINEAR_OUT_OFF, LINEAR_R0, LINEAR_R1, LINEAR_RES_OFF, LINEAR_W2_OFF,
                          LINEAR_W_OFF, LINEAR_X_OFF)
-from .runtime import stream_workers
+from .runtime import cta_registers, stream_workers
 from .ops.linear_ring import (MAX_K_CLASSES, TILE_COLS, TILE_ROWS, fill_slots, norm_scale, ntiles_of, ring_buffers,
                               tile_sums)
 
@@ -137,29 +137,18 @@ class StreamKernelError(RuntimeError):
 
 
 def stream_k_classes(plan, tasks=None) -> list[int]:
-    """The distinct K of the stream workers' LINEAR tasks, checked as the kernel needs them: one token, flags it
-    knows, K a multiple of 8 and each matrix at a multiple of its K in the arena, at most MAX_K_CLASSES."""
+    """The distinct K of the stream workers' LINEAR tasks, refused unless the kernel runs them: one token, flags it
+    knows.  (Which queues hold LINEAR, K a multiple of 8, each matrix at a multiple of its K and at most
+    MAX_K_CLASSES of them: graph/verify.py's stream rules, which every Megakernel checks first.)"""
     tasks = tasks if tasks is not None else [decode(w) for w in plan.words]
-    first = plan.queue_ptr[plan.workers - stream_workers(plan)]
     ks = set()
-    for i in range(first, plan.num_tasks):
-        t, label = tasks[i], plan.task_labels[i]
-        if t.op.name != "LINEAR":
-            raise StreamKernelError(f"stream worker task {label} is {t.op.name}: the stream kernel runs LINEAR only")
-        f = t.fields
+    for i in range(plan.queue_ptr[plan.workers - stream_workers(plan)], plan.num_tasks):
+        t = tasks[i]
         extra = [n for n in t.op.flag_names(t.flags) if n not in SUPPORTED_FLAGS]
-        if f["N"] != 1 or extra:
-            raise StreamKernelError(f"stream task {label}: N={f['N']} flags {extra}: the stream kernel runs one "
-                                    f"token per task with flags {SUPPORTED_FLAGS} (compile T=B=1 plans only)")
-        two = t.has("SILU_MUL") or t.has("PAIR")
-        if f["K"] % 8 or f["w.off"] % f["K"] or (two and f["w2.off"] % f["K"]):
-            raise StreamKernelError(f"stream task {label}: K={f['K']}, w.off={f['w.off']}, w2.off={f['w2.off']}: "
-                                    "the matrices must start at multiples of K, K a multiple of 8 "
-                                    "(stream_kernel plans)")
-        ks.add(f["K"])
-    if len(ks) > MAX_K_CLASSES:
-        raise StreamKernelError(f"stream tasks have {len(ks)} distinct K {sorted(ks)}, the kernel addresses at most "
-                                f"{MAX_K_CLASSES}")
+        if t["N"] != 1 or extra:
+            raise StreamKernelError(f"stream task {plan.task_labels[i]}: N={t['N']} flags {extra}: the stream kernel "
+                                    f"runs one token per task with flags {SUPPORTED_FLAGS} (compile T=B=1 plans only)")
+        ks.add(t["K"])
     return sorted(ks) or [8]
 
 
@@ -192,9 +181,9 @@ class StreamKernel:
     """The stream workers' launch for a Megakernel `mk` whose plan has them: descriptors over its weight arena,
     its counters, epochs, error flag and profile records."""
 
-    def __init__(self, mk, slots: int = SLOTS):
+    def __init__(self, mk, tasks: list, slots: int = SLOTS):
+        """tasks: the plan's words decoded (the Megakernel has them)."""
         plan = mk.plan
-        tasks = [decode(w) for w in plan.words]
         self.klasses = stream_k_classes(plan, tasks)
         self.box = box_rows(plan, tasks)
         self.mk, self.slots, self.sub = mk, slots, SUB * TILE_ROWS // self.box  # a slot: 32 KB either way
@@ -232,8 +221,7 @@ class StreamKernel:
             largest_shared_split(triton_kernel)
             props = torch.cuda.get_device_properties(self.mk.device)
             g, t = self.compiled, triton_kernel
-            regs = (-(-max(1, g.n_regs) // 8) * 8 * 32 * g.metadata.num_warps
-                    + -(-max(1, t.n_regs) // 8) * 8 * 32 * t.metadata.num_warps)
+            regs = cta_registers(g) + cta_registers(t)
             shared = g.metadata.shared + t.metadata.shared + 2 * 1024  # the hardware keeps 1 KB a CTA
             if (regs > props.regs_per_multiprocessor or shared > props.shared_memory_per_multiprocessor
                     or self.workers > props.multi_processor_count):

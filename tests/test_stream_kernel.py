@@ -78,7 +78,8 @@ def test_stream_plan_needs_a_gpu():
 
 
 def test_stream_tasks_checked_on_the_host():
-    """One token per task, matrices at multiples of K: a plan that breaks either is refused, naming the task."""
+    """The host's own check, one token per task, refuses a wider plan by its task (the matrices' alignment and
+    queues are the verifier's: tests/test_stream_plan.py)."""
     from megakernel.stream_kernel import StreamKernelError, stream_k_classes
     cfg, plan = _stream_plan("tiny-dense")
     assert stream_k_classes(plan) == sorted({plan.task(i).fields["K"] for i in range(plan.num_tasks)

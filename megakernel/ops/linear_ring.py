@@ -22,9 +22,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
+from graph.verify import STREAM_MAX_K
+
 TILE_ROWS, TILE_COLS = 16, 256  # a weight tile: 16 output rows x 256 columns of bf16 (8 KB), one TMA box
 ROWS, COLS = gl.constexpr(TILE_ROWS), gl.constexpr(TILE_COLS)  # the same, for kernels
-MAX_K_CLASSES = 4  # distinct K a stream kernel addresses (one descriptor each)
+MAX_K_CLASSES = STREAM_MAX_K  # distinct K a stream kernel addresses (one descriptor each; the verifier's limit)
 
 
 @gluon.jit
