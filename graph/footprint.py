@@ -158,7 +158,21 @@ def footprint(task: Decoded) -> list[Access]:
             if task.has("MLA"):
                 c = h * f["pe_hs"] + f["pe_col0"]
                 out += _acc(task, "pe", b * T, (b + 1) * T, c, c + f["rope_dim"], False)
-        out += _acc(task, "cache", b * S, (b + 1) * S, 0, f["width"], False, ld=f["width"])
+        # the split's rows (all of MLA's latent row; GQA: its KV head's keys and values)
+        j0 = f["split"] * f["split_len"]
+        rows = (b * S + j0, b * S + min(S, j0 + f["split_len"]))
+        if task.has("MLA"):
+            out += _acc(task, "cache", *rows, 0, f["width"], False, ld=f["width"])
+        else:
+            k_col = (h0 // f["group"]) * f["kv_hs"]
+            for c in (k_col, f["v_col0"] + k_col):
+                out += _acc(task, "cache", *rows, c, c + f["dim"], False, ld=f["width"])
+                if task.has("ROPE"):  # the step's new positions among them: claim the split's rows
+                    out += _acc(task, "cache", *rows, c, c + f["dim"], True, ld=f["width"])
+            if task.has("ROPE"):
+                out += _acc(task, "tab", b * T, (b + 1) * T, 0, f["dim"], False, ld=f["dim"])
+                for key in ("kn", "vn"):
+                    out += _acc(task, key, b * T, (b + 1) * T, k_col, k_col + f["dim"], False, ld=f["kn.ld"])
         out += _flat(task, "cl", b, b + 1, False)
         for t in range(T):
             row = ((b * ns + f["split"]) * T + t) * nh

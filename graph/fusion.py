@@ -8,6 +8,10 @@ Rules, applied in this order (each names what it merged in the report):
 - residual_norm: ADD(a, b) feeding an RMSNORM              -> RMSNORM[ADD] (writes the sum too)
 - rope_into_cache: CACHE_WRITE of a ROPE's whole output     -> ROPE[CACHE] (rotated keys go straight
                  into the cache: one hop fewer before attention; the same values, rounded once)
+- rope_into_attention: GQA's ROPE of q, ROPE[CACHE] of k, CACHE_WRITE of v -> ATTENTION[ROPE] (each split
+                 rotates its query rows, and the split whose rows hold the step's new positions rotates their
+                 keys and writes them and their values into the cache before reading its rows: attention
+                 waits on the projections, one phase and one hop fewer a layer)
 - route:         ROUTE[SCORE], ROUTE[TOPK], ROUTE[SLOTS]   -> one ROUTE
 - hc_coeff:      HC_COEFF mix, act, sinkhorn, collapse     -> one HC_COEFF
 - norm_into_linear: RMSNORM read only as x by LINEARs      -> each LINEAR[NORM], the norm gone
@@ -30,8 +34,8 @@ from __future__ import annotations
 
 from .ir import Graph, Op, Tensor, View
 
-RULES = ("swiglu", "moe_epilogue", "residual_into_linear", "residual_norm", "rope_into_cache", "route", "hc_coeff",
-         "norm_into_linear", "norm_beside_experts")
+RULES = ("swiglu", "moe_epilogue", "residual_into_linear", "residual_norm", "rope_into_cache", "rope_into_attention",
+         "route", "hc_coeff", "norm_into_linear", "norm_beside_experts")
 WEIGHT_RULES = ("norm_into_linear", "norm_beside_experts")  # rules that derive packed weights (W' = W diag(g))
 # what a plan applies unless told.  norm_beside_experts stays opt-in: its first version (session 15: -2.8%,
 # -3.1% on dsv2-lite) rounded the router's W·diag(g) to bf16, which moved routing decisions (1.2% of tokens per
@@ -186,6 +190,39 @@ def _rope_into_cache(ctx: _Ctx) -> str | None:
     return None
 
 
+def _rope_into_attention(ctx: _Ctx) -> str | None:
+    for att in ctx.g.ops:
+        if att.opcode != "ATTENTION" or att.flags & {"MLA", "ROPE"}:
+            continue
+        a = att.attrs
+        qr = ctx.sole_producer(att.reads["q"], "ROPE")
+        cache = att.reads["cache"].tensor
+        writers = ctx.prod.get(cache, [])
+        kr = next((op for op in writers if op.opcode == "ROPE" and "CACHE" in op.flags), None)
+        cw = next((op for op in writers if op.opcode == "CACHE_WRITE"), None)
+        if qr is None or kr is None or cw is None or len(writers) != 2 or ctx.cons.get(cache) != [att]:
+            continue  # another pass writes or reads this cache in the step (draft passes): left as it is
+        if (qr.flags | kr.flags) & {"INTERLEAVE"} or "CACHE" in qr.flags or not ctx.private(qr.writes["out"].tensor, att):
+            continue
+        q, k = qr.attrs, kr.attrs
+        kn, vn = kr.reads["x"], cw.reads["src"]
+        full_heads = (2 * q["half"] == a["dim"] and q["out_hs"] == a["q_hs"] and a["q_col0"] == 0
+                      and q["heads"] == a["nheads"] and k["half"] == q["half"])
+        kv_layout = (k["col0"] == 0 and k["out_hs"] == k["x_hs"] == a["kv_hs"] and k["x_col0"] == 0
+                     and cw.attrs["col0"] == a["v_col0"] and cw.attrs["cols"] == k["heads"] * a["kv_hs"]
+                     and kn.col0 == 0 and vn.col0 == 0
+                     and ctx.g.tensors[kn.tensor].ld == ctx.g.tensors[vn.tensor].ld
+                     and k["pos_offset"] == cw.attrs["pos_offset"] == a["pos_offset"])
+        if not (full_heads and kv_layout and qr.reads["tab"] == kr.reads["tab"] and _whole(ctx, qr.reads["tab"])):
+            continue
+        reads = {**att.reads, "q": qr.reads["x"], "tab": qr.reads["tab"], "kn": kn, "vn": vn}
+        attrs = {**a, "q_hs": q["x_hs"], "q_col0": q["x_col0"]}
+        fused = _new(att, att.flags | {"ROPE"}, reads, {**att.writes, "cache": att.reads["cache"]}, attrs)
+        ctx.replace([qr, kr, cw, att], fused)
+        return f"{qr.label} + {kr.label} + {cw.label} -> {att.label} ATTENTION[ROPE]"
+    return None
+
+
 def _whole(ctx: _Ctx, view: View) -> bool:
     return view.col0 == 0 and view.cols in (None, ctx.g.tensors[view.tensor].cols)
 
@@ -315,6 +352,7 @@ def fuse(graph: Graph, rules: tuple[str, ...] = DEFAULT_RULES) -> dict:
         "moe_epilogue": _moe_epilogue,
         "residual_norm": _residual_norm,
         "rope_into_cache": _rope_into_cache,
+        "rope_into_attention": _rope_into_attention,
         # ROUTE's slot-table stage reads the top-k ids back from memory (megakernel/ops/moe.py)
         "route": lambda c: _merge_stages(c, "ROUTE", ("SCORE", "TOPK", "SLOTS"), ".route", scratch=("ids",)),
         "hc_coeff": lambda c: _merge_stages(c, "HC_COEFF", ("MIX", "ACT", "SINK", "COLLAPSE"), ".coeff"),

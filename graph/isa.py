@@ -124,8 +124,12 @@ _OPS = [
     Opcode("HEAD_MATMUL", 8, _f("x* x_hs x_col0 w+ w_hs w_ld out* out_hs N in_dim out_dim h0 h1 o0 o1"), ("TRANS",)),
     # partial attention of sequence b, heads h0..h1 over cache rows [split·split_len, +split_len):
     # o_part[b, split, t, h, :dim], lse_part[b, split, t, h]
+    # ROPE (GQA, one KV head g a task): q is rotated here (rotate-half, cos/sin from tab's rows b·T + t, ld dim);
+    # the step's new keys kn[b·T + t, g·kv_hs : +dim], rotated, and values vn[..] (vn's ld: kn.ld) are written
+    # into the cache at their positions, by the split whose rows hold them, before it reads its rows
     Opcode("ATTENTION", 9, _f("q* q_hs q_col0 pe* pe_hs pe_col0 cache+ cl+ T S width b h0 h1 split split_len "
-                              "dim rope_dim v_col0 kv_hs group scale op+ lse+ nheads nsplits pos_offset"), ("MLA",)),
+                              "dim rope_dim v_col0 kv_hs group scale op+ lse+ nheads nsplits pos_offset tab+ kn* vn+"),
+           ("MLA", "ROPE")),
     # out[b*T + t, h*dim : +dim] = sum_s exp(lse_s - LSE) · o_part_s
     Opcode("ATTN_COMBINE", 10, _f("op+ lse+ out* b T h0 h1 nheads nsplits dim c0 c1")),
     # SCORE: scores = softmax|sigmoid(logits); TOPK: ids, weights; SLOTS: distinct experts -> slot table
@@ -196,7 +200,7 @@ def layout(op: Opcode) -> dict[str, int]:
 
 
 LAYOUTS = {op.name: layout(op) for op in _OPS}
-assert all(max(LAYOUTS[op.name].values()) + 2 <= WORDS for op in _OPS)
+assert all(pos + (2 if is_wide(name) else 1) <= WORDS for op in _OPS for name, pos in LAYOUTS[op.name].items())
 
 
 def f2i(x: float) -> int:

@@ -240,7 +240,9 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # LINEAR[PAIR] (norm_beside_experts' router, on exact scaled weights) compiled in (only where used)
                 HILO=int(any(t.op.name == "LINEAR" and t.has("PAIR") for t in tasks)),
                 # attention compiled for the plan's one kind (MLA or GQA), else the flag read per task
-                ATT_KIND=att_kinds.pop() if len(att_kinds) == 1 else 0)
+                ATT_KIND=att_kinds.pop() if len(att_kinds) == 1 else 0,
+                # ATTENTION[ROPE] (fusion rule rope_into_attention) compiled in (only where used)
+                ATT_ROPE=int(any(t.op.name == "ATTENTION" and t.has("ROPE") for t in tasks)))
 
 
 def bulk_prefetch_refusal(align: int, weight_bytes: int) -> str | None:
@@ -316,6 +318,9 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
     if blocks["HILO"] < fitted["HILO"]:
         raise MegakernelError("block override HILO=0: this plan has LINEAR[PAIR] tasks (a router's weights as a high "
                               "and a low part), whose low part a kernel without HILO would not read")
+    if blocks["ATT_ROPE"] < fitted["ATT_ROPE"]:
+        raise MegakernelError("block override ATT_ROPE=0: this plan has ATTENTION[ROPE] tasks (fusion rule "
+                              "rope_into_attention), whose rotation and new cache rows a kernel without it would skip")
     if blocks["HELPER_SIDE"] < fitted["HELPER_SIDE"]:
         raise MegakernelError("block override HELPER_SIDE=0: this plan has a persistent helper's HELPER_RECV and "
                               "HELPER_SEND tasks")

@@ -216,16 +216,16 @@ def test_a_plan_with_other_fusion_rules_cannot_share_the_arena():
         compile_step(cfg, StepShape(T=1, B=1, max_len=16), CompileOptions(workers=2, fusion_rules=("no_such",)))
 
 
-def _same_step(cfg, plans, seed: int, lens) -> None:
-    """Every plan's interpreter, from one random cache and the same tokens (T=2, B=2), writes the same
-    cache and logits, MTP logits included, bit for bit."""
+def _same_step(cfg, plans, seed: int, lens, mtp: int = 2) -> None:
+    """Every plan's interpreter, from one random cache and the same tokens (the plans' T and B), writes the
+    same cache and logits, its `mtp` MTP logits included, bit for bit."""
     import torch
 
     from megakernel.interpreter import Interpreter
     from model import init_weights
     w = init_weights(cfg, seed=4)
     gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 2), generator=gen)
+    tokens = torch.randint(0, cfg.vocab_size, (plans[0].shape["B"], plans[0].shape["T"]), generator=gen)
     prefix = torch.randn(Interpreter(plans[0], w).cache().shape, generator=gen)
     outs = []
     for p in plans:
@@ -234,7 +234,7 @@ def _same_step(cfg, plans, seed: int, lens) -> None:
         outs.append((interp.step(tokens, torch.tensor(lens)), interp.cache().clone()))
     (a, cache_a), (b, cache_b) = outs
     assert torch.equal(cache_a, cache_b) and torch.equal(a.logits, b.logits)
-    assert len(a.mtp_logits) == 2 and all(torch.equal(x, y) for x, y in zip(a.mtp_logits, b.mtp_logits))
+    assert len(a.mtp_logits) == mtp and all(torch.equal(x, y) for x, y in zip(a.mtp_logits, b.mtp_logits))
 
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
@@ -257,12 +257,13 @@ def test_rope_split_by_heads_writes_what_one_task_writes(name):
 def test_rotated_keys_go_straight_into_the_cache(name):
     """rope_into_cache: every CACHE_WRITE of a ROPE's output becomes ROPE[CACHE] (GQA's k, MLA's k_pe, and
     the MTP layers'), and the step (T=2, B=2, two MTP passes) writes the same cache and logits, bit for bit,
-    as the plan with the rule removed (compile_options' rope_into_cache=0)."""
+    as the plan with the rule removed (compile_options' rope_into_cache=0).  Both without rope_into_attention,
+    which takes GQA's ROPE[CACHE] into attention where it can (test_ropes_and_cache_writes_go_into_attention)."""
     from graph.compile import compile_options
     cfg = preset(name)
     shape = StepShape(T=2, B=2, max_len=16, mtp_passes=2)
-    plan = compile_step(cfg, shape, CompileOptions(workers=4))
-    unfused = compile_step(cfg, shape, compile_options("rope_into_cache=0", 4)[0])
+    plan = compile_step(cfg, shape, compile_options("rope_into_attention=0", 4)[0])
+    unfused = compile_step(cfg, shape, compile_options("rope_into_cache=0,rope_into_attention=0", 4)[0])
     ropes = [plan.task(i) for i in range(plan.num_tasks) if plan.task(i).op.name == "ROPE" and plan.task(i).has("CACHE")]
     layers = cfg.num_hidden_layers + 2  # two MTP passes
     assert len({t.signal for t in ropes}) == layers  # one fused op per layer
@@ -270,6 +271,30 @@ def test_rotated_keys_go_straight_into_the_cache(name):
     assert before["CACHE_WRITE"] - counts.get("CACHE_WRITE", 0) == layers
     assert not any(unfused.task(i).has("CACHE") for i in range(unfused.num_tasks) if unfused.task(i).op.name == "ROPE")
     _same_step(cfg, (plan, unfused), 1, [2, 11])
+
+
+@pytest.mark.parametrize("name,T,B,passes", [("tiny-dense", 2, 2, 0), ("tiny-dense", 1, 1, 0), ("tiny-dense", 2, 1, 2),
+                                              ("tiny-moe", 2, 2, 0)])
+def test_ropes_and_cache_writes_go_into_attention(name, T, B, passes):
+    """rope_into_attention (a default rule): a GQA layer's q ROPE, k ROPE[CACHE] and v CACHE_WRITE become its
+    ATTENTION[ROPE], and the step writes the same cache and logits, bit for bit, as the plan without the rule.
+    MLA layers (tiny-moe) and caches that several passes of a step write (MTP draft passes) keep their ops."""
+    from graph.compile import compile_options
+    cfg = preset(name)
+    shape = StepShape(T=T, B=B, max_len=16, mtp_passes=passes, attn_split=4)
+    plan = compile_step(cfg, shape, CompileOptions(workers=4))
+    unfused = compile_step(cfg, shape, compile_options("rope_into_attention=0", 4)[0])
+    fused = [p for p in plan.passes if p["pass"] == "fusion"][0]["per_rule"].get("rope_into_attention", 0)
+    attn = [plan.task(i) for i in range(plan.num_tasks) if plan.task(i).op.name == "ATTENTION"]
+    gqa_layers = 0 if cfg.kv_lora_rank else cfg.num_hidden_layers
+    assert fused == gqa_layers and sum(t.has("ROPE") for t in attn) == gqa_layers * len(attn) // len(
+        {t.signal for t in attn})
+    def ops(p, opcode):  # ops (a signal counter each), not tasks
+        return len({p.task(i).signal for i in range(p.num_tasks) if p.task(i).op.name == opcode})
+
+    assert ops(unfused, "CACHE_WRITE") - ops(plan, "CACHE_WRITE") == gqa_layers
+    assert ops(unfused, "ROPE") - ops(plan, "ROPE") == 2 * gqa_layers
+    _same_step(cfg, (plan, unfused), 1, [3, 10][:B], mtp=passes)
 
 
 def _phase(rows: int, per: int, copies: int, spread: int, bytes_per_row: int, overhead: int) -> int:

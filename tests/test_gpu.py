@@ -13,6 +13,7 @@ from .conftest import UNFOLDED, rel_err, stall_is_a_watchdog_error_then_recovers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("one_kernel_for_tiny_models")]
 BF16_TOL = 1e-2
+ROPE_RULES = DEFAULT_RULES + ("rope_into_attention",)  # opt-in: GQA's ropes and cache writes inside attention
 
 
 def _setup(name, T=2, B=2, max_len=64, workers=16, passes=0, layers=None, seed=0, rules=DEFAULT_RULES):
@@ -51,9 +52,9 @@ def test_tiny_megakernel_equals_interpreter(name):
 
 
 @pytest.mark.parametrize("name,rules", [(n, r) for n in ("llama-1b", "dsv2-lite") for r in (DEFAULT_RULES, UNFOLDED)]
-                         + [("dsv2-lite", RULES)],  # every rule: the opt-in norm_beside_experts too
+                         + [("dsv2-lite", RULES), ("llama-1b", ROPE_RULES)],  # the opt-in rules too
                          ids=["llama-1b-default", "llama-1b-norms_unfolded", "dsv2-lite-default",
-                              "dsv2-lite-norms_unfolded", "dsv2-lite-all_rules"])
+                              "dsv2-lite-norms_unfolded", "dsv2-lite-all_rules", "llama-1b-rope_into_attention"])
 def test_large_megakernel_equals_interpreter(name, rules):
     from megakernel.interpreter import Interpreter
     cfg, w, plan, mk = _setup(name, T=1, B=1, max_len=256, workers=torch.cuda.get_device_properties(0).multi_processor_count,
@@ -138,8 +139,9 @@ TEACHER_CASES = ([(n, DEFAULT_RULES, 2, None) for n in TINY_PRESETS] + [("tiny-d
                                                                        pytest.param("tiny-moe", RULES, 2, None,
                                                                                     marks=NOT_YET)]
                  + [(n, r, 1, 4 if n == "dsv2-lite" else None) for n in ("llama-1b", "dsv2-lite")
-                    for r in (DEFAULT_RULES, UNFOLDED)])
-RULE_IDS = {DEFAULT_RULES: "default", UNFOLDED: "unfolded", RULES: "all_rules"}
+                    for r in (DEFAULT_RULES, UNFOLDED)]
+                 + [("tiny-dense", ROPE_RULES, 2, None), ("llama-1b", ROPE_RULES, 1, None)])
+RULE_IDS = {DEFAULT_RULES: "default", UNFOLDED: "unfolded", RULES: "all_rules", ROPE_RULES: "rope_into_attention"}
 
 
 @pytest.mark.parametrize("name,rules,B,layers", TEACHER_CASES,
@@ -171,7 +173,8 @@ def test_teacher_forced_greedy_64_steps(name, rules, B, layers):
     assert not mismatches, f"greedy tokens differ from the plain model's at (step, sequence, margin) {mismatches}"
 
 
-@pytest.mark.parametrize("name,rules", [(n, DEFAULT_RULES) for n in TINY_PRESETS] + [("tiny-moe", UNFOLDED)])
+@pytest.mark.parametrize("name,rules", [(n, DEFAULT_RULES) for n in TINY_PRESETS] + [("tiny-moe", UNFOLDED),
+                                                                                      ("tiny-dense", ROPE_RULES)])
 def test_batch_invariance_and_run_to_run(name, rules):
     """Sequence 0's logits are bit-identical alone, beside another sequence, and inside a longer step."""
     from megakernel.runtime import Megakernel

@@ -122,11 +122,25 @@ def test_kernel_norms_as_tasks_of_their_own():
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
 def test_kernel_rope_split_by_heads(name):
-    """TilingOptions.rope_heads: ROPE tasks of one head each (GQA's q and k into the cache; MLA's
-    interleaved q_pe and k_pe)."""
-    cfg, plan, interp, mk = _pair(name, tiling=TilingOptions(rope_heads=1))
+    """TilingOptions.rope_heads: ROPE tasks of one head each (GQA's q and k into the cache, without
+    rope_into_attention, which folds them into attention; MLA's interleaved q_pe and k_pe)."""
+    rules = tuple(r for r in DEFAULT_RULES if r != "rope_into_attention")
+    cfg, plan, interp, mk = _pair(name, tiling=TilingOptions(rope_heads=1), rules=rules)
     assert any(decode(word)["h0"] > 0 for word in plan.words if decode(word).op.name == "ROPE")
     _compare(cfg, interp, mk, torch.tensor([2, 7]))
+
+
+@pytest.mark.parametrize("T,B,lens", [(2, 2, [3, 9]), (1, 1, [7]), (3, 1, [2])])
+def test_kernel_rope_into_attention(T, B, lens):
+    """Fusion rule rope_into_attention (opt-in): ATTENTION[ROPE] tasks rotate their query rows, and the split
+    whose rows hold a new position writes its rotated key and its value into the cache before reading them
+    (splits of 4 positions: cache lengths 3 and 2 put the step's tokens across two splits).  No ROPE or
+    CACHE_WRITE task is left in the plan; logits, cache and activations equal the interpreter's."""
+    cfg, plan, interp, mk = _pair("tiny-dense", T=T, B=B, rules=DEFAULT_RULES + ("rope_into_attention",))
+    ops = {decode(w).op.name for w in plan.words}
+    assert "ROPE" not in ops and "CACHE_WRITE" not in ops
+    assert all(decode(w).has("ROPE") for w in plan.words if decode(w).op.name == "ATTENTION")
+    _compare(cfg, interp, mk, torch.tensor(lens))
 
 
 def test_tiny_blocks_cover_every_tiny_plan_as_one_kernel():

@@ -3,7 +3,9 @@
 A split covers cache positions [split·split_len, (split+1)·split_len); token t
 of sequence b may read positions <= cache_lens[b] + t + pos_offset.  Each split
 writes its normalised partial output and log-sum-exp; a split with no readable
-position writes lse = -inf and zeros.
+position writes lse = -inf and zeros.  ATTENTION[ROPE] (GQA, fusion rule
+rope_into_attention) rotates its query rows itself, and the split whose rows hold
+the step's new positions writes their rotated keys and values into the cache first.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from .fields import (ATTENTION_B, ATTENTION_CACHE_OFF, ATTENTION_CL_OFF, ATTENTI
                      ATTENTION_SPLIT_LEN, ATTENTION_T, ATTENTION_V_COL0, ATTENTION_WIDTH, ATTN_COMBINE_B,
                      ATTN_COMBINE_C0, ATTN_COMBINE_C1, ATTN_COMBINE_DIM, ATTN_COMBINE_H0, ATTN_COMBINE_H1,
                      ATTN_COMBINE_LSE_OFF, ATTN_COMBINE_NHEADS, ATTN_COMBINE_NSPLITS, ATTN_COMBINE_OP_OFF, ATTN_COMBINE_OUT_LD, ATTN_COMBINE_OUT_OFF,
-                     ATTN_COMBINE_T, FLAG_ATTENTION_MLA)
+                     ATTN_COMBINE_T, FLAG_ATTENTION_MLA, FLAG_ATTENTION_ROPE,
+                     ATTENTION_KN_LD, ATTENTION_KN_OFF, ATTENTION_TAB_OFF, ATTENTION_VN_OFF)
+from .rope import rotate
 
 
 def reference(task, mem) -> None:
@@ -29,11 +33,18 @@ def reference(task, mem) -> None:
     nh, ns, split_len = task["nheads"], task["nsplits"], task["split_len"]
     j0 = task["split"] * split_len
     j1 = min(j0 + split_len, S)
-    cache = mem.bufs[task["cache.buf"]].as_strided((S, width), (width, 1), task["cache.off"] + b * S * width)[j0:j1].float()
+    rows = mem.bufs[task["cache.buf"]].as_strided((S, width), (width, 1), task["cache.off"] + b * S * width)
     limit = int(mem.flat(task, "cl", b, 1)[0]) + task["pos_offset"] + torch.arange(T, device=mem.device)
+    if task.has("ROPE"):
+        tab = mem.mat(task, "tab", T, dim, row0=b * T, ld=dim).float()
+        cos, sin = tab[:, :dim // 2], tab[:, dim // 2:]
+        write_new_rows(task, mem, rows, limit, cos, sin, j0, j1)
+    cache = rows[j0:j1].float()
     valid = torch.arange(j0, j1, device=mem.device)[None, :] <= limit[:, None]  # [T, keys]
     for h in range(task["h0"], task["h1"]):
         q = mem.mat(task, "q", T, dim, row0=b * T, col0=h * task["q_hs"] + task["q_col0"]).float()
+        if task.has("ROPE"):
+            q = rotate(q, cos, sin)
         if task.has("MLA"):
             r, rope = dim, task["rope_dim"]
             pe = mem.mat(task, "pe", T, rope, row0=b * T, col0=h * task["pe_hs"] + task["pe_col0"]).float()
@@ -56,6 +67,22 @@ def reference(task, mem) -> None:
             row = ((b * ns + task["split"]) * T + t) * nh + h
             mem.mat(task, "op", 1, dim, row0=row, ld=dim).copy_(o[t:t + 1])
             mem.flat(task, "lse", row, 1).copy_(lse[t:t + 1])
+
+
+def write_new_rows(task, mem, rows: torch.Tensor, limit: torch.Tensor, cos, sin, j0: int, j1: int) -> None:
+    """ATTENTION[ROPE]: the step's new keys (rotated) and values of the task's KV head into the cache
+    rows [j0, j1) that hold their positions."""
+    b, T, dim = task["b"], task["T"], task["dim"]
+    k_col = (task["h0"] // task["group"]) * task["kv_hs"]
+    v_col = task["v_col0"] + k_col
+    for t in range(T):
+        pos = int(limit[t])
+        if j0 <= pos < j1:
+            r = b * T + t
+            k = mem.mat(task, "kn", 1, dim, row0=r, col0=k_col).float()
+            v = mem.mat(task, "vn", 1, dim, row0=r, col0=k_col, ld=task["kn.ld"])
+            rows[pos, k_col:k_col + dim] = rotate(k, cos[t:t + 1], sin[t:t + 1]).to(rows.dtype)[0]
+            rows[pos, v_col:v_col + dim] = v.to(rows.dtype)[0]
 
 
 def reference_combine(task, mem) -> None:
@@ -101,17 +128,41 @@ def kv_block(cache, width, jb, j1, k_col, v_col, dim, d, dmask, e, emask, mla, B
 
 
 @triton.jit
-def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr,
-         STAGES: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr, KIND: tl.constexpr, EF: tl.constexpr = 0):
-    """STAGES 2: the next cache block is in flight while this one is reduced; 3: the next two (a launch
-    variant: session 17's ncu put GQA attention's time on its key loads, ~3 us a 128-position block); 1: one
-    at a time.  The sums are the same in every order of loads.
-    KIND: 1 every attention task of the plan is MLA, 2 none is (compiled for that kind alone), 0 read
-    the flag per task."""
-    if KIND == 0:
-        mla = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_MLA)
-    else:
-        mla: tl.constexpr = KIND == 1
+def rotate_half(x, src, tab, d, dim, m):
+    """x = src[d] (rows of a [.., dim] tile) rotated by the angles of table rows tab ([cos | sin], dim wide):
+    pairs (i, i + dim/2), as ROPE's body does it."""
+    half = dim // 2
+    first = d < half
+    x2 = tl.load(src + tl.where(first, d + half, d - half), mask=m, other=0.0, cache_modifier=".cg")
+    i = tl.where(first, d, d - half)
+    cos = tl.load(tab + i, mask=m, other=0.0, cache_modifier=".cg")
+    sin = tl.load(tab + half + i, mask=m, other=0.0, cache_modifier=".cg")
+    return tl.where(first, x * cos - x2 * sin, x * cos + x2 * sin)
+
+
+@triton.jit
+def new_rows(word, A, cache, width, limit, T, b, j0, j_end, k_col, v_col, dim, d):
+    """ATTENTION[ROPE]: the step's new keys of this KV head (rotated) and values into the cache rows [j0, j_end)
+    that hold their positions, then a barrier, so the split's loads see them."""
+    kn, kn_ld, vn = A + off(word, ATTENTION_KN_OFF), fld(word, ATTENTION_KN_LD), A + off(word, ATTENTION_VN_OFF)
+    tab = A + off(word, ATTENTION_TAB_OFF)
+    m = d < dim
+    for t in range(0, T):
+        pos = limit + t
+        if (pos >= j0) & (pos < j_end):
+            r = b * T + t
+            x = tl.load(kn + r * kn_ld + k_col + d, mask=m, other=0.0, cache_modifier=".cg")
+            k = rotate_half(x, kn + r * kn_ld + k_col, tab + r * dim, d, dim, m)
+            v = tl.load(vn + r * kn_ld + k_col + d, mask=m, other=0.0, cache_modifier=".cg")
+            row = cache + pos.to(tl.int64) * width
+            tl.store(row + k_col + d, k.to(cache.dtype.element_ty), mask=m)
+            tl.store(row + v_col + d, v.to(cache.dtype.element_ty), mask=m)
+    tl.debug_barrier()
+
+
+@triton.jit
+def split_of(word, A, I, C, mla, ALIGN: tl.constexpr):
+    """A task's sizes and pointers (mla: a constant where the plan has one kind)."""
     T, S, b = fld(word, ATTENTION_T), fld(word, ATTENTION_S), fld(word, ATTENTION_B)
     width = aligned(fld(word, ATTENTION_WIDTH), ALIGN)
     h0, h1, nh, ns = fld(word, ATTENTION_H0), fld(word, ATTENTION_H1), fld(word, ATTENTION_NHEADS), fld(word, ATTENTION_NSPLITS)
@@ -136,11 +187,36 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
         v_col = 0
     j0 = split * split_len
     j1 = tl.minimum(tl.minimum(j0 + split_len, S), limit + T)  # the last token reads positions <= limit + T - 1
+    return (T, S, b, width, h0, h1, nh, ns, split, dim, scale, rope_dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs,
+            pe_col0, cache, limit, op_ptr, lse_ptr, k_col, v_col, j0, j1)
+
+
+@triton.jit
+def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr,
+         STAGES: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr, KIND: tl.constexpr, EF: tl.constexpr = 0,
+         ROPE: tl.constexpr = 0):
+    """STAGES 2: the next cache block is in flight while this one is reduced; 3: the next two (a launch
+    variant, +3% on llama-1b: a block's ~2 us is its arithmetic's dependent chain, not its loads, session 21);
+    1: one at a time.  The sums are the same in every order of loads.
+    KIND: 1 every attention task of the plan is MLA, 2 none is (compiled for that kind alone), 0 read
+    the flag per task.  ROPE 1: the plan has ATTENTION[ROPE] tasks (compiled in only then; the flag read per task)."""
+    if KIND == 0:
+        mla = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_MLA)
+    else:
+        mla: tl.constexpr = KIND == 1
+    (T, S, b, width, h0, h1, nh, ns, split, dim, scale, rope_dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs,
+     pe_col0, cache, limit, op_ptr, lse_ptr, k_col, v_col, j0, j1) = split_of(word, A, I, C, mla, ALIGN)
     heads = h1 - h0
     d = tl.arange(0, DMAX)
     dmask = d < dim
     e = tl.arange(0, RMAX)
     emask = e < rope_dim
+    rotated = False
+    if ROPE:
+        rotated = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_ROPE)
+        if rotated:  # before any thread reads the split's rows
+            new_rows(word, A, cache, width, limit, T, b, j0, tl.minimum(j0 + fld(word, ATTENTION_SPLIT_LEN), S), k_col,
+                     v_col, dim, d)
     for mb in range(0, T * heads, BM):
         rr = mb + tl.arange(0, BM)
         rvalid = rr < T * heads
@@ -149,6 +225,10 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
         q_rows = b * T + t
         q = tl.load(q_ptr + q_rows[:, None] * q_ld + h[:, None] * q_hs + q_col0 + d[None, :],
                     mask=rvalid[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
+        if rotated:
+            q = rotate_half(q, q_ptr + q_rows[:, None] * q_ld + h[:, None] * q_hs + q_col0,
+                            A + off(word, ATTENTION_TAB_OFF) + q_rows[:, None] * dim, d[None, :], dim,
+                            rvalid[:, None] & dmask[None, :])
         pe = tl.load(pe_ptr + q_rows[:, None] * pe_ld + h[:, None] * pe_hs + pe_col0 + e[None, :],
                      mask=rvalid[:, None] & emask[None, :] & mla, other=0.0, cache_modifier=".cg")
         m_i = tl.full((BM,), float("-inf"), tl.float32)

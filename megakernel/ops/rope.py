@@ -36,6 +36,17 @@ def reference_table(task, mem) -> None:
     out[:, half:] = freqs.sin() * task["scale"]
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = False) -> torch.Tensor:
+    """x [rows, 2·half] rotated by the angles whose cos and sin are [rows, half]: pairs (i, i + half), or
+    (2i, 2i + 1) interleaved.  ROPE, and ATTENTION[ROPE]'s query rows and new keys."""
+    if interleave:
+        x1, x2 = x[:, 0::2], x[:, 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    half = cos.shape[1]
+    x1, x2 = x[:, :half], x[:, half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
 def reference_apply(task, mem) -> None:
     r0, r1, half = task["r0"], task["r1"], task["half"]
     tab = mem.mat(task, "tab", r1 - r0, 2 * half, row0=r0, ld=2 * half)
@@ -43,12 +54,7 @@ def reference_apply(task, mem) -> None:
     heads = []
     for h in range(task["h0"], task["heads"]):
         x = mem.mat(task, "x", r1 - r0, 2 * half, row0=r0, col0=h * task["x_hs"] + task["x_col0"]).float()
-        if task.has("INTERLEAVE"):
-            x1, x2 = x[:, 0::2], x[:, 1::2]
-            y = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-        else:
-            x1, x2 = x[:, :half], x[:, half:]
-            y = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        y = rotate(x, cos, sin, task.has("INTERLEAVE"))
         if task.has("CACHE"):  # heads back to back (out_hs = 2·half: the compiler checks)
             heads.append(y)
         else:
