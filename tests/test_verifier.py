@@ -108,6 +108,27 @@ def test_out_of_bounds_access():
         verify_plan(bad)
 
 
+def test_attention_splits_writing_one_cache_region_are_a_hazard():
+    """ATTENTION[ROPE] (rope_into_attention) writes the step's new keys and values into its own split's cache
+    rows.  Split 2s of a KV head cut to half a split's length reads rows of split s (its partial rows stay its
+    own): with both on other workers, that is a race on the cache the verifier names."""
+    plan = compile_step(preset("tiny-dense"), StepShape(T=2, B=2, max_len=16, attn_split=4), CompileOptions(workers=4))
+    worker, tasks = _worker_of(plan), [decode(w) for w in plan.words]
+    splits = [i for i, t in enumerate(tasks) if t.op.name == "ATTENTION" and t.has("ROPE")]
+    assert splits
+    for i in splits:
+        for j in splits:
+            a, b = tasks[i], tasks[j]
+            if a.signal == b.signal and a["b"] == b["b"] and a["h0"] == b["h0"] and a["split"] >= 1 \
+                    and b["split"] == 2 * a["split"] and worker[i] != worker[j]:
+                bad = copy.deepcopy(plan)
+                bad.words[j, LAYOUTS["ATTENTION"]["split_len"]] = a["split_len"] // 2
+                with pytest.raises(PlanError, match="hazard"):
+                    verify_plan(bad)
+                return
+    pytest.fail("no splits s and 2s of one head on two workers")
+
+
 def test_unknown_counter_and_opcode():
     plan = _plan()
     bad = copy.deepcopy(plan)
