@@ -16,14 +16,14 @@ BF16_TOL = 1e-2
 ROPE_RULES = DEFAULT_RULES + ("rope_into_attention",)  # opt-in: GQA's ropes and cache writes inside attention
 
 
-def _setup(name, T=2, B=2, max_len=64, workers=16, passes=0, layers=None, seed=0, rules=DEFAULT_RULES):
+def _setup(name, T=2, B=2, max_len=64, workers=16, passes=0, layers=None, seed=0, rules=DEFAULT_RULES, warp_split=0):
     from megakernel.runtime import Megakernel
     cfg = preset(name)
     if layers is not None:
         cfg = cfg.replace(num_hidden_layers=layers)
     w = init_weights(cfg, seed=seed, device="cuda", dtype=torch.bfloat16)
     plan = compile_step(cfg, StepShape(T=T, B=B, max_len=max_len, mtp_passes=passes),
-                        CompileOptions(workers=workers, fusion_rules=rules))
+                        CompileOptions(workers=workers, fusion_rules=rules, warp_split=warp_split))
     mk = Megakernel(plan, w, "cuda", torch.bfloat16)
     return cfg, w, plan, mk
 
@@ -68,6 +68,28 @@ def test_large_megakernel_equals_interpreter(name, rules):
     mk.cache().copy_(saved)
     got = mk.step(tokens, lens)
     assert rel_err(got.logits, want.logits) <= BF16_TOL
+
+
+@pytest.mark.parametrize("B,lens", [(1, [200]), (2, [130, 255])])
+def test_warp_split_attention_equals_interpreter(B, lens):
+    """CompileOptions.warp_split=16 (opt-in) on llama-1b: each attention split as 8 sub-splits, a warp each, merged
+    by the combine; the megakernel's logits equal the interpreter's (which puts each position in the same
+    sub-split) within bf16 tolerance, and run to run bit for bit."""
+    from megakernel.interpreter import Interpreter
+    cfg, w, plan, mk = _setup("llama-1b", T=1, B=B, max_len=256, layers=4, warp_split=16,
+                              workers=torch.cuda.get_device_properties(0).multi_processor_count)
+    assert mk.blocks["ATT_WS"] == 16
+    _random_cache(mk)
+    interp = Interpreter(plan, None, "cuda", share=mk.mem)
+    saved = mk.cache().clone()
+    tokens = torch.randint(0, cfg.vocab_size, (B, 1), device="cuda")
+    lens = torch.tensor(lens, device="cuda")
+    want = interp.step(tokens, lens)
+    mk.cache().copy_(saved)
+    got = mk.step(tokens, lens).logits.clone()
+    assert rel_err(got, want.logits) <= BF16_TOL
+    mk.cache().copy_(saved)
+    assert torch.equal(mk.step(tokens, lens).logits, got)
 
 
 def _variant_logits(name, B, max_len, lens, variants):
