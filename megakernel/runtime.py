@@ -253,7 +253,7 @@ def warp_split(tasks: list[Decoded]) -> int:
     if len(kws) > 1:
         raise MegakernelError(f"ATTENTION tasks with wsplit {sorted(kws)}: a kernel compiles one")
     kw = kws.pop() if kws else 0
-    if kw and (kw % 4 or kw < 16 or kw & (kw - 1)):
+    if kw and (kw < 16 or kw & (kw - 1)):
         raise MegakernelError(f"ATTENTION wsplit={kw}: a power of two >= 16 (a warp's MMA width and 4-row groups)")
     return kw
 

@@ -136,11 +136,10 @@ def run_variant(spec, v, blocks, words, layers, mem, reps, reference: list, cubi
                                      EF=ef, WORDS=WORDS, HEAD_MAJOR=v.get("headmajor", 0), num_warps=warps)
         else:
             return attention_tasks[(n,)](words, i, A, I, C, stamps, BM=bm, BJ=bj, DMAX=blocks["DMAX"],
-                                  RMAX=blocks["RMAX"], STAGES=stages, ALIGN=blocks["ALIGN"],
-                                  DOT_PREC="tf32" if v.get("prec1") else blocks["DOT_PREC"],
-                                  KIND=blocks["ATT_KIND"], EF=ef, WORDS=WORDS, ROPE=blocks["ATT_ROPE"],
-                                  WS=blocks["ATT_WS"],
-                                  num_warps=warps)
+                                         RMAX=blocks["RMAX"], STAGES=stages, ALIGN=blocks["ALIGN"],
+                                         DOT_PREC="tf32" if v.get("prec1") else blocks["DOT_PREC"],
+                                         KIND=blocks["ATT_KIND"], EF=ef, WORDS=WORDS, ROPE=blocks["ATT_ROPE"],
+                                         WS=blocks["ATT_WS"], num_warps=warps)
 
     before = A.clone()
     kernel = launch(idx[0])

@@ -358,7 +358,7 @@ def warp_split_body(word, A, I, C, BM: tl.constexpr, KW: tl.constexpr, DMAX: tl.
         o = acc / tl.where(has_keys, l_i, 1.0)[:, :, None]
         lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         out_rows = ((b * ns + split * WS + sub[:, None]) * T + t[None, :]) * nh + h[None, :]  # [WS, BM]
-        ok_rows = rvalid[None, :] & (sub < WS)[:, None]
+        ok_rows = tl.broadcast_to(rvalid[None, :], (WS, BM))
         tl.store(op_ptr + out_rows[:, :, None].to(tl.int64) * dim + d[None, None, :], o,
                  mask=ok_rows[:, :, None] & dmask[None, None, :])
         tl.store(lse_ptr + out_rows, lse, mask=ok_rows)
