@@ -42,8 +42,6 @@ class CompileOptions:
     # queues workers..2·workers-1 only LINEAR (a stream kernel's workers), each LINEAR's weights at a
     # multiple of its K in W (plan.options["stream_workers"] = workers; graph/verify.py's stream rules)
     stream_kernel: bool = False
-    # > 0: GQA attention splits as sub-splits of this many positions a round, a warp each (StepShape.warp_split)
-    warp_split: int = 0
 
 
 class CompileError(ValueError):
@@ -52,10 +50,10 @@ class CompileError(ValueError):
 
 def compile_options(spec: str, workers: int) -> tuple[CompileOptions, int]:
     """'KEY=V,...' of TilingOptions fields, CostModel fields (the scheduler's task times: task_overhead=3e-6),
-    attn_split, warp_split, workers (overriding the argument), vocab_block, stream_kernel (0/1) and fusion rules,
-    removed from the default ones (rope_into_cache=0) or put back (tools: bench, replay) -> (options, attn_split)."""
+    attn_split, workers (overriding the argument), vocab_block, stream_kernel (0/1) and fusion rules, removed
+    from the default ones (rope_into_cache=0) or put back (tools: bench, replay) -> (options, attn_split)."""
     tiling, cost, attn_split, rules, vocab_block = {}, {}, 0, DEFAULT_RULES, CompileOptions.vocab_block
-    stream_kernel, warp_split = CompileOptions.stream_kernel, CompileOptions.warp_split
+    stream_kernel = CompileOptions.stream_kernel
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
         if key == "attn_split":
@@ -66,8 +64,6 @@ def compile_options(spec: str, workers: int) -> tuple[CompileOptions, int]:
             vocab_block = int(value)
         elif key == "stream_kernel":
             stream_kernel = bool(int(value))
-        elif key == "warp_split":
-            warp_split = int(value)
         elif key in RULES:
             chosen = set(rules) | {key} if int(value) else set(rules) - {key}
             rules = tuple(r for r in RULES if r in chosen)  # in the order fuse() applies them
@@ -77,11 +73,9 @@ def compile_options(spec: str, workers: int) -> tuple[CompileOptions, int]:
             cost[key] = type(getattr(CostModel, key))(float(value))
         else:
             raise CompileError(f"plan options {spec!r}: unknown key {key!r} (TilingOptions or CostModel fields, "
-                               f"attn_split, warp_split, workers, vocab_block, stream_kernel or a fusion rule: "
-                               f"{', '.join(RULES)})")
+                               f"attn_split, workers, vocab_block, stream_kernel or a fusion rule: {', '.join(RULES)})")
     return (CompileOptions(workers=workers, vocab_block=vocab_block, tiling=TilingOptions(**tiling),
-                           cost=CostModel(**cost), fusion_rules=rules, stream_kernel=stream_kernel,
-                           warp_split=warp_split), attn_split)
+                           cost=CostModel(**cost), fusion_rules=rules, stream_kernel=stream_kernel), attn_split)
 
 
 def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | None = None) -> Plan:
@@ -93,8 +87,6 @@ def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | N
     t0 = time.perf_counter()
     if shape.attn_split == 0:
         shape = dataclasses.replace(shape, attn_split=attention_split(cfg, shape, opts.workers))
-    if opts.warp_split:
-        shape = dataclasses.replace(shape, warp_split=opts.warp_split)
     graph = lower(cfg, shape, opts.vocab_block)
     passes = [{"pass": "lower", "ops": len(graph.ops), "tensors": len(graph.tensors)}]
     if opts.cse:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .isa import BOX_HEADER, BOX_T_ACKED, BOX_WAIT_NS, WARP_SPLITS, Buf, Decoded, box_layout
+from .isa import BOX_HEADER, BOX_T_ACKED, BOX_WAIT_NS, Buf, Decoded, box_layout
 
 
 @dataclass(frozen=True)
@@ -174,12 +174,10 @@ def footprint(task: Decoded) -> list[Access]:
                 for key in ("kn", "vn"):
                     out += _acc(task, key, b * T, (b + 1) * T, k_col, k_col + f["dim"], False, ld=f["kn.ld"])
         out += _flat(task, "cl", b, b + 1, False)
-        subs = WARP_SPLITS if f["wsplit"] else 1  # partials split·subs .. +subs
-        for part in range(f["split"] * subs, (f["split"] + 1) * subs):
-            for t in range(T):
-                row = ((b * ns + part) * T + t) * nh
-                out += _acc(task, "op", row + h0, row + h1, 0, f["dim"], True, ld=f["dim"])
-                out += _flat(task, "lse", row + h0, row + h1, True)
+        for t in range(T):
+            row = ((b * ns + f["split"]) * T + t) * nh
+            out += _acc(task, "op", row + h0, row + h1, 0, f["dim"], True, ld=f["dim"])
+            out += _flat(task, "lse", row + h0, row + h1, True)
     elif name == "ATTN_COMBINE":
         b, T, h0, h1, nh, ns, dim = f["b"], f["T"], f["h0"], f["h1"], f["nheads"], f["nsplits"], f["dim"]
         c0, c1 = f["c0"], f["c1"]

@@ -22,7 +22,6 @@ WORDS = 64
 MAX_WAITS = 4
 HEADER = 12
 NO_COUNTER = -1
-WARP_SPLITS = 8  # sub-splits of an ATTENTION task with wsplit > 0: a warp each (the kernel's 8 warps)
 ON_HELPER = -1  # expert-map value (helper plans' in.L{l}.expert_map) of an expert the helper computes
 
 
@@ -127,12 +126,9 @@ _OPS = [
     # o_part[b, split, t, h, :dim], lse_part[b, split, t, h]
     # ROPE (GQA, one KV head g a task): q is rotated here (rotate-half, cos/sin from tab's rows b·T + t, ld dim);
     # the step's new keys kn[b·T + t, g·kv_hs : +dim], rotated, and values vn[..] (vn's ld: kn.ld) are written
-    # into the cache at their positions, by the split whose rows hold them, before it reads its rows.
-    # wsplit > 0 (GQA): the split as WARP_SPLITS sub-splits, each its own partial (split·WARP_SPLITS + w of the
-    # nsplits partials): position j0 + o goes to sub-split (o mod (WARP_SPLITS·wsplit)) div 4 mod WARP_SPLITS
+    # into the cache at their positions, by the split whose rows hold them, before it reads its rows
     Opcode("ATTENTION", 9, _f("q* q_hs q_col0 pe* pe_hs pe_col0 cache+ cl+ T S width b h0 h1 split split_len "
-                              "dim rope_dim v_col0 kv_hs group scale op+ lse+ nheads nsplits pos_offset tab+ kn* vn+ "
-                              "wsplit"),
+                              "dim rope_dim v_col0 kv_hs group scale op+ lse+ nheads nsplits pos_offset tab+ kn* vn+"),
            ("MLA", "ROPE")),
     # out[b*T + t, h*dim : +dim] = sum_s exp(lse_s - LSE) · o_part_s
     Opcode("ATTN_COMBINE", 10, _f("op+ lse+ out* b T h0 h1 nheads nsplits dim c0 c1")),

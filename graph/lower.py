@@ -16,7 +16,7 @@ from model.rope import inv_freq_and_scale
 from model.schema import TensorSpec, layer_prefix, tensor_specs
 
 from .ir import Graph, Op, Tensor, View
-from .isa import WARP_SPLITS, Buf, box_layout
+from .isa import Buf, box_layout
 
 
 @dataclass(frozen=True)
@@ -29,9 +29,6 @@ class StepShape:
     max_len: int = 4096
     mtp_passes: int = 0
     attn_split: int = 0  # cache positions per attention task; 0 = chosen from max_len
-    # > 0: a GQA attention task's split as isa.WARP_SPLITS sub-splits of this many positions a round, each its
-    # own partial for the combine (CompileOptions.warp_split)
-    warp_split: int = 0
     speculative: bool = False  # verify T tokens, accept on the device, draft T-1 with the MTP head
     accept: str = "greedy"  # greedy | sample
     prefill: bool = False  # speculative prefill chunk: every input token is given (all accepted)
@@ -210,8 +207,7 @@ class _Lowering:
         cfg, s, T = self.cfg, self.shape, self.T
         nh = cfg.num_attention_heads
         split_len = min(s.split_len(), s.max_len)
-        subs = WARP_SPLITS if s.warp_split and not mla else 1
-        nsplits = math.ceil(s.max_len / split_len) * subs  # partials a sequence's head: splits x sub-splits
+        nsplits = math.ceil(s.max_len / split_len)
         part_o = self.act(f"{label}.partial_o", s.B * nsplits * T * nh, dim)
         part_lse = self.act(f"{label}.partial_lse", s.B * nsplits * T * nh, 1)
         reads = {"q": q, "cache": self.caches[layer], "cl": self.cl}
@@ -221,7 +217,7 @@ class _Lowering:
                   layer=layer, q_hs=q_hs, q_col0=0, pe_hs=pe_hs, pe_col0=0, T=T, S=s.max_len,
                   width=cfg.cache_width, dim=dim, rope_dim=cfg.qk_rope_head_dim if mla else 0, v_col0=v_col0,
                   kv_hs=kv_hs, group=group, scale=cfg.softmax_scale, nheads=nh, nsplits=nsplits,
-                  split_len=split_len, pos_offset=pos_offset, B=s.B, wsplit=s.warp_split if subs > 1 else 0)
+                  split_len=split_len, pos_offset=pos_offset, B=s.B)
         out = self.act(f"{label}.out", self.N, nh * dim)
         self.emit("ATTN_COMBINE", f"{label}.combine", reads={"op": part_o, "lse": part_lse}, writes={"out": out},
                   layer=layer, T=T, nheads=nh, nsplits=nsplits, dim=dim, B=s.B)

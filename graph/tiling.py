@@ -258,7 +258,7 @@ class Tiler:
             for h0, h1 in _blocks(nh, hpt):
                 kv_heads = 1 if mla else max(1, (h1 - h0) // a["group"])
                 width = a["width"] if mla else 2 * a["kv_hs"] * kv_heads
-                for split in range(-(-a["S"] // a["split_len"])):  # (nsplits counts partials: sub-splits too)
+                for split in range(a["nsplits"]):
                     tiles.append(Tile({"b": b, "h0": h0, "h1": h1, "split": split}, 0,
                                       a["split_len"] * width * self.wbytes + 4 * T * (h1 - h0) * (2 * dim + a["rope_dim"]),
                                       4 * T * (h1 - h0) * a["split_len"] * (dim + a["rope_dim"])))

@@ -20,9 +20,8 @@ import triton.language as tl
 from .ops import (argmax, attention, elementwise, embed, head_matmul, helper, helper_side, linear, mhc, moe, norm, rope,
                   spec)
 from .ops.common import now_ns, prefetch_word_l1, signal_done, wait_task
-from .ops.fields import (ATTENTION_WSPLIT, OP_ACCEPT, OP_ARGMAX, OP_ATTENTION, OP_ATTN_COMBINE, OP_CACHE_WRITE,
-                         OP_EMBED, OP_EWISE, OP_EXPERT_LINEAR, OP_GATHER, OP_HC_COEFF, OP_HC_EXPAND, OP_HC_HEAD,
-                         OP_HEAD_MATMUL, OP_HELPER_CALL,
+from .ops.fields import (OP_ACCEPT, OP_ARGMAX, OP_ATTENTION, OP_ATTN_COMBINE, OP_CACHE_WRITE, OP_EMBED, OP_EWISE,
+                         OP_EXPERT_LINEAR, OP_GATHER, OP_HC_COEFF, OP_HC_EXPAND, OP_HC_HEAD, OP_HEAD_MATMUL, OP_HELPER_CALL,
                          OP_HELPER_RECV, OP_HELPER_SEND, OP_HELPER_WAIT, OP_LINEAR,
                          OP_MOE_COMBINE, OP_RMSNORM, OP_ROPE, OP_ROPE_TABLE, OP_ROUTE)
 
@@ -87,7 +86,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                ALIGN: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr, ATT_KIND: tl.constexpr,
                ROWVEC: tl.constexpr, AHEAD: tl.constexpr, NARROW: tl.constexpr, ROUTE1: tl.constexpr, PFD: tl.constexpr,
                EF: tl.constexpr, WPF: tl.constexpr, APF: tl.constexpr, PFK: tl.constexpr, HILO: tl.constexpr,
-               HELPER_SIDE: tl.constexpr, ATT_ROPE: tl.constexpr, ATT_WS: tl.constexpr):
+               HELPER_SIDE: tl.constexpr, ATT_ROPE: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
     end = tl.load(queue_ptr + pid + 1)
@@ -136,11 +135,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                 elif op == OP_RMSNORM:
                     norm.body(word, W, A, BN)
                 elif op == OP_ATTENTION:
-                    if ATT_WS > 0 and tl.load(word + ATTENTION_WSPLIT) > 0:  # compiled in where a plan has these
-                        attention.warp_split_body(word, A, I, C, BM, ATT_WS, DMAX, ALIGN, DOT_PREC, EF, ATT_ROPE)
-                    else:
-                        attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC, ATT_KIND, EF,
-                                       ATT_ROPE)
+                    attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC, ATT_KIND, EF, ATT_ROPE)
                 elif op == OP_ATTN_COMBINE:
                     attention.combine_body(word, A, BSC, BCW, CPF, ALIGN)
                 elif op == OP_ROPE:

@@ -242,20 +242,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # attention compiled for the plan's one kind (MLA or GQA), else the flag read per task
                 ATT_KIND=att_kinds.pop() if len(att_kinds) == 1 else 0,
                 # ATTENTION[ROPE] (fusion rule rope_into_attention) compiled in (only where used)
-                ATT_ROPE=int(any(t.op.name == "ATTENTION" and t.has("ROPE") for t in tasks)),
-                # warp-split attention (CompileOptions.warp_split): the plan's positions a sub-split takes a round
-                ATT_WS=warp_split(tasks))
-
-
-def warp_split(tasks: list[Decoded]) -> int:
-    """The wsplit of a plan's warp-split ATTENTION tasks (0: none), which the kernel compiles in: one for all."""
-    kws = {t["wsplit"] for t in tasks if t.op.name == "ATTENTION" and t["wsplit"]}
-    if len(kws) > 1:
-        raise MegakernelError(f"ATTENTION tasks with wsplit {sorted(kws)}: a kernel compiles one")
-    kw = kws.pop() if kws else 0
-    if kw and (kw < 16 or kw & (kw - 1)):
-        raise MegakernelError(f"ATTENTION wsplit={kw}: a power of two >= 16 (a warp's MMA width and 4-row groups)")
-    return kw
+                ATT_ROPE=int(any(t.op.name == "ATTENTION" and t.has("ROPE") for t in tasks)))
 
 
 def bulk_prefetch_refusal(align: int, weight_bytes: int) -> str | None:
@@ -285,6 +272,9 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
             raise MegakernelError(f"block override {bi}={blocks[bi]}, {bo}={blocks[bo]}: per-head weight tiles read "
                                   f"up to {bi} or {bo} past a matrix (at most {STREAM_SLACK}, the W arena's slack) "
                                   "and hold at most 32768 weights")
+    if blocks["DOT_PREC"] != fitted["DOT_PREC"] and (fitted["DOT_PREC"], blocks["DOT_PREC"]) != ("bf16x2", "bf16"):
+        raise MegakernelError(f"block override DOT_PREC={blocks['DOT_PREC']}: this plan's weights take "
+                              f"{fitted['DOT_PREC']} (bf16 weights also take bf16, one MMA a product)")
     if blocks["ALIGN"] > fitted["ALIGN"]:
         raise MegakernelError(f"block override ALIGN={blocks['ALIGN']}: the plan's sizes and offsets are multiples of "
                               f"{fitted['ALIGN']} only (the bodies round them down to ALIGN)")
@@ -331,9 +321,6 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
     if blocks["HILO"] < fitted["HILO"]:
         raise MegakernelError("block override HILO=0: this plan has LINEAR[PAIR] tasks (a router's weights as a high "
                               "and a low part), whose low part a kernel without HILO would not read")
-    if blocks["ATT_WS"] != fitted["ATT_WS"]:
-        raise MegakernelError(f"block override ATT_WS={blocks['ATT_WS']}: this plan's attention sub-splits take "
-                              f"{fitted['ATT_WS']} positions a round (the plan's partials depend on it)")
     if blocks["ATT_ROPE"] < fitted["ATT_ROPE"]:
         raise MegakernelError("block override ATT_ROPE=0: this plan has ATTENTION[ROPE] tasks (fusion rule "
                               "rope_into_attention), whose rotation and new cache rows a kernel without it would skip")

@@ -320,33 +320,38 @@ def _layer_tasks(plan, layer: int) -> dict:
     return counts
 
 
+def _six(name: str):
+    return preset(name).replace(num_hidden_layers=6)
+
+
 def test_sibling_projections_share_the_workers():
     """llama-1b's q, k and v projections read one input: tiled alone they make 128 + 32 + 32 tasks for 132
     workers (two rounds) at 16-row alignment; with TilingOptions.siblings they share the workers by weight bytes
     (8 : 2 : 2 MB), one round (86 + 22 + 22 at today's 8-row alignment).  dsv2-lite's q and kv_a projections
     already make 132 together at 16 rows and keep their tiles.  siblings=2 also shares them among the streamed
-    ops one op reads side by side."""
+    ops one op reads side by side.  Layer 5's tiles do not depend on the layers after it: six layers keep the
+    compiles short."""
     shape = StepShape(T=1, B=1, max_len=4097)
     qkv = ("L5.attn.q_proj", "L5.attn.k_proj", "L5.attn.v_proj")
     for siblings, want in ((0, (128, 32, 32)), (1, (64, 16, 16))):
-        plan = compile_step(preset("llama-1b"), shape, CompileOptions(tiling=TilingOptions(siblings=siblings,
+        plan = compile_step(_six("llama-1b"), shape, CompileOptions(tiling=TilingOptions(siblings=siblings,
                                                                                        row_align=16)))
         assert tuple(_layer_tasks(plan, 5)[op] for op in qkv) == want, siblings
-    plan = compile_step(preset("llama-1b"), shape)  # today's default: siblings, 8-row alignment
+    plan = compile_step(_six("llama-1b"), shape)  # today's default: siblings, 8-row alignment
     assert tuple(_layer_tasks(plan, 5)[op] for op in qkv) == (86, 22, 22)
     mla = ("L5.attn.q_proj", "L5.attn.kv_a_proj")
-    counts = [tuple(_layer_tasks(compile_step(preset("dsv2-lite"), shape, CompileOptions(
+    counts = [tuple(_layer_tasks(compile_step(_six("dsv2-lite"), shape, CompileOptions(
         tiling=TilingOptions(siblings=siblings, row_align=16))), 5)[op] for op in mla) for siblings in (0, 1)]
     assert counts[0] == counts[1] == (96, 36)
     # siblings=2: the routed and shared experts' down projections, both read by MOE_COMBINE (beside o_proj's
     # residual: o_proj is their ancestor, so not their sibling), share the workers by bytes (35 : 11.5 MB)
     moe = ("L5.moe.expert_down", "L5.moe.shared.down", "L5.attn.o_proj")
-    counts = [tuple(_layer_tasks(compile_step(preset("dsv2-lite"), shape, CompileOptions(
+    counts = [tuple(_layer_tasks(compile_step(_six("dsv2-lite"), shape, CompileOptions(
         tiling=TilingOptions(siblings=siblings))), 5)[op] for op in moe) for siblings in (1, 2)]
     assert counts == [(132, 128, 128), (96, 32, 128)]
     # a router (on the chain: router -> route -> experts) never joins a group: at 66 workers the router and the
     # shared experts' gate_up would make 67 tasks, and a share by bytes would leave the router one task
-    routers = [_layer_tasks(compile_step(preset("dsv2-lite"), shape, CompileOptions(
+    routers = [_layer_tasks(compile_step(_six("dsv2-lite"), shape, CompileOptions(
         workers=66, tiling=TilingOptions(siblings=siblings))), 5)["L5.moe.router"] for siblings in (0, 1)]
     assert routers == [8, 8]
 

@@ -13,17 +13,18 @@ from .conftest import UNFOLDED, rel_err, stall_is_a_watchdog_error_then_recovers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("one_kernel_for_tiny_models")]
 BF16_TOL = 1e-2
-ROPE_RULES = DEFAULT_RULES + ("rope_into_attention",)  # opt-in: GQA's ropes and cache writes inside attention
+# GQA's ropes and value cache write as tasks of their own (rope_into_attention, a default since session 21, off)
+SEPARATE_ROPES = tuple(r for r in DEFAULT_RULES if r != "rope_into_attention")
 
 
-def _setup(name, T=2, B=2, max_len=64, workers=16, passes=0, layers=None, seed=0, rules=DEFAULT_RULES, warp_split=0):
+def _setup(name, T=2, B=2, max_len=64, workers=16, passes=0, layers=None, seed=0, rules=DEFAULT_RULES):
     from megakernel.runtime import Megakernel
     cfg = preset(name)
     if layers is not None:
         cfg = cfg.replace(num_hidden_layers=layers)
     w = init_weights(cfg, seed=seed, device="cuda", dtype=torch.bfloat16)
     plan = compile_step(cfg, StepShape(T=T, B=B, max_len=max_len, mtp_passes=passes),
-                        CompileOptions(workers=workers, fusion_rules=rules, warp_split=warp_split))
+                        CompileOptions(workers=workers, fusion_rules=rules))
     mk = Megakernel(plan, w, "cuda", torch.bfloat16)
     return cfg, w, plan, mk
 
@@ -52,9 +53,9 @@ def test_tiny_megakernel_equals_interpreter(name):
 
 
 @pytest.mark.parametrize("name,rules", [(n, r) for n in ("llama-1b", "dsv2-lite") for r in (DEFAULT_RULES, UNFOLDED)]
-                         + [("dsv2-lite", RULES), ("llama-1b", ROPE_RULES)],  # the opt-in rules too
+                         + [("dsv2-lite", RULES), ("llama-1b", SEPARATE_ROPES)],  # other rule sets
                          ids=["llama-1b-default", "llama-1b-norms_unfolded", "dsv2-lite-default",
-                              "dsv2-lite-norms_unfolded", "dsv2-lite-all_rules", "llama-1b-rope_into_attention"])
+                              "dsv2-lite-norms_unfolded", "dsv2-lite-all_rules", "llama-1b-separate_ropes"])
 def test_large_megakernel_equals_interpreter(name, rules):
     from megakernel.interpreter import Interpreter
     cfg, w, plan, mk = _setup(name, T=1, B=1, max_len=256, workers=torch.cuda.get_device_properties(0).multi_processor_count,
@@ -68,28 +69,6 @@ def test_large_megakernel_equals_interpreter(name, rules):
     mk.cache().copy_(saved)
     got = mk.step(tokens, lens)
     assert rel_err(got.logits, want.logits) <= BF16_TOL
-
-
-@pytest.mark.parametrize("B,lens", [(1, [200]), (2, [130, 255])])
-def test_warp_split_attention_equals_interpreter(B, lens):
-    """CompileOptions.warp_split=16 (opt-in) on llama-1b: each attention split as 8 sub-splits, a warp each, merged
-    by the combine; the megakernel's logits equal the interpreter's (which puts each position in the same
-    sub-split) within bf16 tolerance, and run to run bit for bit."""
-    from megakernel.interpreter import Interpreter
-    cfg, w, plan, mk = _setup("llama-1b", T=1, B=B, max_len=256, layers=4, warp_split=16,
-                              workers=torch.cuda.get_device_properties(0).multi_processor_count)
-    assert mk.blocks["ATT_WS"] == 16
-    _random_cache(mk)
-    interp = Interpreter(plan, None, "cuda", share=mk.mem)
-    saved = mk.cache().clone()
-    tokens = torch.randint(0, cfg.vocab_size, (B, 1), device="cuda")
-    lens = torch.tensor(lens, device="cuda")
-    want = interp.step(tokens, lens)
-    mk.cache().copy_(saved)
-    got = mk.step(tokens, lens).logits.clone()
-    assert rel_err(got, want.logits) <= BF16_TOL
-    mk.cache().copy_(saved)
-    assert torch.equal(mk.step(tokens, lens).logits, got)
 
 
 def _variant_logits(name, B, max_len, lens, variants):
@@ -162,8 +141,8 @@ TEACHER_CASES = ([(n, DEFAULT_RULES, 2, None) for n in TINY_PRESETS] + [("tiny-d
                                                                                     marks=NOT_YET)]
                  + [(n, r, 1, 4 if n == "dsv2-lite" else None) for n in ("llama-1b", "dsv2-lite")
                     for r in (DEFAULT_RULES, UNFOLDED)]
-                 + [("tiny-dense", ROPE_RULES, 2, None), ("llama-1b", ROPE_RULES, 1, None)])
-RULE_IDS = {DEFAULT_RULES: "default", UNFOLDED: "unfolded", RULES: "all_rules", ROPE_RULES: "rope_into_attention"}
+                 + [("tiny-dense", SEPARATE_ROPES, 2, None), ("llama-1b", SEPARATE_ROPES, 1, None)])
+RULE_IDS = {DEFAULT_RULES: "default", UNFOLDED: "unfolded", RULES: "all_rules", SEPARATE_ROPES: "separate_ropes"}
 
 
 @pytest.mark.parametrize("name,rules,B,layers", TEACHER_CASES,
@@ -196,7 +175,7 @@ def test_teacher_forced_greedy_64_steps(name, rules, B, layers):
 
 
 @pytest.mark.parametrize("name,rules", [(n, DEFAULT_RULES) for n in TINY_PRESETS] + [("tiny-moe", UNFOLDED),
-                                                                                      ("tiny-dense", ROPE_RULES)])
+                                                                                      ("tiny-dense", SEPARATE_ROPES)])
 def test_batch_invariance_and_run_to_run(name, rules):
     """Sequence 0's logits are bit-identical alone, beside another sequence, and inside a longer step."""
     from megakernel.runtime import Megakernel

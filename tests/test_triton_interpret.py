@@ -143,26 +143,6 @@ def test_kernel_rope_into_attention(T, B, lens):
     _compare(cfg, interp, mk, torch.tensor(lens))
 
 
-@pytest.mark.parametrize("T,B,lens", [(2, 2, [3, 20]), (1, 1, [25])])
-def test_kernel_warp_split_attention(T, B, lens):
-    """CompileOptions.warp_split (opt-in): GQA splits of 32 positions as 8 sub-splits of 16 a round, a warp each,
-    each written as its own partial, which the combine merges with the splits' (logits, cache and partials equal
-    the interpreter's, which puts each position in the same sub-split)."""
-    from graph.compile import compile_options
-    cfg = preset("tiny-dense")
-    w = init_weights(cfg, seed=3)
-    opts, _ = compile_options("warp_split=16,workers=1", 1)
-    plan = compile_step(cfg, StepShape(T=T, B=B, max_len=64, attn_split=32), opts)
-    from megakernel.runtime import LaunchConfig, Megakernel
-    interp = Interpreter(plan, w)
-    mk = Megakernel(plan, w, device="cpu", config=LaunchConfig(max_spins=2000))
-    assert mk.blocks["ATT_WS"] == 16
-    cache = torch.randn(interp.cache().shape, generator=torch.Generator().manual_seed(0))
-    interp.cache().copy_(cache)
-    mk.cache().copy_(cache)
-    _compare(cfg, interp, mk, torch.tensor(lens))
-
-
 def test_tiny_blocks_cover_every_tiny_plan_as_one_kernel():
     """conftest.TINY_BLOCKS (the GPU tests' shared block sizes) raises the sizes fitted to every tiny
     plan the tests build to one set, which the launch checks accept: one JIT compile per dtype."""

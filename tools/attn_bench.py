@@ -16,7 +16,7 @@ first N positions: the time against N is a block's cost and the fixed cost), `ta
 first N splits: N=1 is one split's latency with the memory to itself), `warm=1`, `loads=1` (the same cache
 rows loaded and summed, no arithmetic: what the access pattern costs), with `headmajor=1` from a
 head-major layout of the same size instead.  `--plan KEY=V,...` compiles the plan with those options
-(graph.compile.compile_options: e.g. warp_split=16, whose splits run attention.warp_split_body).  Per
+(graph.compile.compile_options: e.g. attn_split=256, fusion_rules=...).  Per
 variant: the time a launch takes in a CUDA graph of back-to-back launches; from per-program %globaltimer
 stamps, the median program's time and the span from the first start to the last end; and where the
 variant wrote the plan's partial rows for all of the layer's splits, its values there against the
@@ -51,14 +51,11 @@ from model import init_weights, preset  # noqa: E402
 @triton.jit
 def attention_tasks(words, idx, A, I, C, stamps, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr,
                     RMAX: tl.constexpr, STAGES: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr,
-                    KIND: tl.constexpr, EF: tl.constexpr, WORDS: tl.constexpr, ROPE: tl.constexpr, WS: tl.constexpr):
+                    KIND: tl.constexpr, EF: tl.constexpr, WORDS: tl.constexpr, ROPE: tl.constexpr):
     p = tl.program_id(0)
     word = words + tl.load(idx + p).to(tl.int64) * WORDS
     t0 = now_ns(True)
-    if WS > 0:  # a plan compiled with warp_split: every GQA split is one
-        attention.warp_split_body(word, A, I, C, BM, WS, DMAX, ALIGN, DOT_PREC, EF, ROPE)
-    else:
-        attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC, KIND, EF, ROPE)
+    attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC, KIND, EF, ROPE)
     tl.debug_barrier()
     tl.store(stamps + 2 * p, t0)
     tl.store(stamps + 2 * p + 1, now_ns(True))
@@ -137,9 +134,9 @@ def run_variant(spec, v, blocks, words, layers, mem, reps, reference: list, cubi
         else:
             return attention_tasks[(n,)](words, i, A, I, C, stamps, BM=bm, BJ=bj, DMAX=blocks["DMAX"],
                                          RMAX=blocks["RMAX"], STAGES=stages, ALIGN=blocks["ALIGN"],
-                                         DOT_PREC="tf32" if v.get("prec1") else blocks["DOT_PREC"],
+                                         DOT_PREC="bf16" if v.get("prec1") else blocks["DOT_PREC"],
                                          KIND=blocks["ATT_KIND"], EF=ef, WORDS=WORDS, ROPE=blocks["ATT_ROPE"],
-                                         WS=blocks["ATT_WS"], num_warps=warps)
+                                         num_warps=warps)
 
     before = A.clone()
     kernel = launch(idx[0])
@@ -183,7 +180,7 @@ def main():
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--reps", type=int, default=100)
     p.add_argument("--out", default=".")
-    p.add_argument("--plan", default="", metavar="KEY=V,...", help="compile options of the plan (e.g. warp_split=16)")
+    p.add_argument("--plan", default="", metavar="KEY=V,...", help="compile options of the plan (e.g. attn_split=256)")
     p.add_argument("--only", default=None, metavar="VARIANT",
                    help="run this variant alone (no default beside it), e.g. under ncu")
     p.add_argument("--cubin", default="", help="write the (last) variant's kernel here, for tools/ncu_lines.py")
@@ -218,8 +215,7 @@ def main():
                                                                        rows=rows,
                                                                        split_bytes=split_bytes), indent=1))
     print(f"\n{args.model} {args.plan or 'default plan'}: {len(layers)} layers x {len(layers[0])} splits of "
-          f"{split_bytes // 1024} KB (BJ {blocks['BJ']}, BM {blocks['BM']}, STAGES {blocks['STAGES']}, "
-          f"warp split {blocks['ATT_WS']})")
+          f"{split_bytes // 1024} KB (BJ {blocks['BJ']}, BM {blocks['BM']}, STAGES {blocks['STAGES']})")
     print(f"{'variant':34} {'tasks':>5} {'launch us':>9} {'program us':>10} {'span us':>8} {'GB/s/prog':>9} "
           f"{'rel err':>8}")
     for r in rows:

@@ -114,7 +114,7 @@ def launch_config(spec: str) -> LaunchConfig:
         if key in ("num_warps", "num_stages"):
             setattr(cfg, key, int(value))
         else:
-            blocks[key] = int(value)
+            blocks[key] = value if key == "DOT_PREC" else int(value)  # DOT_PREC names a policy: bf16x2, bf16
     cfg.blocks = blocks
     return cfg
 

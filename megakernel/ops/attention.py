@@ -14,8 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from graph import isa
-
 from .common import aligned, ffld, fld, has, mma, off, prefetch_l2, prefetch_lines_l2
 from .fields import (ATTENTION_B, ATTENTION_CACHE_OFF, ATTENTION_CL_OFF, ATTENTION_DIM, ATTENTION_FLAGS,
                      ATTENTION_GROUP, ATTENTION_H0, ATTENTION_H1, ATTENTION_KV_HS, ATTENTION_LSE_OFF,
@@ -26,8 +24,7 @@ from .fields import (ATTENTION_B, ATTENTION_CACHE_OFF, ATTENTION_CL_OFF, ATTENTI
                      ATTN_COMBINE_C0, ATTN_COMBINE_C1, ATTN_COMBINE_DIM, ATTN_COMBINE_H0, ATTN_COMBINE_H1,
                      ATTN_COMBINE_LSE_OFF, ATTN_COMBINE_NHEADS, ATTN_COMBINE_NSPLITS, ATTN_COMBINE_OP_OFF, ATTN_COMBINE_OUT_LD, ATTN_COMBINE_OUT_OFF,
                      ATTN_COMBINE_T, FLAG_ATTENTION_MLA, FLAG_ATTENTION_ROPE,
-                     ATTENTION_KN_LD, ATTENTION_KN_OFF, ATTENTION_TAB_OFF, ATTENTION_VN_OFF, ATTENTION_WSPLIT,
-                     WARP_SPLITS)
+                     ATTENTION_KN_LD, ATTENTION_KN_OFF, ATTENTION_TAB_OFF, ATTENTION_VN_OFF)
 from .rope import rotate
 
 
@@ -44,8 +41,6 @@ def reference(task, mem) -> None:
         write_new_rows(task, mem, rows, limit, cos, sin, j0, j1)
     cache = rows[j0:j1].float()
     valid = torch.arange(j0, j1, device=mem.device)[None, :] <= limit[:, None]  # [T, keys]
-    subs, kw = (isa.WARP_SPLITS, task["wsplit"]) if task["wsplit"] else (1, 1)
-    sub = (torch.arange(j1 - j0, device=mem.device) % (subs * kw)) // 4 % subs  # each position's sub-split
     for h in range(task["h0"], task["h1"]):
         q = mem.mat(task, "q", T, dim, row0=b * T, col0=h * task["q_hs"] + task["q_col0"]).float()
         if task.has("ROPE"):
@@ -60,25 +55,18 @@ def reference(task, mem) -> None:
             keys = cache[:, g * task["kv_hs"]: g * task["kv_hs"] + dim]
             values = cache[:, task["v_col0"] + g * task["kv_hs"]: task["v_col0"] + g * task["kv_hs"] + dim]
             scores = q @ keys.T
-        for w in range(subs):
-            o, lse = partial((scores * task["scale"]).masked_fill(~(valid & (sub == w)), float("-inf")), values)
-            for t in range(T):
-                row = ((b * ns + task["split"] * subs + w) * T + t) * nh + h
-                mem.mat(task, "op", 1, dim, row0=row, ld=dim).copy_(o[t:t + 1])
-                mem.flat(task, "lse", row, 1).copy_(lse[t:t + 1])
-
-
-def partial(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(softmax(scores) @ values, logsumexp(scores)) of [T, keys] scores (-inf where not read); a row that
-    reads nothing gives zeros and -inf."""
-    m = scores.max(dim=-1, keepdim=True).values
-    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    p = torch.exp(scores - m_safe)
-    l = p.sum(-1, keepdim=True)
-    o = torch.where(l > 0, (p @ values) / l.clamp_min(1e-30), torch.zeros(p.shape[0], values.shape[1], device=p.device))
-    lse = torch.where(l[:, 0] > 0, m_safe[:, 0] + torch.log(l[:, 0].clamp_min(1e-30)),
-                      torch.full((p.shape[0],), float("-inf"), device=p.device))
-    return o, lse
+        scores = (scores * task["scale"]).masked_fill(~valid, float("-inf"))
+        m = scores.max(dim=-1, keepdim=True).values
+        m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        p = torch.exp(scores - m_safe)
+        l = p.sum(-1, keepdim=True)
+        o = torch.where(l > 0, (p @ values) / l.clamp_min(1e-30), torch.zeros(T, dim, device=mem.device))
+        lse = torch.where(l[:, 0] > 0, m_safe[:, 0] + torch.log(l[:, 0].clamp_min(1e-30)),
+                          torch.full((T,), float("-inf"), device=mem.device))
+        for t in range(T):
+            row = ((b * ns + task["split"]) * T + t) * nh + h
+            mem.mat(task, "op", 1, dim, row0=row, ld=dim).copy_(o[t:t + 1])
+            mem.flat(task, "lse", row, 1).copy_(lse[t:t + 1])
 
 
 def write_new_rows(task, mem, rows: torch.Tensor, limit: torch.Tensor, cos, sin, j0: int, j1: int) -> None:
@@ -173,37 +161,6 @@ def new_rows(word, A, cache, width, limit, T, b, j0, j_end, k_col, v_col, dim, d
 
 
 @triton.jit
-def rope_prologue(word, A, cache, width, limit, T, S, b, j0, k_col, v_col, dim, d, ROPE: tl.constexpr):
-    """Whether the task is ATTENTION[ROPE] (compiled in with ROPE only); if so, its new rows are in the cache
-    before any thread reads the split's rows."""
-    rotated = False
-    if ROPE:
-        rotated = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_ROPE)
-        if rotated:
-            new_rows(word, A, cache, width, limit, T, b, j0, tl.minimum(j0 + fld(word, ATTENTION_SPLIT_LEN), S), k_col,
-                     v_col, dim, d)
-    return rotated
-
-
-@triton.jit
-def query_rows(word, A, q_ptr, q_ld, q_hs, q_col0, b, T, h0, heads, mb, d, dmask, dim, rotated, BM: tl.constexpr):
-    """Query rows mb..mb+BM of the task's T x heads (row rr: token rr // heads of head h0 + rr % heads), rotated
-    for ATTENTION[ROPE]: (q [BM, DMAX], rvalid, t, h, their rows of the step)."""
-    rr = mb + tl.arange(0, BM)
-    rvalid = rr < T * heads
-    t = rr // heads
-    h = h0 + rr % heads
-    q_rows = b * T + t
-    q = tl.load(q_ptr + q_rows[:, None] * q_ld + h[:, None] * q_hs + q_col0 + d[None, :],
-                mask=rvalid[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
-    if rotated:
-        q = rotate_half(q, q_ptr + q_rows[:, None] * q_ld + h[:, None] * q_hs + q_col0,
-                        A + off(word, ATTENTION_TAB_OFF) + q_rows[:, None] * dim, d[None, :], dim,
-                        rvalid[:, None] & dmask[None, :])
-    return q, rvalid, t, h, q_rows
-
-
-@triton.jit
 def split_of(word, A, I, C, mla, ALIGN: tl.constexpr):
     """A task's sizes and pointers (mla: a constant where the plan has one kind)."""
     T, S, b = fld(word, ATTENTION_T), fld(word, ATTENTION_S), fld(word, ATTENTION_B)
@@ -254,10 +211,24 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
     dmask = d < dim
     e = tl.arange(0, RMAX)
     emask = e < rope_dim
-    rotated = rope_prologue(word, A, cache, width, limit, T, S, b, j0, k_col, v_col, dim, d, ROPE)
+    rotated = False
+    if ROPE:
+        rotated = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_ROPE)
+        if rotated:  # before any thread reads the split's rows
+            new_rows(word, A, cache, width, limit, T, b, j0, tl.minimum(j0 + fld(word, ATTENTION_SPLIT_LEN), S), k_col,
+                     v_col, dim, d)
     for mb in range(0, T * heads, BM):
-        q, rvalid, t, h, q_rows = query_rows(word, A, q_ptr, q_ld, q_hs, q_col0, b, T, h0, heads, mb, d, dmask, dim,
-                                             rotated, BM)
+        rr = mb + tl.arange(0, BM)
+        rvalid = rr < T * heads
+        t = rr // heads
+        h = h0 + rr % heads
+        q_rows = b * T + t
+        q = tl.load(q_ptr + q_rows[:, None] * q_ld + h[:, None] * q_hs + q_col0 + d[None, :],
+                    mask=rvalid[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
+        if rotated:
+            q = rotate_half(q, q_ptr + q_rows[:, None] * q_ld + h[:, None] * q_hs + q_col0,
+                            A + off(word, ATTENTION_TAB_OFF) + q_rows[:, None] * dim, d[None, :], dim,
+                            rvalid[:, None] & dmask[None, :])
         pe = tl.load(pe_ptr + q_rows[:, None] * pe_ld + h[:, None] * pe_hs + pe_col0 + e[None, :],
                      mask=rvalid[:, None] & emask[None, :] & mla, other=0.0, cache_modifier=".cg")
         m_i = tl.full((BM,), float("-inf"), tl.float32)
@@ -300,68 +271,6 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
         out_rows = ((b * ns + split) * T + t) * nh + h
         tl.store(op_ptr + out_rows[:, None].to(tl.int64) * dim + d[None, :], o, mask=rvalid[:, None] & dmask[None, :])
         tl.store(lse_ptr + out_rows, lse, mask=rvalid)
-
-
-@triton.jit
-def by_warp(x, WS: tl.constexpr, KW: tl.constexpr, DMAX: tl.constexpr):
-    """Rows r = (k // 4)·4·WS + 4·w + k % 4 of x ([WS·KW] or [WS·KW, DMAX]) as [WS, KW(, DMAX)] at [w, k]: the rows
-    Triton's layout of a [WS·KW, 64] load gives warp w of 8 (4 rows a warp, the warps round-robin), so the view
-    moves no data there."""
-    if DMAX == 0:
-        return tl.reshape(tl.permute(tl.reshape(x, (KW // 4, WS, 4)), (1, 0, 2)), (WS, KW))
-    else:
-        return tl.reshape(tl.permute(tl.reshape(x, (KW // 4, WS, 4, DMAX)), (1, 0, 2, 3)), (WS, KW, DMAX))
-
-
-@triton.jit
-def warp_split_body(word, A, I, C, BM: tl.constexpr, KW: tl.constexpr, DMAX: tl.constexpr, ALIGN: tl.constexpr,
-                    DOT_PREC: tl.constexpr, EF: tl.constexpr, ROPE: tl.constexpr):
-    """GQA ATTENTION with wsplit = KW: the split as WARP_SPLITS sub-splits side by side (isa: position j0 + o is
-    sub-split (o mod WS·KW) div 4 mod WS), a batch of [BM, KW] products with the batch on the warps (a 3-D dot),
-    each with its own running max and sum, written as its own partial: no reduction crosses a warp (body()'s
-    online softmax reduces every key block's max and sum across the warps, a dependent chain of ~2 us a block
-    on llama-1b, session 21), and the combine merges the sub-splits with the splits."""
-    WS: tl.constexpr = WARP_SPLITS
-    (T, S, b, width, h0, h1, nh, ns, split, dim, scale, rope_dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs,
-     pe_col0, cache, limit, op_ptr, lse_ptr, k_col, v_col, j0, j1) = split_of(word, A, I, C, False, ALIGN)
-    heads = h1 - h0
-    d = tl.arange(0, DMAX)
-    dmask = d < dim
-    rotated = rope_prologue(word, A, cache, width, limit, T, S, b, j0, k_col, v_col, dim, d, ROPE)
-    ev: tl.constexpr = "evict_first" if EF >= 2 else ""
-    r = tl.arange(0, WS * KW)
-    sub = tl.arange(0, WS)
-    for mb in range(0, T * heads, BM):
-        q, rvalid, t, h, q_rows = query_rows(word, A, q_ptr, q_ld, q_hs, q_col0, b, T, h0, heads, mb, d, dmask, dim,
-                                             rotated, BM)
-        qs = tl.broadcast_to(q[None, :, :], (WS, BM, DMAX))
-        m_i = tl.full((WS, BM), float("-inf"), tl.float32)
-        l_i = tl.zeros((WS, BM), tl.float32)
-        acc = tl.zeros((WS, BM, DMAX), tl.float32)
-        for jb in range(j0, j1, WS * KW):
-            rows = cache + (jb + r)[:, None].to(tl.int64) * width + d[None, :]
-            kmask = ((jb + r) < j1)[:, None] & dmask[None, :]
-            keys = by_warp(tl.load(rows + k_col, mask=kmask, other=0.0, eviction_policy=ev), WS, KW, DMAX)
-            values = by_warp(tl.load(rows + v_col, mask=kmask, other=0.0, eviction_policy=ev), WS, KW, DMAX)
-            js = by_warp(jb + r, WS, KW, 0)
-            s = mma(qs, tl.permute(keys, (0, 2, 1)), tl.zeros((WS, BM, KW), tl.float32), DOT_PREC)
-            ok = rvalid[None, :, None] & (js < j1)[:, None, :] & (js[:, None, :] <= (limit + t)[None, :, None])
-            s = tl.where(ok, s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=2))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, :, None])
-            l_i = l_i * alpha + tl.sum(p, axis=2)
-            acc = mma(p, values, acc * alpha[:, :, None], DOT_PREC)
-            m_i = m_new
-        has_keys = l_i > 0
-        o = acc / tl.where(has_keys, l_i, 1.0)[:, :, None]
-        lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        out_rows = ((b * ns + split * WS + sub[:, None]) * T + t[None, :]) * nh + h[None, :]  # [WS, BM]
-        ok_rows = tl.broadcast_to(rvalid[None, :], (WS, BM))
-        tl.store(op_ptr + out_rows[:, :, None].to(tl.int64) * dim + d[None, None, :], o,
-                 mask=ok_rows[:, :, None] & dmask[None, None, :])
-        tl.store(lse_ptr + out_rows, lse, mask=ok_rows)
 
 
 @triton.jit

@@ -124,8 +124,11 @@ def silu(x):
 @triton.jit
 def mma(a, b, acc, DOT_PREC: tl.constexpr):
     """acc + a @ b with b in the weights' dtype.  DOT_PREC 'bf16x2': fp32 `a` is split into bf16
-    high and low parts (two MMAs), so activations keep ~16 mantissa bits; 'ieee': fp32 weights."""
-    if DOT_PREC == "bf16x2":
+    high and low parts (two MMAs), so activations keep ~16 mantissa bits; 'bf16': `a` rounded to bf16, one MMA
+    (FlashAttention's policy: a launch variant, attention's only mma user on bf16 models); 'ieee': fp32 weights."""
+    if DOT_PREC == "bf16":
+        return tl.dot(a.to(b.dtype), b, acc)
+    elif DOT_PREC == "bf16x2":
         hi = a.to(b.dtype)
         lo = (a - hi.to(tl.float32)).to(b.dtype)
         acc = tl.dot(hi, b, acc)

@@ -24,10 +24,8 @@ BOX_HEADER, ON_HELPER = tl.constexpr(isa.BOX_HEADER), tl.constexpr(isa.ON_HELPER
 BOX_T_PUB, BOX_T_ANSWER = tl.constexpr(isa.BOX_T_PUB), tl.constexpr(isa.BOX_T_ANSWER)
 BOX_T_ACKED = tl.constexpr(isa.BOX_T_ACKED)
 CTL_DONE = tl.constexpr(isa.CTL_DONE)
-WARP_SPLITS = tl.constexpr(isa.WARP_SPLITS)  # a warp-split ATTENTION task's sub-splits
 __all__ = ["WORD_OPCODE", "WORD_FLAGS", "WORD_SIGNAL", "WORD_WAITS", "WORD_TILE", "BOX_SEQ", "BOX_ACK", "BOX_WAIT_NS",
-           "BOX_HEADER", "ON_HELPER", "BOX_T_PUB", "BOX_T_ANSWER", "BOX_T_ACKED", "CTL_DONE", "BOX_PASSED",
-           "WARP_SPLITS"]
+           "BOX_HEADER", "ON_HELPER", "BOX_T_PUB", "BOX_T_ANSWER", "BOX_T_ACKED", "CTL_DONE", "BOX_PASSED"]
 for _name, _op in OPCODES.items():
     globals()[f"OP_{_name}"] = tl.constexpr(_op.code)
     globals()[f"{_name}_FLAGS"] = tl.constexpr(1)
