@@ -25,12 +25,27 @@ const = dict(WORDS=WORDS, MAX_WAITS=MAX_WAITS, TIMEOUT_NS=250_000_000, MAX_SPINS
 sig.update({k: "constexpr" for k in const})
 # pointers are 16-byte aligned, as Triton's JIT finds them at launch
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(12)}
+
+
+def compile_megakernel(constexprs):
+    return triton.compile(ASTSource(fn=megakernel, signature=sig, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 1})
+"""
+
+ONE_TOKEN = r"""
+# the one-token decode kernel's launch variants, compiled out of the default kernel (TB=8, BE=256): AHEAD and
+# ROWVEC=2's stores in place, NARROW's second chunk shape, ROUTE1's slot table from registers (BE <= 64), PFD's
+# rolling L2 prefetch of the row blocks ahead (PF off: every bulk prefetch here is the stream's)
+one = dict(const, TB=1, BE=64, BP=8, PF=0, DEPTH=1, ROWVEC=2, AHEAD=1, NARROW=1, ROUTE1=1, PFD=2, ATT_KIND=1)
+# and the L2's residency hints: evict-first weights and cache rows (EF=2), the next task word into the L1,
+# attention's cache rows into the L2 (APF=2: MLA's in bulk, counted among the bulk prefetches below, and GQA's
+# head lines one per thread, so both attention kinds compiled in)
+one.update(EF=2, WPF=1, APF=2, ATT_KIND=0, PFK=128)
 """
 
 # three kernels, each its own process so they compile side by side (~60 s each on one core)
 PARTS = {"default": COMMON + r"""
-k = triton.compile(ASTSource(fn=megakernel, signature=sig, constexprs=const, attrs=attrs),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 1})
+k = compile_megakernel(const)
 ptx = k.asm["ptx"]
 assert "atom.global.gpu.release" in ptx and "ld.global.gpu.acquire" in ptx
 # the wait's bound: thread 0's timer reading, which every thread then reads (common.poll_stop)
@@ -60,36 +75,18 @@ assert "prefetch.global.L2 " not in ptx  # the variants' hints are off: the defa
 assert "evict_first" not in ptx and "prefetch.global.L1" not in ptx
 print("shared", k.metadata.shared)
 """,
-         "variants": COMMON + r"""
-# the one-token decode kernel's launch variants, compiled out above (TB=8, BE=256): AHEAD and ROWVEC=2's
-# stores in place, NARROW's second chunk shape, ROUTE1's slot table from registers (BE <= 64), PFD's rolling
-# L2 prefetch of the row blocks ahead (PF off: every bulk prefetch here is the stream's)
-one = dict(const, TB=1, BE=64, BP=8, PF=0, DEPTH=1, ROWVEC=2, AHEAD=1, NARROW=1, ROUTE1=1, PFD=2, ATT_KIND=1)
-# and the L2's residency hints: evict-first weights and cache rows (EF=2), the next task word into the L1,
-# attention's cache rows into the L2 (APF=2: MLA's in bulk, counted among the bulk prefetches below, and GQA's
-# head lines one per thread, so both attention kinds compiled in)
-one.update(EF=2, WPF=1, APF=2, ATT_KIND=0, PFK=128)
-k1 = triton.compile(ASTSource(fn=megakernel, signature=sig, constexprs=one, attrs=attrs),
-                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 1})
+         "variants": COMMON + ONE_TOKEN + r"""
+k1 = compile_megakernel(one)
 assert "st.global.f32" in k1.asm["ptx"] and k1.asm["cubin"]
 assert k1.asm["ptx"].count("cp.async.bulk.prefetch.L2.global") >= 5, k1.asm["ptx"].count("cp.async.bulk.prefetch.L2.global")
 assert "prefetch.global.L1" in k1.asm["ptx"] and "evict_first" in k1.asm["ptx"]
 assert "prefetch.global.L2 " in k1.asm["ptx"]
 print("bulk", k1.asm["ptx"].count("cp.async.bulk.prefetch.L2.global"))
 """,
-         "gqa": COMMON + r"""
-# the one-token decode kernel's launch variants, compiled out above (TB=8, BE=256): AHEAD and ROWVEC=2's
-# stores in place, NARROW's second chunk shape, ROUTE1's slot table from registers (BE <= 64), PFD's rolling
-# L2 prefetch of the row blocks ahead (PF off: every bulk prefetch here is the stream's)
-one = dict(const, TB=1, BE=64, BP=8, PF=0, DEPTH=1, ROWVEC=2, AHEAD=1, NARROW=1, ROUTE1=1, PFD=2, ATT_KIND=1)
-# and the L2's residency hints: evict-first weights and cache rows (EF=2), the next task word into the L1,
-# attention's cache rows into the L2 (APF=2: MLA's in bulk, counted among the bulk prefetches below, and GQA's
-# head lines one per thread, so both attention kinds compiled in)
-one.update(EF=2, WPF=1, APF=2, ATT_KIND=0, PFK=128)
+         "gqa": COMMON + ONE_TOKEN + r"""
 # the attention kind a GQA-only plan compiles (llama-1b's: runtime.block_sizes sets ATT_KIND=2), its head-line
 # prefetch (APF=2) compiled in and MLA's bulk one out
-gqa = triton.compile(ASTSource(fn=megakernel, signature=sig, constexprs=dict(one, ATT_KIND=2), attrs=attrs),
-                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 1})
+gqa = compile_megakernel(dict(one, ATT_KIND=2))
 assert gqa.asm["cubin"] and "prefetch.global.L2 " in gqa.asm["ptx"]
 print("bulk", gqa.asm["ptx"].count("cp.async.bulk.prefetch.L2.global"))
 """}
@@ -103,10 +100,14 @@ def test_megakernel_compiles_for_sm90():
     procs = {name: subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True, env=env) for name, code in PARTS.items()}
     outs = {}
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=900)
-        assert proc.returncode == 0, f"{name}: {err[-3000:]}"
-        outs[name] = out
+    try:
+        for name, proc in procs.items():
+            out, err = proc.communicate(timeout=900)
+            assert proc.returncode == 0, f"{name}: {err[-3000:]}"
+            outs[name] = out
+    finally:  # a failed or timed-out part leaves no compile running
+        for proc in procs.values():
+            proc.kill()
     assert "shared" in outs["default"]
     bulk = {name: int(re.search(r"bulk (\d+)", outs[name]).group(1)) for name in ("variants", "gqa")}
     # a GQA-only kernel compiles MLA's bulk cache prefetch out
