@@ -18,7 +18,6 @@ from .fusion import DEFAULT_RULES, RULES, WEIGHT_RULES, fuse
 from .cse import cse
 from .ir import Graph, Op
 from .isa import MAX_WAITS, OPCODES, WORDS, decode, encode
-from .l2_ahead import attach_hints, plan_hints
 from .lower import StepShape, lower
 from .memory import ancestors, plan_memory, weight_order
 from .plan import IOSlot, Plan, WeightSlot
@@ -43,10 +42,6 @@ class CompileOptions:
     # queues workers..2·workers-1 only LINEAR (a stream kernel's workers), each LINEAR's weights at a
     # multiple of its K in W (plan.options["stream_workers"] = workers; graph/verify.py's stream rules)
     stream_kernel: bool = False
-    # > 0: each worker's first attention-phase task asks the L2 for up to this many KB of the weights its
-    # later LINEAR tasks stream (graph/l2_ahead.py); 0: no hints
-    l2_ahead_kb: int = 0
-    l2_ahead_last: bool = False  # the hints on each worker's last attention-phase task of a run, not its first
 
 
 class CompileError(ValueError):
@@ -55,10 +50,10 @@ class CompileError(ValueError):
 
 def compile_options(spec: str, workers: int) -> tuple[CompileOptions, int]:
     """'KEY=V,...' of TilingOptions fields, CostModel fields (the scheduler's task times: task_overhead=3e-6),
-    attn_split, workers (overriding the argument), vocab_block, stream_kernel (0/1), l2_ahead_kb, l2_ahead_last (0/1) and fusion rules, removed
+    attn_split, workers (overriding the argument), vocab_block, stream_kernel (0/1) and fusion rules, removed
     from the default ones (rope_into_cache=0) or put back (tools: bench, replay) -> (options, attn_split)."""
     tiling, cost, attn_split, rules, vocab_block = {}, {}, 0, DEFAULT_RULES, CompileOptions.vocab_block
-    stream_kernel, l2_ahead_kb, l2_ahead_last = CompileOptions.stream_kernel, 0, False
+    stream_kernel = CompileOptions.stream_kernel
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
         if key == "attn_split":
@@ -69,10 +64,6 @@ def compile_options(spec: str, workers: int) -> tuple[CompileOptions, int]:
             vocab_block = int(value)
         elif key == "stream_kernel":
             stream_kernel = bool(int(value))
-        elif key == "l2_ahead_kb":
-            l2_ahead_kb = int(value)
-        elif key == "l2_ahead_last":
-            l2_ahead_last = bool(int(value))
         elif key in RULES:
             chosen = set(rules) | {key} if int(value) else set(rules) - {key}
             rules = tuple(r for r in RULES if r in chosen)  # in the order fuse() applies them
@@ -82,18 +73,15 @@ def compile_options(spec: str, workers: int) -> tuple[CompileOptions, int]:
             cost[key] = type(getattr(CostModel, key))(float(value))
         else:
             raise CompileError(f"plan options {spec!r}: unknown key {key!r} (TilingOptions or CostModel fields, "
-                               f"attn_split, workers, vocab_block, stream_kernel, l2_ahead_kb, l2_ahead_last or a fusion rule: {', '.join(RULES)})")
+                               f"attn_split, workers, vocab_block, stream_kernel or a fusion rule: {', '.join(RULES)})")
     return (CompileOptions(workers=workers, vocab_block=vocab_block, tiling=TilingOptions(**tiling),
-                           cost=CostModel(**cost), fusion_rules=rules, stream_kernel=stream_kernel,
-                           l2_ahead_kb=l2_ahead_kb, l2_ahead_last=l2_ahead_last), attn_split)
+                           cost=CostModel(**cost), fusion_rules=rules, stream_kernel=stream_kernel), attn_split)
 
 
 def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | None = None) -> Plan:
     opts = options or CompileOptions()
     if opts.workers < 1:
         raise CompileError("workers must be >= 1")
-    if opts.l2_ahead_kb < 0:
-        raise CompileError(f"l2_ahead_kb={opts.l2_ahead_kb}: a budget in KB per worker, 0 for none")
     if opts.stream_kernel and opts.scheduler != "critical_path":
         raise CompileError(f"stream_kernel needs the critical_path scheduler, not {opts.scheduler}")
     t0 = time.perf_counter()
@@ -142,13 +130,6 @@ def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | N
                    "critical_path_ms": round(sched.makespan * 1e3, 4), "balance": round(sched.balance, 3)})
 
     words, labels, ptr = _encode(graph, op_tiles, task_tile, sched.queues, deps)
-    hint_rows = np.zeros((0, WORDS), dtype=np.int32)
-    if opts.l2_ahead_kb:
-        hints = plan_hints([decode(w) for w in words], ptr, opts.l2_ahead_kb * 1024, wbytes, mem.sizes["W"],
-                           opts.l2_ahead_last)
-        hint_rows = attach_hints(words, hints)
-        passes.append({"pass": "l2_ahead", "carriers": len(hints), "kb_per_worker": opts.l2_ahead_kb,
-                       "hinted_MB": round(sum(n for r in hints.values() for _, n in r) * wbytes / 1e6, 2)})
     decoded = [decode(w) for w in words] if opts.stream_kernel else None  # the verifier reads them too
     if decoded is not None:
         why = stream_violation(decoded, labels)
@@ -172,9 +153,7 @@ def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | N
         options={"workers": opts.workers, "scheduler": opts.scheduler, "cse": opts.cse, "fuse": opts.fuse,
                  "fusion_rules": list(opts.fusion_rules), "tiling": dataclasses.asdict(tiling),
                  "cost": dataclasses.asdict(opts.cost),
-                 **({"stream_kernel": True, "stream_workers": opts.workers} if opts.stream_kernel else {}),
-                 **({"l2_ahead_kb": opts.l2_ahead_kb, "l2_ahead_last": opts.l2_ahead_last} if opts.l2_ahead_kb else {})},
-        hint_rows=hint_rows,
+                 **({"stream_kernel": True, "stream_workers": opts.workers} if opts.stream_kernel else {})},
     )
     if opts.verify:
         report = verify_plan(plan, tasks=decoded)

@@ -3,12 +3,7 @@
 A task is WORDS int32 words:
 
     0 opcode | 1 flags | 2 signal counter | 3..10 up to MAX_WAITS (counter, count) pairs | 11 tile id
-    12.. the opcode's fields, in the order listed below | 63 (HINT) an L2 hint row, or 0
-
-A hint row (graph/l2_ahead.py) is WORDS more int32s after the plan's last task word, in the same device
-array: up to HINT_RANGES (W offset low, high, elements, 0) ranges of weights that a task asks the L2 for
-before its wait, so that a phase that streams little (attention) fetches what later tasks will stream.
-A hint changes no result.
+    12.. the opcode's fields, in the order listed below
 
 A wait (c, n) is satisfied when counters[c] >= epoch * n; unused waits have
 c = -1.  Operands are (buffer, offset[, ld]) in elements of that buffer; an
@@ -26,8 +21,6 @@ from enum import IntEnum
 WORDS = 64
 MAX_WAITS = 4
 HEADER = 12
-HINT = WORDS - 1  # the task's L2 hint row (its index in the device's words array), 0 for none
-HINT_RANGES = WORDS // 4
 NO_COUNTER = -1
 ON_HELPER = -1  # expert-map value (helper plans' in.L{l}.expert_map) of an expert the helper computes
 
@@ -207,7 +200,7 @@ def layout(op: Opcode) -> dict[str, int]:
 
 
 LAYOUTS = {op.name: layout(op) for op in _OPS}
-assert all(pos + (2 if is_wide(name) else 1) <= HINT for op in _OPS for name, pos in LAYOUTS[op.name].items())
+assert all(pos + (2 if is_wide(name) else 1) <= WORDS for op in _OPS for name, pos in LAYOUTS[op.name].items())
 
 
 def f2i(x: float) -> int:
@@ -254,7 +247,6 @@ class Decoded:
     waits: tuple[tuple[int, int], ...]
     tile: int
     fields: dict
-    hint: int = 0  # the task's L2 hint row (HINT), 0 for none
 
     def has(self, flag: str) -> bool:
         return bool(self.flags & self.op.flag(flag))
@@ -277,4 +269,4 @@ def decode(word) -> Decoded:
             fields[name] = (word[pos] & 0xFFFFFFFF) | (word[pos + 1] << 32)
         else:
             fields[name] = word[pos]
-    return Decoded(op, word[1], word[2], waits, word[11], fields, word[HINT])
+    return Decoded(op, word[1], word[2], waits, word[11], fields)

@@ -49,8 +49,6 @@ class Plan:
     passes: list[dict]
     estimate: dict
     options: dict = field(default_factory=dict)
-    # L2 hint rows (graph/l2_ahead.py): they follow the task words in the device's words array
-    hint_rows: np.ndarray = field(default_factory=lambda: np.zeros((0, WORDS), dtype=np.int32))
 
     @property
     def num_tasks(self) -> int:
@@ -83,7 +81,6 @@ class Plan:
             "buffers": self.buffers, "weights": [asdict(w) for w in self.weights], "consts": self.consts,
             "io": {k: asdict(v) for k, v in self.io.items()}, "passes": self.passes, "estimate": self.estimate,
             "options": self.options,
-            "hint_rows": base64.b64encode(self.hint_rows.astype("<i4").tobytes()).decode(),
         }
         return json.dumps(d)
 
@@ -99,8 +96,6 @@ class Plan:
             weights=[WeightSlot(**w) for w in d["weights"]], consts=d["consts"],
             io={k: IOSlot(**v) for k, v in d["io"].items()}, passes=d["passes"], estimate=d["estimate"],
             options=d.get("options", {}),
-            hint_rows=np.frombuffer(base64.b64decode(d.get("hint_rows", "")), dtype="<i4").reshape(-1, WORDS)
-            .astype(np.int32),
         )
         if verify:
             from .verify import verify_plan

@@ -10,9 +10,7 @@ Checks, with every violation named by its tasks:
 - stream plans (plan.options["stream_workers"] = S, compile option stream_kernel): the last S queues
   (a second, co-resident kernel's workers) hold only LINEAR tasks and the others none; every LINEAR's
   weights (w, and w2 with SILU_MUL or PAIR) lie in W at a multiple of its K, K a multiple of 8, and at
-  most STREAM_MAX_K distinct K (stream_violation);
-- L2 hints: a task's HINT word is 0 or one of the hint rows after the tasks, each used once; every
-  range lies inside W and is 16-byte aligned for the model's weights.
+  most STREAM_MAX_K distinct K (stream_violation).
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ from collections import defaultdict
 import numpy as np
 
 from .footprint import READ_ONLY, Access, declared_disjoint, footprint, overlaps
-from .isa import HINT_RANGES, Buf, decode
-from .l2_ahead import UNIT
+from .isa import Buf, decode
 
 STREAM_OPCODES = frozenset({"LINEAR"})  # what a stream plan's stream workers run, and only they
 STREAM_MAX_K = 4  # distinct LINEAR K: the stream kernel's TMA descriptors (one per row length of the arena)
@@ -136,35 +133,11 @@ def verify_plan(plan, check_hazards: bool = True, tasks: list | None = None) -> 
                     raise PlanError(f"{name(i)} writes the read-only buffer {Buf(a.buf).name}")
                 continue
             groups[t.signal][a.buf].append((i, a))
-    _check_hints(plan, tasks, name)
     checked = 0
     if check_hazards:
         hb = _HappensBefore(clocks, worker_of, pos, signallers)
         checked = _check_hazards(groups, signallers, hb, name)
     return {"tasks": n, "counters": C, "hazard_pairs_checked": checked}
-
-
-def _check_hints(plan, tasks, name) -> None:
-    n, rows = len(tasks), plan.hint_rows
-    unit = UNIT
-    used = set()
-    for i, t in enumerate(tasks):
-        if not t.hint:
-            continue
-        k = t.hint - n
-        if not 0 <= k < len(rows):
-            raise PlanError(f"{name(i)} points at L2 hint row {t.hint}; the plan's {len(rows)} rows are {n}..")
-        if k in used:
-            raise PlanError(f"{name(i)} shares L2 hint row {t.hint} with another task")
-        used.add(k)
-        for r in range(HINT_RANGES):
-            off = (int(rows[k, 4 * r]) & 0xFFFFFFFF) | (int(rows[k, 4 * r + 1]) << 32)
-            count = int(rows[k, 4 * r + 2])
-            if count < 0 or (count and (off < 0 or off + count > plan.buffers["W"] or off % unit or count % unit)):
-                raise PlanError(f"{name(i)}: L2 hint range {r} W[{off}:{off + count}] is outside W "
-                                f"({plan.buffers['W']} elements) or not in whole {unit}-element units (16-byte aligned)")
-    if len(used) != len(rows):
-        raise PlanError(f"{len(rows) - len(used)} L2 hint row(s) no task points at")
 
 
 def _topological(preds: list[list[int]], n: int, name) -> list[int]:

@@ -242,13 +242,11 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # attention compiled for the plan's one kind (MLA or GQA), else the flag read per task
                 ATT_KIND=att_kinds.pop() if len(att_kinds) == 1 else 0,
                 # ATTENTION[ROPE] (fusion rule rope_into_attention) compiled in (only where used)
-                ATT_ROPE=int(any(t.op.name == "ATTENTION" and t.has("ROPE") for t in tasks)),
-                # a plan's L2 hints (compile option l2_ahead_kb: bulk prefetches, inline PTX) compiled in where it has any
-                L2H=int(any(t.hint for t in tasks) and bulk_prefetch_refusal(align, dtype.itemsize) is None))
+                ATT_ROPE=int(any(t.op.name == "ATTENTION" and t.has("ROPE") for t in tasks)))
 
 
 def bulk_prefetch_refusal(align: int, weight_bytes: int) -> str | None:
-    """Why bulk L2 prefetches (PF, PFD, APF, PFK, L2H: inline PTX of whole 16-byte aligned rows) cannot run, or None."""
+    """Why bulk L2 prefetches (PF, PFD, APF, PFK: inline PTX of whole 16-byte aligned rows) cannot run, or None."""
     if INTERPRET:
         return "the Triton interpreter runs no inline PTX"
     if align * weight_bytes % 16:
@@ -316,9 +314,7 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
         raise MegakernelError("block override WPF=1: the Triton interpreter runs no inline PTX")
     if not 0 <= blocks["PFK"] <= 4096:
         raise MegakernelError(f"block override PFK={blocks['PFK']}: 0 (off) or up to 4096 KB of a task's weights")
-    if blocks["L2H"] not in (0, 1):
-        raise MegakernelError(f"block override L2H={blocks['L2H']}: 0 (the plan's L2 hints ignored) or 1 (issued)")
-    for key in ("PF", "PFD", "APF", "PFK", "L2H"):  # bulk L2 prefetches (inline PTX) of whole weight or cache rows
+    for key in ("PF", "PFD", "APF", "PFK"):  # bulk L2 prefetches (inline PTX) of whole weight or cache rows
         why = bulk_prefetch_refusal(blocks["ALIGN"], weight_bytes)
         if blocks[key] and why:
             raise MegakernelError(f"block override {key}={blocks[key]}: {why}")
@@ -455,8 +451,7 @@ class Megakernel(PlanRunner):
         if self.device.type != "cuda" and not INTERPRET:
             raise MegakernelError("the megakernel needs a CUDA device (or TRITON_INTERPRET=1 for CPU tests)")
         self.mem = mem if mem is not None else Memory(plan, weights, self.device, dtype, share)
-        # the task words, then the L2 hint rows their HINT words point at (graph/isa.py)
-        self.words = torch.from_numpy(np.ascontiguousarray(np.concatenate([plan.words, plan.hint_rows]))).to(self.device)
+        self.words = torch.from_numpy(np.ascontiguousarray(plan.words)).to(self.device)
         self.queue_ptr = torch.tensor(plan.queue_ptr, dtype=torch.int32, device=self.device)
         # one spare counter nobody signals: the stall test hook waits on it
         self.counters = torch.zeros((plan.num_counters + 1) * COUNTER_STRIDE, dtype=torch.int32, device=self.device)

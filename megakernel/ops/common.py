@@ -57,30 +57,6 @@ def prefetch_l2(ptr, nbytes):
         "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
-@triton.constexpr_function
-def _hint_row_asm(ranges, esize):
-    """PTX for prefetch_hint_row: thread 0 loads each (offset low, high, elements, 0) range of the row as one
-    16-byte vector (all loads independent, so they overlap) and bulk-prefetches those with elements > 0."""
-    ranges, shift = int(ranges), int(esize).bit_length() - 1
-    lines = ["{ .reg .pred p0, p; .reg .u32 t, lo, hi, n, z; .reg .u64 o, a;",
-             "mov.u32 t, %tid.x; setp.eq.u32 p0, t, 0; mov.u32 n, 0;"]
-    for r in range(ranges):
-        lines += [f"@p0 ld.global.v4.u32 {{lo, hi, n, z}}, [$1+{16 * r}];",
-                  "setp.gt.and.s32 p, n, 0, p0;",
-                  f"mov.b64 o, {{lo, hi}}; shl.b64 o, o, {shift}; add.s64 a, $2, o; shl.b32 n, n, {shift};",
-                  "@p cp.async.bulk.prefetch.L2.global [a], n;"]
-    return " ".join(lines + ["mov.u32 $0, 0; }"])
-
-
-@triton.jit
-def prefetch_hint_row(row, W, RANGES: tl.constexpr):
-    """A plan's L2 hint row (graph/l2_ahead.py): each of its RANGES (W element offset, elements) ranges asked
-    of the L2 in bulk by thread 0, nothing waiting on them.  Compiled only (inline PTX): L2H."""
-    ESIZE: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
-    tl.inline_asm_elementwise(_hint_row_asm(RANGES, ESIZE), "=r,l,l", [row.to(tl.int64), W.to(tl.int64)], dtype=tl.int32, is_pure=False,
-                              pack=1)
-
-
 @triton.jit
 def prefetch_lines_l2(ptrs):
     """The 128-byte line of each pointer asked of the L2, one prefetch per element (each thread its own):
