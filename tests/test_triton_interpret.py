@@ -324,3 +324,26 @@ def test_attention_key_blocks_in_flight_change_nothing(name):
         _compare(cfg, interp, mk, torch.tensor([5, 13]))
         logits.append(mk.result().logits)
     assert torch.equal(logits[0], logits[1]) and torch.equal(logits[1], logits[2])
+
+
+def test_greedy_argmax_takes_the_first_of_tied_maxima():
+    """ARGMAX over several vocab blocks (vocab_block=128), each read in two pieces (BD=4: 64 logits a piece): with
+    the top logit tied within a lane across pieces (ids 10 and 74), across lanes (20) and across blocks (200),
+    as identical lm_head rows make it, the megakernel's greedy token is the first tied id, as the interpreter's."""
+    from megakernel.runtime import LaunchConfig, Megakernel
+    cfg = preset("tiny-moe")
+    w = init_weights(cfg, seed=3)
+    plan = compile_step(cfg, StepShape(T=1, B=1, max_len=16, attn_split=4), CompileOptions(workers=1, vocab_block=128))
+    assert sum(decode(x).op.name == "ARGMAX" for x in plan.words) == 5  # 4 blocks and the final reduction
+    tied, row = [74, 10, 20, 200], torch.randn(cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    tokens, lens = torch.tensor([[7]]), torch.tensor([5])
+    for sign in (1.0, -1.0):  # the tied rows' logit is the largest for one sign of the row
+        w["lm_head.weight"][tied] = sign * 20 * row
+        interp = Interpreter(plan, w)
+        if interp.step(tokens, lens).tokens.item() == 10:
+            break
+    assert interp.result().tokens.item() == 10
+    mk = Megakernel(plan, w, device="cpu", config=LaunchConfig(max_spins=2000, blocks=dict(BD=4)))
+    got = mk.step(tokens, lens)
+    assert mk.blocks["BD"] == 4 and torch.equal(got.logits[0, 0, tied], got.logits[0, 0, tied[:1]].expand(4))
+    assert got.tokens.item() == 10

@@ -34,33 +34,34 @@ def reference(task, mem) -> None:
 @triton.jit
 def body(word, A, I, BD: tl.constexpr):
     flags, N, nparts, part = fld(word, ARGMAX_FLAGS), fld(word, ARGMAX_N), fld(word, ARGMAX_NPARTS), fld(word, ARGMAX_PART)
-    pv, pi, out = A + off(word, ARGMAX_PV_OFF), I + off(word, ARGMAX_PI_OFF), I + off(word, ARGMAX_OUT_OFF)
-    lg, lg_ld = A + off(word, ARGMAX_LG_OFF), fld(word, ARGMAX_LG_LD)
+    lg_off, lg_ld, pv_off = off(word, ARGMAX_LG_OFF), fld(word, ARGMAX_LG_LD), off(word, ARGMAX_PV_OFF)
+    pv, pi, out = A + pv_off, I + off(word, ARGMAX_PI_OFF), I + off(word, ARGMAX_OUT_OFF)
     partial = has(flags, FLAG_ARGMAX_PARTIAL)
     final = has(flags, FLAG_ARGMAX_FINAL)
     c0 = tl.where(partial, fld(word, ARGMAX_C0), 0)
     c1 = tl.where(partial, fld(word, ARGMAX_C1), nparts)
+    # BA-wide pieces, kept lane by lane (a strict > keeps each lane's first maximum), reduced once at the end: a
+    # vocab block (4096 logits) is two pieces, two round trips.  A max and an argmax per 256-wide piece made it 16
+    # dependent round trips and cross-warp reductions: 12 us of llama-1b's step (docs/PERF.md session 23)
+    BA: tl.constexpr = BD * 8
     for n in range(N):
-        best = float("-inf")
-        best_i = 0
-        for cb in range(c0, c1, BD):
-            c = cb + tl.arange(0, BD)
-            m = c < c1
-            if partial:
-                v = tl.load(lg + n * lg_ld + c, mask=m, other=float("-inf"), cache_modifier=".cg")
-            else:
-                v = tl.load(pv + n * nparts + c, mask=m, other=float("-inf"), cache_modifier=".cg")
-            top = tl.max(v, axis=0)
-            where = tl.argmax(v, axis=0, tie_break_left=True)
-            if partial:
-                idx = cb + where
-            else:
-                idx = tl.load(pi + n * nparts + cb + where, cache_modifier=".cg")
-            better = top > best  # strictly: the earlier block keeps ties
-            best_i = tl.where(better, idx, best_i)
-            best = tl.where(better, top, best)
+        src = A + tl.where(partial, lg_off + n * lg_ld, pv_off + n * nparts)  # logits, or the partial maxima
+        lane = tl.arange(0, BA)
+        best = tl.load(src + c0 + lane, mask=c0 + lane < c1, other=float("-inf"), cache_modifier=".cg")
+        best_c = c0 + lane  # past c1 on masked lanes: never the first maximum while a real lane ties them
+        for cb in range(c0 + BA, c1, BA):
+            c = cb + lane
+            v = tl.load(src + c, mask=c < c1, other=float("-inf"), cache_modifier=".cg")
+            better = v > best
+            best_c = tl.where(better, c, best_c)
+            best = tl.where(better, v, best)
+        top = tl.max(best, axis=0)
+        first = tl.min(tl.where(best == top, best_c, 2147483647), axis=0)  # the first index of the maximum
         if final:
-            tl.store(out + n * fld(word, ARGMAX_OUT_LD), best_i)
+            if partial:
+                tl.store(out + n * fld(word, ARGMAX_OUT_LD), first)
+            else:
+                tl.store(out + n * fld(word, ARGMAX_OUT_LD), tl.load(pi + n * nparts + first, cache_modifier=".cg"))
         else:
-            tl.store(pv + n * nparts + part, best)
-            tl.store(pi + n * nparts + part, best_i)
+            tl.store(pv + n * nparts + part, top)
+            tl.store(pi + n * nparts + part, first)
