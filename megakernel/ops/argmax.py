@@ -44,12 +44,14 @@ def body(word, A, I, BD: tl.constexpr):
     # vocab block (4096 logits) is two pieces, two round trips.  A max and an argmax per 256-wide piece made it 16
     # dependent round trips and cross-warp reductions: 12 us of llama-1b's step (docs/PERF.md session 23)
     BA: tl.constexpr = BD * 8
+    lane = tl.arange(0, BA)
     for n in range(N):
         src = A + tl.where(partial, lg_off + n * lg_ld, pv_off + n * nparts)  # logits, or the partial maxima
-        lane = tl.arange(0, BA)
-        best = tl.load(src + c0 + lane, mask=c0 + lane < c1, other=float("-inf"), cache_modifier=".cg")
-        best_c = c0 + lane  # past c1 on masked lanes: never the first maximum while a real lane ties them
-        for cb in range(c0 + BA, c1, BA):
+        best = tl.full((BA,), float("-inf"), tl.float32)
+        # each lane's first index so far: its own in the first piece until a larger value comes (past c1 on masked
+        # lanes, so never the first maximum while a real lane ties them; all -inf keeps c0 + lane)
+        best_c = c0 + lane
+        for cb in range(c0, c1, BA):
             c = cb + lane
             v = tl.load(src + c, mask=c < c1, other=float("-inf"), cache_modifier=".cg")
             better = v > best
@@ -58,10 +60,11 @@ def body(word, A, I, BD: tl.constexpr):
         top = tl.max(best, axis=0)
         first = tl.min(tl.where(best == top, best_c, 2147483647), axis=0)  # the first index of the maximum
         if final:
+            dst = out + n * fld(word, ARGMAX_OUT_LD)
             if partial:
-                tl.store(out + n * fld(word, ARGMAX_OUT_LD), first)
+                tl.store(dst, first)
             else:
-                tl.store(out + n * fld(word, ARGMAX_OUT_LD), tl.load(pi + n * nparts + first, cache_modifier=".cg"))
+                tl.store(dst, tl.load(pi + n * nparts + first, cache_modifier=".cg"))
         else:
             tl.store(pv + n * nparts + part, top)
             tl.store(pi + n * nparts + part, first)

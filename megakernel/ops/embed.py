@@ -26,11 +26,11 @@ def body(word, W, A, I, BD: tl.constexpr):
     H, copies = fld(word, EMBED_H), fld(word, EMBED_COPIES)
     tok_ptr, table = I + off(word, EMBED_TOK_OFF), W + off(word, EMBED_TABLE_OFF)
     o_ptr, o_ld = A + off(word, EMBED_OUT_OFF), fld(word, EMBED_OUT_LD)
+    # 8·BD-wide chunks: a 2048-wide row in one round trip (BD-wide ones made it 8 dependent ones, ~6 us at the
+    # head of every step's chain: docs/PERF.md session 23)
+    BE: tl.constexpr = BD * 8
     for r in range(fld(word, EMBED_R0), fld(word, EMBED_R1)):
         tok = tl.load(tok_ptr + r * fld(word, EMBED_TOK_LD), cache_modifier=".cg").to(tl.int64)
-        # 8·BD-wide chunks: a 2048-wide row in one round trip (BD-wide ones made it 8 dependent ones, ~6 us at the
-        # head of every step's chain: docs/PERF.md session 23)
-        BE: tl.constexpr = BD * 8
         for cb in range(0, H, BE):
             c = cb + tl.arange(0, BE)
             m = c < H
