@@ -9,7 +9,6 @@ are disjoint by construction from other writes of the same op with another key.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from .isa import BOX_HEADER, BOX_T_ACKED, BOX_WAIT_NS, Buf, Decoded, box_layout
@@ -175,21 +174,10 @@ def footprint(task: Decoded) -> list[Access]:
                 for key in ("kn", "vn"):
                     out += _acc(task, key, b * T, (b + 1) * T, k_col, k_col + f["dim"], False, ld=f["kn.ld"])
         out += _flat(task, "cl", b, b + 1, False)
-        # COMBINE: whichever split of the (b, head block) arrives last reads every split's partials and writes the
-        # combined rows, ordered by the arrival count (acq_rel), not by counters: the accesses that only run in the
-        # last arrival are keyed by the task's own split, so siblings' are declared disjoint from each other's
-        own = (task.signal, "combine", f["op.off"], b, h0, f["split"], f["split"] + 1) if task.has("COMBINE") else None
         for t in range(T):
             row = ((b * ns + f["split"]) * T + t) * nh
-            out += _acc(task, "op", row + h0, row + h1, 0, f["dim"], True, ld=f["dim"], exclusive=own)
-            out += [dataclasses.replace(a, exclusive=own) for a in _flat(task, "lse", row + h0, row + h1, True)]
-            if own is None:
-                continue
-            for s in range(ns):
-                row = ((b * ns + s) * T + t) * nh
-                out += _acc(task, "op", row + h0, row + h1, 0, f["dim"], False, ld=f["dim"], exclusive=own)
-                out += [dataclasses.replace(a, exclusive=own) for a in _flat(task, "lse", row + h0, row + h1, False)]
-            out += _acc(task, "out", b * T + t, b * T + t + 1, h0 * f["dim"], h1 * f["dim"], True, exclusive=own)
+            out += _acc(task, "op", row + h0, row + h1, 0, f["dim"], True, ld=f["dim"])
+            out += _flat(task, "lse", row + h0, row + h1, True)
     elif name == "ATTN_COMBINE":
         b, T, h0, h1, nh, ns, dim = f["b"], f["T"], f["h0"], f["h1"], f["nheads"], f["nsplits"], f["dim"]
         c0, c1 = f["c0"], f["c1"]

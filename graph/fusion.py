@@ -12,9 +12,6 @@ Rules, applied in this order (each names what it merged in the report):
                  rotates its query rows, and the split whose rows hold the step's new positions rotates their
                  keys and writes them and their values into the cache before reading its rows: attention
                  waits on the projections, one phase and one hop fewer a layer)
-- combine_into_attention: GQA's ATTENTION + its ATTN_COMBINE -> ATTENTION[COMBINE] (the split that finishes a
-                 (sequence, KV group) last combines the group's splits: one phase and one hop fewer a layer.  Not
-                 MLA: a group there is every head over ~128 splits, whose partials one task would read too slowly)
 - route:         ROUTE[SCORE], ROUTE[TOPK], ROUTE[SLOTS]   -> one ROUTE
 - hc_coeff:      HC_COEFF mix, act, sinkhorn, collapse     -> one HC_COEFF
 - norm_into_linear: RMSNORM read only as x by LINEARs      -> each LINEAR[NORM], the norm gone
@@ -38,14 +35,7 @@ from __future__ import annotations
 from .ir import Graph, Op, Tensor, View
 
 RULES = ("swiglu", "moe_epilogue", "residual_into_linear", "residual_norm", "rope_into_cache", "rope_into_attention",
-         "combine_into_attention", "route", "hc_coeff", "norm_into_linear", "norm_beside_experts")
-# ATTENTION[COMBINE] counts a (sequence, KV group)'s arrivals in its counter line's spare words (1..31)
-COMBINE_GROUPS_PER_LINE = 31
-COMBINE_BLOCK = 8192  # splits x heads x dim (powers of two) of one group's combine: 32 fp32 registers a thread
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
+         "route", "hc_coeff", "norm_into_linear", "norm_beside_experts")
 WEIGHT_RULES = ("norm_into_linear", "norm_beside_experts")  # rules that derive packed weights (W' = W diag(g))
 # what a plan applies unless told.  norm_beside_experts stays opt-in: its first version (session 15: -2.8%,
 # -3.1% on dsv2-lite) rounded the router's W·diag(g) to bf16, which moved routing decisions (1.2% of tokens per
@@ -233,27 +223,6 @@ def _rope_into_attention(ctx: _Ctx) -> str | None:
     return None
 
 
-def _combine_into_attention(ctx: _Ctx) -> str | None:
-    for att in ctx.g.ops:
-        if att.opcode != "ATTENTION" or att.flags & {"MLA", "COMBINE"}:
-            continue
-        a = att.attrs
-        parts = (att.writes["op"].tensor, att.writes["lse"].tensor)
-        comb = ctx.cons.get(parts[0], [None])[0]
-        if comb is None or comb.opcode != "ATTN_COMBINE" or not all(ctx.private(t, comb) for t in parts):
-            continue
-        if a["nheads"] % a["group"] or a["B"] * (a["nheads"] // a["group"]) > COMBINE_GROUPS_PER_LINE:
-            continue  # more (sequence, group) arrival words than a counter line spares
-        if _pow2(a["nsplits"]) * _pow2(a["group"]) * _pow2(a["dim"]) > COMBINE_BLOCK:
-            continue  # a group's partials would not fit one block of registers (the kernel loads them at once)
-        if not _whole(ctx, comb.writes["out"]):
-            continue
-        fused = _new(att, att.flags | {"COMBINE"}, dict(att.reads), {**att.writes, "out": comb.writes["out"]})
-        ctx.replace([att, comb], fused)
-        return f"{att.label} + {comb.label} -> {att.label} ATTENTION[COMBINE]"
-    return None
-
-
 def _whole(ctx: _Ctx, view: View) -> bool:
     return view.col0 == 0 and view.cols in (None, ctx.g.tensors[view.tensor].cols)
 
@@ -384,7 +353,6 @@ def fuse(graph: Graph, rules: tuple[str, ...] = DEFAULT_RULES) -> dict:
         "residual_norm": _residual_norm,
         "rope_into_cache": _rope_into_cache,
         "rope_into_attention": _rope_into_attention,
-        "combine_into_attention": _combine_into_attention,
         # ROUTE's slot-table stage reads the top-k ids back from memory (megakernel/ops/moe.py)
         "route": lambda c: _merge_stages(c, "ROUTE", ("SCORE", "TOPK", "SLOTS"), ".route", scratch=("ids",)),
         "hc_coeff": lambda c: _merge_stages(c, "HC_COEFF", ("MIX", "ACT", "SINK", "COLLAPSE"), ".coeff"),

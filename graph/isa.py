@@ -8,8 +8,7 @@ A task is WORDS int32 words:
 A wait (c, n) is satisfied when counters[c] >= epoch * n; unused waits have
 c = -1.  Operands are (buffer, offset[, ld]) in elements of that buffer; an
 offset takes two words (low, high: weight arenas and caches pass 2^31
-elements); an operand whose buffer the opcode fixes (Opcode.fixed) stores no
-buffer word (decode fills it in); floats are stored as their IEEE-754 bit pattern.  The runtime (megakernel/ops) gives
+elements); floats are stored as their IEEE-754 bit pattern.  The runtime (megakernel/ops) gives
 each opcode its meaning; this file is the contract between compiler and runtime.
 """
 
@@ -74,9 +73,6 @@ class Opcode:
     code: int
     fields: tuple[str, ...]
     flags: tuple[str, ...] = ()
-    # (field, buffer) of operands always in one buffer: no word in the task (a word is 64 int32s, and
-    # ATTENTION needs every one); such an operand is never absent
-    fixed: tuple[tuple[str, int], ...] = ()
 
     def flag(self, name: str) -> int:
         return 1 << self.flags.index(name)
@@ -131,14 +127,9 @@ _OPS = [
     # ROPE (GQA, one KV head g a task): q is rotated here (rotate-half, cos/sin from tab's rows b·T + t, ld dim);
     # the step's new keys kn[b·T + t, g·kv_hs : +dim], rotated, and values vn[..] (vn's ld: kn.ld) are written
     # into the cache at their positions, by the split whose rows hold them, before it reads its rows
-    # COMBINE (GQA, fusion rule combine_into_attention): the split that finishes its (b, KV group) last combines the
-    # group's splits into out[b*T + t, h*dim : +dim] as ATTN_COMBINE does (arrivals counted in the task's signal
-    # counter line: word 1 + b * (nheads / group) + h0 / group, zero between steps)
     Opcode("ATTENTION", 9, _f("q* q_hs q_col0 pe* pe_hs pe_col0 cache+ cl+ T S width b h0 h1 split split_len "
-                              "dim rope_dim v_col0 kv_hs group scale op+ lse+ nheads nsplits pos_offset tab+ kn* vn+ "
-                              "out*"),
-           ("MLA", "ROPE", "COMBINE"),
-           fixed=(("q.buf", Buf.A), ("cache.buf", Buf.C), ("cl.buf", Buf.I), ("op.buf", Buf.A), ("lse.buf", Buf.A))),
+                              "dim rope_dim v_col0 kv_hs group scale op+ lse+ nheads nsplits pos_offset tab+ kn* vn+"),
+           ("MLA", "ROPE")),
     # out[b*T + t, h*dim : +dim] = sum_s exp(lse_s - LSE) · o_part_s
     Opcode("ATTN_COMBINE", 10, _f("op+ lse+ out* b T h0 h1 nheads nsplits dim c0 c1")),
     # SCORE: scores = softmax|sigmoid(logits); TOPK: ids, weights; SLOTS: distinct experts -> slot table
@@ -201,10 +192,8 @@ def is_wide(name: str) -> bool:
 
 def layout(op: Opcode) -> dict[str, int]:
     """Word index of each field (wide fields take two words: low, high)."""
-    pos, out, fixed = HEADER, {}, dict(op.fixed)
+    pos, out = HEADER, {}
     for name in op.fields:
-        if name in fixed:
-            continue
         out[name] = pos
         pos += 2 if is_wide(name) else 1
     return out
@@ -235,10 +224,6 @@ def encode(opcode: str, flags: int, signal: int, waits: list[tuple[int, int]], t
     for i in range(MAX_WAITS):
         c, n = waits[i] if i < len(waits) else (NO_COUNTER, 0)
         word[3 + 2 * i], word[4 + 2 * i] = c, n
-    for name, buf in op.fixed:
-        if int(fields.get(name, buf)) != int(buf):
-            raise ValueError(f"{opcode} operand {name.split('.')[0]} must be in buffer {Buf(buf).name}, "
-                             f"not {fields[name]} (the task word has no buffer field for it)")
     for name, pos in LAYOUTS[opcode].items():
         value = fields.get(name, 0)
         if name in FLOAT_FIELDS:
@@ -276,7 +261,7 @@ def decode(word) -> Decoded:
     if op is None:
         raise ValueError(f"unknown opcode {word[0]} in task word")
     waits = tuple((word[3 + 2 * i], word[4 + 2 * i]) for i in range(MAX_WAITS) if word[3 + 2 * i] != NO_COUNTER)
-    fields = {name: int(buf) for name, buf in op.fixed}
+    fields = {}
     for name, pos in LAYOUTS[op.name].items():
         if name in FLOAT_FIELDS:
             fields[name] = i2f(word[pos])

@@ -14,9 +14,6 @@ import numpy as np
 
 from .isa import WORDS, decode
 
-# /2: ATTENTION stores no buffer words for its fixed operands and has an out operand (session 24)
-PLAN_FORMAT = "megakernel-plan/2"
-
 
 @dataclass
 class WeightSlot:
@@ -77,7 +74,7 @@ class Plan:
     # ---- serialisation -------------------------------------------------------
     def to_json(self) -> str:
         d = {
-            "format": PLAN_FORMAT,
+            "format": "megakernel-plan/1",
             "config": self.config, "shape": self.shape, "workers": self.workers,
             "words": base64.b64encode(self.words.astype("<i4").tobytes()).decode(),
             "queue_ptr": self.queue_ptr, "task_labels": self.task_labels, "counter_labels": self.counter_labels,
@@ -90,9 +87,8 @@ class Plan:
     @classmethod
     def from_json(cls, text: str, verify: bool = True) -> "Plan":
         d = json.loads(text)
-        if d.get("format") != PLAN_FORMAT:
-            raise ValueError(f"not a plan of this megakernel's word layout (format {d.get('format')!r}, this build "
-                             f"reads {PLAN_FORMAT!r}): compile it again")
+        if d.get("format") != "megakernel-plan/1":
+            raise ValueError(f"not a megakernel plan (format {d.get('format')!r})")
         words = np.frombuffer(base64.b64decode(d["words"]), dtype="<i4").reshape(-1, WORDS).astype(np.int32)
         plan = cls(
             config=d["config"], shape=d["shape"], workers=d["workers"], words=words, queue_ptr=d["queue_ptr"],

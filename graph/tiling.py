@@ -251,8 +251,8 @@ class Tiler:
         mla = "MLA" in op.flags
         hpt = self.opts.attn_heads or (nh if mla else a["group"])
         hpt = max(1, min(hpt, nh))
-        if not mla and hpt % a["group"] and (a["group"] % hpt or "COMBINE" in op.flags):
-            hpt = a["group"]  # COMBINE: whole KV groups a task (a group's arrivals are counted in one word)
+        if not mla and hpt % a["group"] and a["group"] % hpt:
+            hpt = a["group"]
         tiles = []
         for b in range(a["B"]):
             for h0, h1 in _blocks(nh, hpt):

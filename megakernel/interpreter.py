@@ -79,7 +79,6 @@ class Interpreter(PlanRunner):
 
     def _settle(self) -> None:
         """Counters as if this epoch had completed, so the next step's waits mean what they should."""
-        self.mem.arrivals.clear()
         for t in self.tasks:
             self.counters[t.signal] = 0
         for t in self.tasks:

@@ -29,9 +29,6 @@ class Memory:
                  dtype: torch.dtype | None = None, share: "Memory | None" = None):
         cfg = ModelConfig.from_hf_dict(plan.config)
         self.cfg, self.shape, self.io = cfg, plan.shape, plan.io
-        # ATTENTION[COMBINE]'s arrivals per (counter, sequence, KV group) in this step (the interpreter's
-        # stand-in for the kernel's counter-line words; empty between steps)
-        self.arrivals: dict[tuple[int, int, int], int] = {}
         self.device = torch.device(device)
         sizes = plan.buffers
         acts = {

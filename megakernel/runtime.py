@@ -102,7 +102,7 @@ ALIGNED_FIELDS = {
     "EXPERT_LINEAR": ("K", "w.off", "w2.off", "w_es", "x.off", "x.ld"),
     "HEAD_MATMUL": ("w.off", "w_hs", "w_ld", "x.ld", "x_hs", "x_col0", "x.off", "o0"),
     "ATTENTION": ("width", "cache.off", "dim", "q.off", "q.ld", "q_hs", "q_col0", "kv_hs", "v_col0", "rope_dim",
-                  "pe.off", "pe.ld", "pe_hs", "pe_col0", "op.off", "out.off", "out.ld"),
+                  "pe.off", "pe.ld", "pe_hs", "pe_col0", "op.off"),
     "ATTN_COMBINE": ("dim", "op.off", "out.off", "out.ld", "c0", "c1"),
 }
 
@@ -133,7 +133,6 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     pairs = combine_cols = 16
     head_in, head_out = [16, 16], [16, 16]  # [plain, TRANS] per-head matmuls
     att_kinds = set()
-    group_splits, group_heads = 1, 0  # ATTENTION[COMBINE]: the most splits and heads one task combines
     for t in tasks:
         f = t.fields
         if t.op.name in ("LINEAR", "EXPERT_LINEAR"):
@@ -149,9 +148,6 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
             dmax, rmax = max(dmax, _pow2(f["dim"])), max(rmax, _pow2(f["rope_dim"]))
             att_rows = max(att_rows, _pow2(f["T"] * (f["h1"] - f["h0"])))
             att_kinds.add(1 if t.has("MLA") else 2)
-            if t.has("COMBINE"):
-                group_splits = max(group_splits, _pow2(f["nsplits"], 1))
-                group_heads = max(group_heads, _pow2(f["h1"] - f["h0"], 1))
         elif t.op.name == "ROUTE":
             experts = max(experts, _pow2(f["E"]))
             pairs = max(pairs, _pow2(f["N"] * f["topk"]))
@@ -246,9 +242,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # attention compiled for the plan's one kind (MLA or GQA), else the flag read per task
                 ATT_KIND=att_kinds.pop() if len(att_kinds) == 1 else 0,
                 # ATTENTION[ROPE] (fusion rule rope_into_attention) compiled in (only where used)
-                ATT_ROPE=int(any(t.op.name == "ATTENTION" and t.has("ROPE") for t in tasks)),
-                # ATTENTION[COMBINE] (fusion rule combine_into_attention): its [splits, heads, dim] block (0: none)
-                BSG=group_splits, BHG=group_heads)
+                ATT_ROPE=int(any(t.op.name == "ATTENTION" and t.has("ROPE") for t in tasks)))
 
 
 def bulk_prefetch_refusal(align: int, weight_bytes: int) -> str | None:
@@ -288,13 +282,6 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
         kinds = {0: "of both kinds", 1: "all MLA", 2: "all GQA"}[fitted["ATT_KIND"]]
         raise MegakernelError(f"block override ATT_KIND={blocks['ATT_KIND']}: this plan's attention tasks are {kinds} "
                               "(0 reads the flag per task)")
-    if blocks["BHG"] < fitted["BHG"] or blocks["BSG"] < fitted["BSG"]:
-        raise MegakernelError(f"block override BSG={blocks['BSG']}, BHG={blocks['BHG']}: ATTENTION[COMBINE] combines "
-                              f"up to {fitted['BSG']} splits of {fitted['BHG']} heads in one block")
-    if blocks["BSG"] * blocks["BHG"] * blocks["DMAX"] > 16384:
-        raise MegakernelError(f"ATTENTION[COMBINE] tasks combine {blocks['BSG']} splits x {blocks['BHG']} heads x "
-                              f"{blocks['DMAX']} columns in one block, more than the 16384 values (64 per thread) the "
-                              "registers hold: compile without combine_into_attention, or with fewer splits or heads a task")
     if blocks["TB"] not in (1, 2, 4, 8, 16):
         raise MegakernelError(f"block override TB={blocks['TB']}: tokens per weight chunk are a power of two <= 16")
     if blocks["ROWVEC"] not in (0, 1, 2):
@@ -626,11 +613,9 @@ class Megakernel(PlanRunner):
                             + extra)
 
     def repair(self) -> None:
-        """Make the counters consistent with a completed step so the next step can run (the lines' other words,
-        ATTENTION[COMBINE]'s arrivals, are zero between steps)."""
+        """Make the counters consistent with a completed step so the next step can run."""
         c = torch.from_numpy(self.expected * self.epoch).to(torch.int32)
         view = self.counters[: self.plan.num_counters * COUNTER_STRIDE].view(-1, COUNTER_STRIDE)
-        view[:, 1:] = 0
         view[:, 0] = c.to(self.device)
         self.err.zero_()
 

@@ -297,47 +297,6 @@ def test_ropes_and_cache_writes_go_into_attention(name, T, B, passes):
     _same_step(cfg, (plan, unfused), 1, [3, 10][:B], mtp=passes)
 
 
-@pytest.mark.parametrize("name,T,B,passes", [("tiny-dense", 2, 2, 0), ("tiny-dense", 1, 1, 0), ("tiny-dense", 2, 1, 2),
-                                              ("tiny-moe", 1, 1, 0)])
-def test_the_last_split_of_a_kv_group_combines_it(name, T, B, passes):
-    """combine_into_attention (a default rule): a GQA layer's ATTN_COMBINE becomes its ATTENTION[COMBINE], whose
-    tasks are whole KV groups, and the step writes the same logits, bit for bit, as the plan without the rule,
-    in any valid task order (whichever split arrives last combines).  MLA layers (tiny-moe) keep their combine."""
-    from graph.compile import compile_options
-    cfg = preset(name)
-    shape = StepShape(T=T, B=B, max_len=16, mtp_passes=passes, attn_split=4)
-    plan = compile_step(cfg, shape, CompileOptions(workers=4))
-    unfused = compile_step(cfg, shape, compile_options("combine_into_attention=0", 4)[0])
-    attn = [plan.task(i) for i in range(plan.num_tasks) if plan.task(i).op.name == "ATTENTION"]
-    gqa = not cfg.kv_lora_rank
-    assert all(t.has("COMBINE") == gqa for t in attn)
-    assert all(t["h0"] % t["group"] == 0 and (t["h1"] - t["h0"]) % t["group"] == 0 for t in attn if gqa)
-    assert ("ATTN_COMBINE" in plan.opcode_counts()) != gqa and "ATTN_COMBINE" in unfused.opcode_counts()
-    _same_step(cfg, (plan, unfused), 1, [3, 10][:B], mtp=passes)
-    if gqa:  # the interpreter's random task orders: another split is last each time, same bits
-        from megakernel.interpreter import Interpreter
-        from model import init_weights
-        import random
-        w = init_weights(cfg, seed=4)
-        tokens, lens = torch.randint(0, cfg.vocab_size, (B, T)), torch.tensor([3, 10][:B])
-        first = Interpreter(plan, w).step(tokens, lens).logits
-        for seed in range(3):
-            other = Interpreter(plan, w).step(tokens, lens, order="random", rng=random.Random(seed)).logits
-            assert torch.equal(first, other)
-
-
-def test_fixed_operand_buffers_take_no_word_and_refuse_another_buffer():
-    """ATTENTION's always-present operands (q, cache, cl, op, lse) have their buffer fixed by the opcode: no word
-    in the task, filled in by decode; encoding one in another buffer is refused, naming it."""
-    from graph.isa import LAYOUTS, Buf, encode
-    assert "q.buf" not in LAYOUTS["ATTENTION"] and "pe.buf" in LAYOUTS["ATTENTION"]
-    word = encode("ATTENTION", 0, 0, [], 0, {"q.buf": Buf.A, "q.off": 5, "out.buf": -1})
-    d = decode(word)
-    assert d["q.buf"] == Buf.A and d["cache.buf"] == Buf.C and d["q.off"] == 5 and d["out.buf"] == -1
-    with pytest.raises(ValueError, match="operand op must be in buffer A"):
-        encode("ATTENTION", 0, 0, [], 0, {"op.buf": Buf.I})
-
-
 def _phase(rows: int, per: int, copies: int, spread: int, bytes_per_row: int, overhead: int) -> int:
     """Rounds of an op's tasks over `spread` workers times one task's bytes and fixed cost."""
     return -(-copies * -(-rows // per) // spread) * (per * bytes_per_row + overhead)

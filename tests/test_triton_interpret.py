@@ -204,23 +204,6 @@ def test_watchdog_reports_a_stalled_counter_and_recovers():
     _compare(cfg, interp, mk, torch.tensor([1, 1]))
 
 
-def test_a_stall_between_a_kv_groups_splits_leaves_no_arrival_behind():
-    """ATTENTION[COMBINE]: a step stopped by the watchdog after one of a KV group's splits arrived leaves its count
-    in the counter line; repair() clears it, or the next step's group would combine before its last split."""
-    from megakernel.runtime import WatchdogError
-    cfg, plan, interp, mk = _pair("tiny-dense", passes=0)
-    attn = [i for i in range(plan.num_tasks) if plan.task(i).op.name == "ATTENTION"]
-    first = plan.task(attn[0])
-    group = [i for i in attn if (plan.task(i).signal, plan.task(i)["b"], plan.task(i)["h0"])
-             == (first.signal, first["b"], first["h0"])]
-    assert first.has("COMBINE") and len(group) == first["nsplits"] > 2
-    undo = mk.inject_stall(group[1])  # one worker: group[0] ran and arrived
-    with pytest.raises(WatchdogError, match="timed out"):
-        mk.step(torch.zeros(2, 2, dtype=torch.long), torch.tensor([5, 5]))
-    undo()
-    _compare(cfg, interp, mk, torch.tensor([6, 6]))
-
-
 def test_odd_dimensions_fall_back_to_scalar_alignment():
     """Vector loads need sizes and offsets that are multiples of ALIGN; a plan with odd ones gets 1."""
     from graph.isa import decode

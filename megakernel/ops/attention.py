@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import COUNTER_STRIDE, aligned, ffld, fld, has, mma, off, prefetch_l2, prefetch_lines_l2
+from .common import aligned, ffld, fld, has, mma, off, prefetch_l2, prefetch_lines_l2
 from .fields import (ATTENTION_B, ATTENTION_CACHE_OFF, ATTENTION_CL_OFF, ATTENTION_DIM, ATTENTION_FLAGS,
                      ATTENTION_GROUP, ATTENTION_H0, ATTENTION_H1, ATTENTION_KV_HS, ATTENTION_LSE_OFF,
                      ATTENTION_NHEADS, ATTENTION_NSPLITS, ATTENTION_OP_OFF, ATTENTION_PE_COL0, ATTENTION_PE_HS,
@@ -23,9 +23,8 @@ from .fields import (ATTENTION_B, ATTENTION_CACHE_OFF, ATTENTION_CL_OFF, ATTENTI
                      ATTENTION_SPLIT_LEN, ATTENTION_T, ATTENTION_V_COL0, ATTENTION_WIDTH, ATTN_COMBINE_B,
                      ATTN_COMBINE_C0, ATTN_COMBINE_C1, ATTN_COMBINE_DIM, ATTN_COMBINE_H0, ATTN_COMBINE_H1,
                      ATTN_COMBINE_LSE_OFF, ATTN_COMBINE_NHEADS, ATTN_COMBINE_NSPLITS, ATTN_COMBINE_OP_OFF, ATTN_COMBINE_OUT_LD, ATTN_COMBINE_OUT_OFF,
-                     ATTN_COMBINE_T, FLAG_ATTENTION_COMBINE, FLAG_ATTENTION_MLA, FLAG_ATTENTION_ROPE,
-                     ATTENTION_KN_LD, ATTENTION_KN_OFF, ATTENTION_OUT_LD, ATTENTION_OUT_OFF, ATTENTION_TAB_OFF,
-                     ATTENTION_VN_OFF, WORD_SIGNAL)
+                     ATTN_COMBINE_T, FLAG_ATTENTION_MLA, FLAG_ATTENTION_ROPE,
+                     ATTENTION_KN_LD, ATTENTION_KN_OFF, ATTENTION_TAB_OFF, ATTENTION_VN_OFF)
 from .rope import rotate
 
 
@@ -68,20 +67,6 @@ def reference(task, mem) -> None:
             row = ((b * ns + task["split"]) * T + t) * nh + h
             mem.mat(task, "op", 1, dim, row0=row, ld=dim).copy_(o[t:t + 1])
             mem.flat(task, "lse", row, 1).copy_(lse[t:t + 1])
-    if task.has("COMBINE") and last_to_arrive(task, mem):
-        combine_rows(task, mem, task["h0"], task["h1"], 0, dim)
-
-
-def last_to_arrive(task, mem) -> bool:
-    """ATTENTION[COMBINE]: counts this split's arrival for its (sequence, head block); True for the block's last
-    (which resets the count, as the kernel does: its word is zero between steps)."""
-    key = (task.signal, task["b"], task["h0"] // task["group"])
-    n = mem.arrivals.get(key, 0) + 1
-    if n < task["nsplits"]:
-        mem.arrivals[key] = n
-        return False
-    mem.arrivals.pop(key, None)
-    return True
 
 
 def write_new_rows(task, mem, rows: torch.Tensor, limit: torch.Tensor, cos, sin, j0: int, j1: int) -> None:
@@ -101,13 +86,8 @@ def write_new_rows(task, mem, rows: torch.Tensor, limit: torch.Tensor, cos, sin,
 
 
 def reference_combine(task, mem) -> None:
-    combine_rows(task, mem, task["h0"], task["h1"], task["c0"], task["c1"])
-
-
-def combine_rows(task, mem, h0: int, h1: int, c0: int, c1: int) -> None:
-    """out[b*T + t, h*dim + c0 : h*dim + c1] for heads h0..h1 from every split's partials (an ATTN_COMBINE task,
-    or the last split of an ATTENTION[COMBINE] head block: both words name op, lse and out alike)."""
     b, T, nh, ns, dim = task["b"], task["T"], task["nheads"], task["nsplits"], task["dim"]
+    h0, h1, c0, c1 = task["h0"], task["h1"], task["c0"], task["c1"]
     for t in range(T):
         rows = torch.tensor([((b * ns + s) * T + t) * nh for s in range(ns)], device=mem.device)
         for h in range(h0, h1):
@@ -212,15 +192,14 @@ def split_of(word, A, I, C, mla, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def body(word, A, I, C, counters, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr,
+def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr,
          STAGES: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr, KIND: tl.constexpr, EF: tl.constexpr = 0,
-         ROPE: tl.constexpr = 0, BSG: tl.constexpr = 1, BHG: tl.constexpr = 0):
+         ROPE: tl.constexpr = 0):
     """STAGES 2: the next cache block is in flight while this one is reduced; 3: the next two (a launch
     variant, +3% on llama-1b: a block's ~2 us is its arithmetic's dependent chain, not its loads, session 21);
     1: one at a time.  The sums are the same in every order of loads.
     KIND: 1 every attention task of the plan is MLA, 2 none is (compiled for that kind alone), 0 read
-    the flag per task.  ROPE 1: the plan has ATTENTION[ROPE] tasks (compiled in only then; the flag read per task).
-    BHG > 0: the plan has ATTENTION[COMBINE] tasks of up to BHG heads and BSG splits (compiled in only then)."""
+    the flag per task.  ROPE 1: the plan has ATTENTION[ROPE] tasks (compiled in only then; the flag read per task)."""
     if KIND == 0:
         mla = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_MLA)
     else:
@@ -292,49 +271,6 @@ def body(word, A, I, C, counters, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.c
         out_rows = ((b * ns + split) * T + t) * nh + h
         tl.store(op_ptr + out_rows[:, None].to(tl.int64) * dim + d[None, :], o, mask=rvalid[:, None] & dmask[None, :])
         tl.store(lse_ptr + out_rows, lse, mask=rvalid)
-    if BHG > 0:
-        if has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_COMBINE):
-            if last_arrival(word, counters, b, nh, ns, h0, fld(word, ATTENTION_GROUP)):
-                o_ptr = A + aligned(off(word, ATTENTION_OUT_OFF), ALIGN)
-                combine_group(b, T, nh, ns, dim, h0, h1, op_ptr, lse_ptr, o_ptr,
-                              aligned(fld(word, ATTENTION_OUT_LD), ALIGN), BSG, BHG, DMAX)
-
-
-@triton.jit
-def last_arrival(word, counters, b, nh, ns, h0, group):
-    """ATTENTION[COMBINE]: this split's arrival at its (sequence, KV group), counted in a spare word of the task's
-    signal counter line; True (in every thread) for the group's last, which resets the word for the next step
-    (that step's splits start after this one signals: o_proj waits on every split).  The barrier orders every
-    thread's partial stores before the arrival's release; its acquire, those of the splits before it."""
-    tl.debug_barrier()
-    line = counters + tl.load(word + WORD_SIGNAL).to(tl.int64) * COUNTER_STRIDE
-    arrival = line + 1 + b * (nh // group) + h0 // group
-    seen = tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu")
-    last = seen == ns - 1
-    if last:
-        tl.atomic_xchg(arrival, 0, sem="relaxed", scope="gpu")
-    return last
-
-
-@triton.jit
-def combine_group(b, T, nh, ns, dim, h0, h1, op_ptr, lse_ptr, o_ptr, o_ld, BSG: tl.constexpr, BHG: tl.constexpr,
-                  DMAX: tl.constexpr):
-    """A head block's combine, per token: a split's partial rows for the block's heads are contiguous, so all
-    splits x (heads x columns) load as one [BSG, BHG·DMAX] block (one memory round trip, not one per head), each
-    column with its head's log-sum-exp; out = sum_s exp(lse_s - LSE) o_s over the split axis, in a fixed order."""
-    s = tl.arange(0, BSG)[:, None]
-    c = tl.arange(0, BHG * DMAX)[None, :]
-    ok = (s < ns) & (c < (h1 - h0) * dim)
-    for t in range(T):
-        first = ((b * ns + s) * T + t) * nh + h0  # the split's row of head h0
-        lse = tl.load(lse_ptr + first + c // dim, mask=ok, other=-float("inf"), cache_modifier=".cg")
-        part = tl.load(op_ptr + first.to(tl.int64) * dim + c, mask=ok, other=0.0, cache_modifier=".cg")
-        m = tl.max(lse, axis=0)
-        wgt = tl.exp(lse - tl.where(m == -float("inf"), 0.0, m)[None, :])
-        den = tl.sum(wgt, axis=0)
-        out = tl.sum(wgt * part, axis=0) / tl.where(den > 0, den, 1.0)
-        cc = tl.arange(0, BHG * DMAX)
-        tl.store(o_ptr + (b * T + t) * o_ld + h0 * dim + cc, out, mask=cc < (h1 - h0) * dim)
 
 
 @triton.jit
