@@ -36,7 +36,9 @@ class TilingOptions:
     # made 156 tasks for 132 workers: 24 of them ran two, a phase of 160 rows where 96 would do
     # (dsv2-lite 4.136 -> 3.693 ms, llama-1b 1.337 -> 1.319 at 384 KB: docs/PERF.md session 14)
     balance: int = 1
-    balance_bytes: int = 512 * 1024
+    # 4 MB since session 24: lm_head's 128256 rows in one round of 976-row tasks, not 9 of 112 (a phase of 976
+    # rows' time, not 1008, and 131 fewer task boundaries): llama-1b -2.2%, dsv2-lite -0.5% (docs/PERF.md)
+    balance_bytes: int = 4 * 1024 * 1024
     # with spread: LINEAR ops that read the same input (a layer's q, k and v projections) and would together
     # make more tasks than `spread` share the workers in proportion to their weight bytes, so the phase they
     # run in side by side is one round (llama-1b's q|k|v made 128 + 32 + 32 tasks for 132 workers).  With 8-row
@@ -45,6 +47,11 @@ class TilingOptions:
     # made 128 + 132 tasks, so 128 workers ran a shared tile before their routed one, on the chain; now 32 + 96,
     # one round: dsv2-lite -2.7%, llama-1b's plan unchanged (docs/PERF.md session 18)
     siblings: int = 2
+    # with spread: the fewest output columns of a per-head matmul task (where the op has columns to spare).  128
+    # until session 24 left dsv2-lite's v_up in 32 tasks of two 32 KB tiles (the second asked for only after the
+    # wait) and q_absorb in 64 of 32 KB; 16 makes both 128 tasks of one 16 KB tile: dsv2-lite -1.5% (-2.6% with
+    # balance_bytes at 4 MB, docs/PERF.md session 24)
+    head_cols: int = 16
     # a streamed task's fixed cost as weight bytes (~1 us of a worker's stream: session 14's fit of
     # streamed tasks; CostModel.task_overhead's 3 us also covers the round trips of one-task ops)
     task_overhead_bytes: int = 32 * 1024
@@ -240,7 +247,7 @@ class Tiler:
         cols = O  # with spread, when heads alone make too few tasks: output column blocks too
         if self.opts.spread:
             heads = _blocks(a["heads"], max(1, min(hpt, -(-a["heads"] // self.opts.spread))))
-            cols = _spread_block(O, self.opts.spread // len(heads), 16, 128)
+            cols = _spread_block(O, self.opts.spread // len(heads), 16, self.opts.head_cols)
         return [Tile({"h0": h0, "h1": h1, "o0": o0, "o1": o1}, (h1 - h0) * a["in_dim"] * (o1 - o0) * self.wbytes,
                      4 * a["N"] * (h1 - h0) * (a["in_dim"] + o1 - o0), 2 * a["N"] * (h1 - h0) * a["in_dim"] * (o1 - o0))
                 for h0, h1 in heads for o0, o1 in _blocks(O, cols)]
