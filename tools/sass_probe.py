@@ -76,7 +76,7 @@ def compile_sass(fn, pointers: dict, scalars: list[str], const: dict, num_warps:
                              capture_output=True, text=True, check=True)
         sass = subprocess.run([BIN / "nvdisasm", "-g", "-c", obj], capture_output=True, text=True, check=True).stdout
     info = " ".join(re.findall(r"Used \d+ registers|\d+ bytes spill stores|\d+ bytes stack frame", res.stderr))
-    return info + f" | {k.asm['ptx'].count('ld.global.v4')} ld.global.v4 in PTX", sass
+    return info + f" | {k.metadata.shared} B shared | {k.asm['ptx'].count('ld.global.v4')} ld.global.v4 in PTX", sass
 
 
 @triton.jit
