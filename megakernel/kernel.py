@@ -20,7 +20,6 @@ import triton.language as tl
 from .ops import (argmax, attention, elementwise, embed, head_matmul, helper, helper_side, linear, mhc, moe, norm, rope,
                   spec)
 from .ops.common import now_ns, prefetch_word_l1, signal_done, wait_task
-from .ops.ring import ring_init
 from .ops.fields import (OP_ACCEPT, OP_ARGMAX, OP_ATTENTION, OP_ATTN_COMBINE, OP_CACHE_WRITE, OP_EMBED, OP_EWISE,
                          OP_EXPERT_LINEAR, OP_GATHER, OP_HC_COEFF, OP_HC_EXPAND, OP_HC_HEAD, OP_HEAD_MATMUL, OP_HELPER_CALL,
                          OP_HELPER_RECV, OP_HELPER_SEND, OP_HELPER_WAIT, OP_LINEAR,
@@ -59,25 +58,18 @@ def linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS: tl.con
                 MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, BR: tl.constexpr, KC: tl.constexpr,
                 ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr,
                 AHEAD: tl.constexpr, PFD: tl.constexpr, EF: tl.constexpr, WORDS: tl.constexpr, WPF: tl.constexpr,
-                HILO: tl.constexpr, fill, RING: tl.constexpr, RING_BYTES: tl.constexpr, RPRE: tl.constexpr):
-    """A LINEAR task: its first weights requested before the wait (weights never depend on activations; with
-    RING its first RING chunks, into the shared-memory ring), then the body.  (ok, ready time, ring fills)."""
-    if RING > 0:
-        linear.ring_prefetch(word, W, fill, BR, KC, ALIGN, TB, RING, RING_BYTES, RPRE, HILO)
-        w = 0
-    else:
-        w = linear.prefetch(word, W, BR, KC, ALIGN, EF)
+                HILO: tl.constexpr):
+    """A LINEAR task: its first weights requested before the wait (weights never depend on activations),
+    then the body.  (ok, ready time)."""
+    w = linear.prefetch(word, W, BR, KC, ALIGN, EF)
     if PFD > 0:
         linear.prefetch_blocks(word, W, BR, ALIGN, PFD, HILO)
     ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
     t_ready = now_ns(USE_TIMER)
     next_word_to_l1(word, t, end, WORDS, WPF)
     if ok == 1:
-        steps = linear.body(word, W, A, w, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, HILO, fill, RING,
-                            RING_BYTES, RPRE)
-        if RING > 0:
-            fill += steps
-    return ok, t_ready, fill
+        linear.body(word, W, A, w, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, HILO)
+    return ok, t_ready
 
 
 @triton.jit
@@ -94,8 +86,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                ALIGN: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr, ATT_KIND: tl.constexpr,
                ROWVEC: tl.constexpr, AHEAD: tl.constexpr, NARROW: tl.constexpr, ROUTE1: tl.constexpr, PFD: tl.constexpr,
                EF: tl.constexpr, WPF: tl.constexpr, APF: tl.constexpr, PFK: tl.constexpr, HILO: tl.constexpr,
-               HELPER_SIDE: tl.constexpr, ATT_ROPE: tl.constexpr, RING: tl.constexpr, RING_BYTES: tl.constexpr,
-               RPRE: tl.constexpr):
+               HELPER_SIDE: tl.constexpr, ATT_ROPE: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
     end = tl.load(queue_ptr + pid + 1)
@@ -103,9 +94,6 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
     tl.store(worker_epoch + pid, epoch)
     ok = (tl.atomic_add(err, 0, sem="acquire", scope="gpu") == 0).to(tl.int32)
     t = start
-    fill = start * 0  # weight-ring fills so far (RING)
-    if RING > 0:
-        ring_init(RING, BR * KC * 2, RING_BYTES)
     while (t < end) & (ok == 1):
         word = words + t.to(tl.int64) * WORDS
         t_begin = now_ns(USE_TIMER)
@@ -120,13 +108,13 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             if PFK > 0:  # a launch variant: the task's next PFK KB asked of the L2 while it waits
                 linear.prefetch_ahead(word, W, BR, ALIGN, PFK, HILO)
             if NARROW and linear.needs_narrow(word, BR, KC):  # a launch variant: a copy with 4·BR x KC/4 chunks
-                ok, t_ready, fill = linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
-                                                MAX_SPINS, USE_TIMER, BR * 4, KC // 4, ALIGN, TB, DEPTH, BN, ROWVEC,
-                                                AHEAD, PFD, EF, WORDS, WPF, HILO, fill, 0, 0, 0)
+                ok, t_ready = linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
+                                          MAX_SPINS, USE_TIMER, BR * 4, KC // 4, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD,
+                                          PFD, EF, WORDS, WPF, HILO)
             else:
-                ok, t_ready, fill = linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
-                                                MAX_SPINS, USE_TIMER, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD,
-                                                EF, WORDS, WPF, HILO, fill, RING, RING_BYTES, RPRE)
+                ok, t_ready = linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
+                                          MAX_SPINS, USE_TIMER, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF,
+                                          WORDS, WPF, HILO)
         elif op == OP_HEAD_MATMUL:  # a copy per weight layout, so each vectorizes its loads
             if head_matmul.transposed(word):
                 ok, t_ready = head_matmul_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
@@ -143,10 +131,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             next_word_to_l1(word, t, end, WORDS, WPF)
             if ok == 1:  # the other opcodes' bodies
                 if op == OP_EXPERT_LINEAR:
-                    steps = moe.expert_body(word, W, A, I, BR, KC, ALIGN, TB, PF, DEPTH, ROWVEC, AHEAD, NARROW, PFD,
-                                            EF, fill, RING, RING_BYTES)
-                    if RING > 0:
-                        fill += steps
+                    moe.expert_body(word, W, A, I, BR, KC, ALIGN, TB, PF, DEPTH, ROWVEC, AHEAD, NARROW, PFD, EF)
                 elif op == OP_RMSNORM:
                     norm.body(word, W, A, BN)
                 elif op == OP_ATTENTION:

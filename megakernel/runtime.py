@@ -25,7 +25,6 @@ from .interpreter import StepResult, check_step_inputs, read_outputs, write_foll
 from .kernel import megakernel
 from .ops import common
 from .ops.helper import HELPER_TIMEOUT
-from .ops.ring import MAX_SLOTS, reserve_ring, ring_bytes
 from .memory import STREAM_SLACK, Memory, PlanRunner
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -243,12 +242,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # attention compiled for the plan's one kind (MLA or GQA), else the flag read per task
                 ATT_KIND=att_kinds.pop() if len(att_kinds) == 1 else 0,
                 # ATTENTION[ROPE] (fusion rule rope_into_attention) compiled in (only where used)
-                ATT_ROPE=int(any(t.op.name == "ATTENTION" and t.has("ROPE") for t in tasks)),
-                # > 0: LINEAR and expert weights copied into this many shared-memory slots by the bulk-copy engine,
-                # a LINEAR task's first ones before its wait (ops/ring.py; a launch variant, inline PTX)
-                RING=0,
-                # with RING, how many of a LINEAR task's first RING chunks it issues before its dependency wait
-                RPRE=1)
+                ATT_ROPE=int(any(t.op.name == "ATTENTION" and t.has("ROPE") for t in tasks)))
 
 
 def bulk_prefetch_refusal(align: int, weight_bytes: int) -> str | None:
@@ -257,25 +251,6 @@ def bulk_prefetch_refusal(align: int, weight_bytes: int) -> str | None:
         return "the Triton interpreter runs no inline PTX"
     if align * weight_bytes % 16:
         return f"bulk prefetches need 16-byte aligned rows, and ALIGN={align} x {weight_bytes}-byte weights are not"
-    return None
-
-
-def ring_refusal(blocks: dict, weight_bytes: int) -> str | None:
-    """Why the weight ring (RING = S slots) cannot run with these blocks, or None."""
-    if INTERPRET:
-        return "the Triton interpreter runs no inline PTX"
-    if not 0 < blocks["RING"] <= MAX_SLOTS:
-        return f"1 to {MAX_SLOTS} shared-memory slots"
-    if weight_bytes != 2 or blocks["ALIGN"] < 8:
-        return (f"the ring copies bf16 weight rows in 16-byte pieces; these are {weight_bytes}-byte weights with "
-                f"ALIGN={blocks['ALIGN']}")
-    clash = [k for k in ("PF", "PFD", "NARROW") if blocks[k]] + (["DEPTH"] if blocks["DEPTH"] != 1 else [])
-    if clash:
-        return f"it replaces the register stream that {', '.join(clash)} change; turn them off"
-    if not 0 <= blocks["RPRE"] <= blocks["RING"]:
-        return f"RPRE={blocks['RPRE']}: 0 to RING of a task's first chunks issued before its wait"
-    if blocks["BR"] > 256:
-        return f"one copy a row per thread: BR={blocks['BR']} rows need more threads than 8 warps have"
     return None
 
 
@@ -352,10 +327,6 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
     if blocks["HELPER_SIDE"] < fitted["HELPER_SIDE"]:
         raise MegakernelError("block override HELPER_SIDE=0: this plan has a persistent helper's HELPER_RECV and "
                               "HELPER_SEND tasks")
-    if blocks["RING"]:
-        why = ring_refusal(blocks, weight_bytes)
-        if why:
-            raise MegakernelError(f"block override RING={blocks['RING']}: {why}")
     if blocks["BK"] < fitted["BK"]:
         raise MegakernelError(f"block override BK={blocks['BK']}: MOE_COMBINE reads all of a token's expert rows "
                               f"in one block of BK, this plan needs {fitted['BK']}")
@@ -432,8 +403,7 @@ def kernel_constants(blocks: dict, bound_s: float, config: LaunchConfig, on_cuda
     use_timer = on_cuda and not INTERPRET
     return dict(WORDS=WORDS, MAX_WAITS=MAX_WAITS, TIMEOUT_NS=int(bound_s * 1e9),
                 MAX_SPINS=config.max_spins, HELPER_NS=int(config.helper_timeout_s * 1e9),
-                USE_TIMER=use_timer, PROFILE=config.profile and use_timer,
-                RING_BYTES=ring_bytes(blocks["RING"], blocks["BR"], blocks["KC"], 2) if blocks["RING"] else 0, **blocks)
+                USE_TIMER=use_timer, PROFILE=config.profile and use_timer, **blocks)
 
 
 def precompile(plan: Plan, dtype: torch.dtype, config: LaunchConfig | None = None, device="cuda"):
@@ -529,26 +499,17 @@ class Megakernel(PlanRunner):
         if self.compiled is not None or INTERPRET:
             return self.compiled
         grid = (self.body_workers,)
-        compiled = megakernel.warmup(*self._args(), **self._constexprs(), grid=grid, num_warps=self.num_warps,
-                                     num_stages=self.config.num_stages)
-        compiled._init_handles()
-        if self.blocks["RING"]:
-            if self.stream is not None:
-                raise MegakernelError("block override RING: the weight ring and a stream kernel would both need most "
-                                      "of an SM's shared memory")
-            try:
-                reserve_ring(compiled, self._constexprs()["RING_BYTES"])
-            except RuntimeError as e:
-                raise MegakernelError(f"block override RING={self.blocks['RING']}: {e}") from None
+        self.compiled = megakernel.warmup(*self._args(), **self._constexprs(), grid=grid,
+                                          num_warps=self.num_warps, num_stages=self.config.num_stages)
+        self.compiled._init_handles()
         props = torch.cuda.get_device_properties(self.device)
         per_sm = min(props.max_threads_per_multi_processor // (32 * self.num_warps),
-                     props.regs_per_multiprocessor // cta_registers(compiled),
-                     props.shared_memory_per_multiprocessor // max(1, compiled.metadata.shared))
+                     props.regs_per_multiprocessor // cta_registers(self.compiled),
+                     props.shared_memory_per_multiprocessor // max(1, self.compiled.metadata.shared))
         if self.body_workers > props.multi_processor_count * per_sm:
             raise MegakernelError(f"plan has {self.body_workers} workers but only {props.multi_processor_count} SMs "
-                                  f"x {per_sm} resident programs fit ({compiled.n_regs} registers/thread, "
-                                  f"{compiled.metadata.shared} B shared): refusing a launch that could hang")
-        self.compiled = compiled
+                                  f"x {per_sm} resident programs fit ({self.compiled.n_regs} registers/thread, "
+                                  f"{self.compiled.metadata.shared} B shared): refusing a launch that could hang")
         self.resident_per_sm = per_sm
         if self.stream is not None:  # both kernels loaded and checked to fit an SM together before either runs
             self.stream.compile(self.compiled)

@@ -21,7 +21,7 @@ const = dict(WORDS=WORDS, MAX_WAITS=MAX_WAITS, TIMEOUT_NS=250_000_000, MAX_SPINS
              BR=8, KC=2048, STAGES=2, BD=256, BH=32, BM=16, BJ=32, DMAX=512, RMAX=64, BI=64, BO=128, BIT=256, BOT=64,
              BE=256, BP=256, BW=32, BSC=16, BCW=64, BN=2048, BK=8, CPF=1, SAMPLE=1, BV=1024, TB=8, PF=2, DEPTH=2, ALIGN=8, BT=16, DOT_PREC="tf32",
              ATT_KIND=0, ROWVEC=1, AHEAD=1, NARROW=1, ROUTE1=1, PFD=0, EF=0, WPF=0, APF=0, PFK=0,
-             HILO=1, HELPER_SIDE=1, ATT_ROPE=1, RING=0, RING_BYTES=0, RPRE=0)
+             HILO=1, HELPER_SIDE=1, ATT_ROPE=1)
 sig.update({k: "constexpr" for k in const})
 # pointers are 16-byte aligned, as Triton's JIT finds them at launch
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(12)}
@@ -76,11 +76,8 @@ assert "evict_first" not in ptx and "prefetch.global.L1" not in ptx
 print("shared", k.metadata.shared)
 """,
          "variants": COMMON + ONE_TOKEN + r"""
-# with the weight ring (RING: bulk copies into shared-memory slots, mbarrier waits), which replaces the stream's loads
-k1 = compile_megakernel(dict(one, RING=2, RPRE=1, RING_BYTES=2 * 8 * 2048 * 2 + 128))
+k1 = compile_megakernel(one)
 assert "st.global.f32" in k1.asm["ptx"] and k1.asm["cubin"]
-assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in k1.asm["ptx"]
-assert "mbarrier.try_wait.parity" in k1.asm["ptx"] and "ld.shared.b32" in k1.asm["ptx"]
 assert k1.asm["ptx"].count("cp.async.bulk.prefetch.L2.global") >= 5, k1.asm["ptx"].count("cp.async.bulk.prefetch.L2.global")
 assert "prefetch.global.L1" in k1.asm["ptx"] and "evict_first" in k1.asm["ptx"]
 assert "prefetch.global.L2 " in k1.asm["ptx"]

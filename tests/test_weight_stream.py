@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from megakernel.memory import STREAM_SLACK
-from megakernel.ops import linear, ring
+from megakernel.ops import linear
 
 from .conftest import rel_err
 
@@ -38,38 +38,8 @@ def _stream_kernel(W, A, I, K, n_rows, xrows_div, x_ld, r0, r1, out_off, res_off
                          TB, DEPTH, BN, ROWVEC, AHEAD, PFD)
 
 
-@triton.jit
-def _ring_stream_kernel(W, A, I, K, n_rows, xrows_div, x_ld, r0, r1, out_off, res_off, w_off, w2_off, flags, eps,
-                        BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr,
-                        BN: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr, PFD: tl.constexpr,
-                        RING: tl.constexpr, RING_BYTES: tl.constexpr, RPRE: tl.constexpr):
-    """The stream through the weight ring, run twice as two tasks of one worker run it: the second's fills continue
-    the first's (slots and phases carried over), and it writes the same rows again."""
-    ring.ring_init(RING, BR * KC * 2, RING_BYTES)
-    fill = r0 * 0
-    for _task in range(2):
-        linear.ring_prologue(fill, W + w_off, W + w2_off, (flags & 1) != 0, r0, r1, K, n_rows, BR, KC, ALIGN, TB, RING,
-                             RING_BYTES, 0, RPRE)
-        fill += linear.stream_chunks(A, x_ld, I, xrows_div, n_rows, A + out_off, r1, A + res_off, r1, (flags & 2) != 0,
-                                     W + w_off, W + w2_off, (flags & 1) != 0, r0, r1, K, 0, (flags & 4) != 0, eps, BR,
-                                     KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, 1, 0, False, fill, RING, RING_BYTES,
-                                     RPRE)
-        tl.debug_barrier()  # as the persistent kernel ends a task
-
-
-def _launch(kernel, grid, args, ring_slots=0, rpre=0, **const):
-    """kernel[grid](*args, **const); with ring_slots, compiled first and given its ring's shared memory."""
-    if not ring_slots:
-        return kernel[grid](*args, **const)
-    nbytes = ring.ring_bytes(ring_slots, const["BR"], const["KC"], 2)
-    compiled = kernel.warmup(*args, grid=grid, RING=ring_slots, RING_BYTES=nbytes, RPRE=rpre, **const)
-    compiled._init_handles()
-    ring.reserve_ring(compiled, nbytes)
-    kernel[grid](*args, RING=ring_slots, RING_BYTES=nbytes, RPRE=rpre, **const)
-
-
 def _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res, norm, depth=1, eps=1e-5, rowvec=0, ahead=0,
-         pfd=0, ring_slots=0, rpre=0):
+         pfd=0):
     g = torch.Generator().manual_seed(K + R + N)
     w1 = torch.randn(R, K, generator=g).to(dtype)
     w2 = torch.randn(R, K, generator=g).to(dtype)
@@ -82,10 +52,9 @@ def _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res, norm, depth=1
     W, A, dev_rows = W.to(device), A.to(device), rows.to(device)
     # flags: bit 0 gate|up, bit 1 residual, bit 2 norm; + 8 so no argument is a literal 1 (Triton would make
     # it a constexpr)
-    _launch(_ring_stream_kernel if ring_slots else _stream_kernel, (1,),
-            (W, A, dev_rows, K, N, 2 if listed else 0, K, r0, R, x.numel(), x.numel() + 8 * R, GUARD, GUARD + R * K,
-             8 + int(two) + 2 * int(res) + 4 * int(norm), eps), ring_slots, rpre, BR=BR, KC=KC, ALIGN=8, TB=tb, DEPTH=depth,
-            BN=BN, ROWVEC=rowvec, AHEAD=ahead, PFD=pfd, num_warps=8)
+    _stream_kernel[(1,)](W, A, dev_rows, K, N, 2 if listed else 0, K, r0, R, x.numel(), x.numel() + 8 * R, GUARD,
+                         GUARD + R * K, 8 + int(two) + 2 * int(res) + 4 * int(norm), eps, BR=BR, KC=KC, ALIGN=8,
+                         TB=tb, DEPTH=depth, BN=BN, ROWVEC=rowvec, AHEAD=ahead, PFD=pfd, num_warps=8)
     xs = (x[rows.long() // 2] if listed else x[:N]).double()
     scale = torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + eps) if norm else 1.0
     want = (xs @ w1[r0:].double().T) * scale
@@ -144,23 +113,6 @@ def test_weight_stream_prefetch_ahead_changes_nothing():
                 got, _, _ = _run("cuda", tb, torch.bfloat16, *shape, depth, rowvec=rowvec, ahead=1, pfd=pfd)
                 assert torch.equal(base.nan_to_num(), got.nan_to_num()) and torch.equal(base.isnan(), got.isnan()), \
                     (shape, tb, depth, pfd)
-
-
-@pytest.mark.gpu
-def test_weight_ring_changes_nothing():
-    """RING (inline PTX, GPU only): chunks copied into 1, 3 or 4 shared-memory slots by the bulk-copy engine (RPRE of
-    them issued ahead of the stream, as a LINEAR task does before its wait) and read back in the register stream's
-    layout give every shape's rows bit for bit, over two tasks whose fills continue each other (an odd step count
-    wraps the phases mid-task), and nothing else is written: a copy past the slice (rows past r1, columns past K)
-    would read the NaN guards."""
-    for shape in SHAPES:
-        for tb, rowvec in ((1, 2), (2, 0)):
-            base, _, _ = _run("cuda", tb, torch.bfloat16, *shape, rowvec=rowvec, ahead=1)
-            for slots, rpre in ((1, 0), (1, 1), (3, 2), (4, 1)):
-                got, _, _ = _run("cuda", tb, torch.bfloat16, *shape, rowvec=rowvec, ahead=1, ring_slots=slots,
-                                 rpre=rpre)
-                assert torch.equal(base.nan_to_num(), got.nan_to_num()) and torch.equal(base.isnan(), got.isnan()), \
-                    (shape, tb, slots, rpre)
 
 
 @pytest.mark.parametrize("device", DEVICES)

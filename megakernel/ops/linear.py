@@ -10,7 +10,6 @@ import triton
 import triton.language as tl
 
 from .common import aligned, ffld, fld, has, off, prefetch_l2, silu
-from .ring import ring_base, ring_issue, ring_next, ring_read, ring_wait
 from .fields import (FLAG_LINEAR_NORM, FLAG_LINEAR_PAIR, FLAG_LINEAR_RES, FLAG_LINEAR_SILU_MUL, LINEAR_EPS, LINEAR_FLAGS, LINEAR_K,
                      LINEAR_N, LINEAR_OUT_LD, LINEAR_OUT_OFF, LINEAR_R0, LINEAR_R1, LINEAR_RES_LD, LINEAR_RES_OFF,
                      LINEAR_W2_OFF, LINEAR_W_OFF, LINEAR_X_LD, LINEAR_X_OFF)
@@ -179,8 +178,7 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
                   w_ptr, w2_ptr, two, r0, r1, K, w, norm, eps, BR: tl.constexpr, KC: tl.constexpr,
                   ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr, BN: tl.constexpr,
                   ROWVEC: tl.constexpr = 0, AHEAD: tl.constexpr = 0, PFD: tl.constexpr = 0, EF: tl.constexpr = 0,
-                  HILO: tl.constexpr = 0, pair=False, fill=0, RING: tl.constexpr = 0, RING_BYTES: tl.constexpr = 0,
-                  RPRE: tl.constexpr = 0):
+                  HILO: tl.constexpr = 0, pair=False):
     """out[orow(n), r0:r1] = f(x[xrow(n)] @ W[r0:r1].T) for n < n_rows, f = identity, + residual, or
     SiLU(x@W.T) * (x@W2.T); with norm, each x@W.T scaled by x's rsqrt(mean(x²) + eps) first (the
     norm's weight is in W).  Rows come from a list (xrows_div > 0: row = list[n] // xrows_div, out row
@@ -206,11 +204,7 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     one chunk its registers hold.
     HILO 1 (the plan has LINEAR[PAIR] tasks; compiled out of every other kernel): with `pair`, W and W2 are one
     matrix's high and low parts, streamed as gate|up are, and the two sums are added instead of SiLU·mul.
-    RING S > 0 (a launch variant, bf16 weights, GPU only): the chunks come from the worker's shared-memory ring
-    (ops/ring.py): steps 0..RPRE-1 already issued as fills fill.. (ring_prologue, before a LINEAR task's wait), the
-    rest of the first S issued here; step i's slot is refilled with step i+S's chunk once every thread has read it.  The same words in the same layout: the same bits.
-    w: step 0's weight chunk, already requested (before the dependency wait); unused with RING.
-    Returns the steps streamed (a ring's fills)."""
+    w: step 0's weight chunk, already requested (before the dependency wait)."""
     nsub = 1 + two.to(tl.int32)
     nk = tl.cdiv(K, KC)
     ngroups = tl.cdiv(n_rows, TB)
@@ -218,16 +212,6 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     zero = r0 * 0
     sub, kc, g, blk = zero, zero, zero, zero
     sub_a, kc_a, g_a, blk_a = advance(sub, kc, g, blk, nsub, nk, ngroups)
-    if RING > 0:
-        ring_prologue(fill, w_ptr, w2_ptr, two, r0, r1, K, n_rows, BR, KC, ALIGN, TB, RING, RING_BYTES, RPRE, RING)
-        base = ring_base(RING_BYTES)
-        slot = fill % RING
-        parity = (fill // RING) & 1
-        # step i + RING's coordinates: the refill's
-        sub_r, kc_r, g_r, blk_r = advance(sub, kc, g, blk, nsub, nk, ngroups)
-        for _ahead in tl.static_range(RING - 1):
-            sub_r, kc_r, g_r, blk_r = advance(sub_r, kc_r, g_r, blk_r, nsub, nk, ngroups)
-        tile = ring_tile(BR, KC)
     w_a = w  # DEPTH 2: step i+1's chunk, in flight since step i-1
     if DEPTH == 2:
         sub_b, kc_b, g_b, blk_b = advance(sub_a, kc_a, g_a, blk_a, nsub, nk, ngroups)
@@ -250,11 +234,7 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
         if PFD > 0:
             if (kc == 0) & (sub == 0) & (g == 0):  # row block blk starts: ask for block blk + PFD
                 prefetch_block(w_ptr, w2_ptr, two, r0 + (blk + PFD) * BR, r1, K, BR, ALIGN)
-        if RING > 0:
-            landed = ring_wait(base, slot, parity, RING, BR * KC * 2)
-            # not the loop-carried w: a carried tile would be read again in the carry's layout
-            chunk = ring_read(base + slot * (BR * KC * 2) + landed + tile)
-        elif DEPTH == 2:
+        if DEPTH == 2:
             w_next = weight_rows(tl.where(sub_b == 1, w2_ptr, w_ptr), r0 + blk_b * BR, r1, K, kc_b * KC, BR, KC, ALIGN,
                                  EF)
         else:
@@ -265,20 +245,11 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
         if g_a != g:
             orow0_a, xrow0_a = list_rows(g_a * TB, True, xrows_ptr, xrows_div)
         n0 = g * TB
-        if RING == 0:
-            chunk = w
-        acc, acc2 = token_sums(chunk, x_ptr, xrow0, x_ld, kc * KC, K, sub, 0, acc, acc2, w_ptr, BR, KC, ALIGN, TB)
+        acc, acc2 = token_sums(w, x_ptr, xrow0, x_ld, kc * KC, K, sub, 0, acc, acc2, w_ptr, BR, KC, ALIGN, TB)
         if TB > 1:
             for t in range(1, tl.minimum(TB, n_rows - n0)):
                 xrow = list_rows(n0 + t, True, xrows_ptr, xrows_div)[1]
-                acc, acc2 = token_sums(chunk, x_ptr, xrow, x_ld, kc * KC, K, sub, t, acc, acc2, w_ptr, BR, KC, ALIGN,
-                                       TB)
-        if RING > 0:  # the slot's refill, once every thread's sums hold its words (the cross-warp sum: a barrier)
-            if i + RING < total:
-                ring_fill_step(base, slot, w_ptr, w2_ptr, sub_r, kc_r, blk_r, r0, r1, K,
-                               tl.sum(tl.sum(acc + acc2, 1), 0), BR, KC, ALIGN, RING)
-            sub_r, kc_r, g_r, blk_r = advance(sub_r, kc_r, g_r, blk_r, nsub, nk, ngroups)
-            slot, parity = ring_next(slot, parity, RING)
+                acc, acc2 = token_sums(w, x_ptr, xrow, x_ld, kc * KC, K, sub, t, acc, acc2, w_ptr, BR, KC, ALIGN, TB)
         if (kc == nk - 1) & (sub == nsub - 1):  # the group's rows are complete
             if (TB == 1) and (ROWVEC > 0):
                 # one token: its rows as a vector in the sums' own layout and its norm scale as a scalar,
@@ -333,54 +304,8 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
             sub_a, kc_a, g_a, blk_a = sub_b, kc_b, g_b, blk_b
             sub_b, kc_b, g_b, blk_b = advance(sub_b, kc_b, g_b, blk_b, nsub, nk, ngroups)
         else:
-            if RING == 0:
-                w = w_next
+            w = w_next
             sub_a, kc_a, g_a, blk_a = advance(sub_a, kc_a, g_a, blk_a, nsub, nk, ngroups)
-    return total
-
-
-@triton.jit
-def ring_tile(BR: tl.constexpr, KC: tl.constexpr):
-    """Byte offsets in a ring slot (rows KC bf16 apart) of a chunk tile's 32-bit words: weight_rows' tile."""
-    ks = chunk_cols(0, KC // 2, min(KC, 128) // 2, 2)
-    return tl.arange(0, BR)[:, None, None] * (KC * 2) + ks * 4
-
-
-@triton.jit
-def ring_fill_step(base, slot, w_ptr, w2_ptr, sub, kc, blk, r0, r1, K, after, BR: tl.constexpr, KC: tl.constexpr,
-                   ALIGN: tl.constexpr, RING: tl.constexpr):
-    """Step (gate|up sub, K chunk kc, row block blk)'s weights copied into `slot`: its rows' KC columns, or the
-    K - kc*KC left (the slot's other columns keep finite weights of earlier chunks, multiplied by zeros).  after:
-    ring_issue's."""
-    K = aligned(K, ALIGN)
-    row0 = r0 + blk * BR
-    kb = kc * KC
-    src = tl.where(sub == 1, w2_ptr, w_ptr) + row0.to(tl.int64) * K + kb
-    ring_issue(base, slot, src, K * 2, tl.minimum(KC, K - kb) * 2, tl.minimum(BR, r1 - row0), after, RING,
-               BR * KC * 2, KC * 2)
-
-
-@triton.jit
-def ring_prologue(fill, w_ptr, w2_ptr, two, r0, r1, K, n_rows, BR: tl.constexpr, KC: tl.constexpr,
-                  ALIGN: tl.constexpr, TB: tl.constexpr, RING: tl.constexpr, RING_BYTES: tl.constexpr, J0: tl.constexpr,
-                  J1: tl.constexpr):
-    """A stream's steps J0..J1-1 (those it has) issued into the ring as fills fill + J0..: steps 0..RPRE-1 before a
-    LINEAR task's dependency wait, so its weights arrive while it waits, the rest of the first RING after it."""
-    base = ring_base(RING_BYTES)
-    nsub = 1 + two.to(tl.int32)
-    nk = tl.cdiv(K, KC)
-    ngroups = tl.cdiv(n_rows, TB)
-    total = tl.cdiv(r1 - r0, BR) * ngroups * nk * nsub
-    slot = (fill + J0) % RING
-    zero = r0 * 0
-    sub, kc, g, blk = zero, zero, zero, zero
-    for _j in tl.static_range(J0):
-        sub, kc, g, blk = advance(sub, kc, g, blk, nsub, nk, ngroups)
-    for j in tl.static_range(J0, J1):
-        if j < total:
-            ring_fill_step(base, slot, w_ptr, w2_ptr, sub, kc, blk, r0, r1, K, tl.cast(0.0, tl.float32), BR, KC, ALIGN, RING)
-        slot = tl.where(slot + 1 == RING, 0, slot + 1)
-        sub, kc, g, blk = advance(sub, kc, g, blk, nsub, nk, ngroups)
 
 
 @triton.jit
@@ -490,23 +415,11 @@ def pair_flag(flags, HILO: tl.constexpr):
 @triton.jit
 def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
          DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr, PFD: tl.constexpr = 0,
-         EF: tl.constexpr = 0, HILO: tl.constexpr = 0, fill=0, RING: tl.constexpr = 0, RING_BYTES: tl.constexpr = 0,
-         RPRE: tl.constexpr = 0):
-    """The task's stream; returns its steps (a ring's fills)."""
+         EF: tl.constexpr = 0, HILO: tl.constexpr = 0):
     flags = fld(word, LINEAR_FLAGS)
-    w_ptr, w2_ptr = aligned_base(W, word, LINEAR_W_OFF, ALIGN), aligned_base(W, word, LINEAR_W2_OFF, ALIGN)
-    return stream_chunks(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
-                         A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
-                         fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), w_ptr, w2_ptr, streams_two(flags, HILO),
-                         fld(word, LINEAR_R0), fld(word, LINEAR_R1), fld(word, LINEAR_K), w,
-                         has(flags, FLAG_LINEAR_NORM), ffld(word, LINEAR_EPS), BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC,
-                         AHEAD, PFD, EF, HILO, pair_flag(flags, HILO), fill, RING, RING_BYTES, RPRE)
-
-
-@triton.jit
-def ring_prefetch(word, W, fill, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
-                  RING: tl.constexpr, RING_BYTES: tl.constexpr, RPRE: tl.constexpr, HILO: tl.constexpr = 0):
-    """A LINEAR task's first RPRE chunks issued into the ring, before its dependency wait (launch variant RING)."""
-    ring_prologue(fill, aligned_base(W, word, LINEAR_W_OFF, ALIGN), aligned_base(W, word, LINEAR_W2_OFF, ALIGN),
-                  streams_two(fld(word, LINEAR_FLAGS), HILO), fld(word, LINEAR_R0), fld(word, LINEAR_R1),
-                  fld(word, LINEAR_K), fld(word, LINEAR_N), BR, KC, ALIGN, TB, RING, RING_BYTES, 0, RPRE)
+    stream_chunks(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
+                  A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
+                  fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), aligned_base(W, word, LINEAR_W_OFF, ALIGN),
+                  aligned_base(W, word, LINEAR_W2_OFF, ALIGN), streams_two(flags, HILO), fld(word, LINEAR_R0),
+                  fld(word, LINEAR_R1), fld(word, LINEAR_K), w, has(flags, FLAG_LINEAR_NORM), ffld(word, LINEAR_EPS),
+                  BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, HILO, pair_flag(flags, HILO))

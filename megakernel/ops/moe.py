@@ -280,14 +280,11 @@ def slot_table(ids, st, P, E, S, BE: tl.constexpr, BP: tl.constexpr):
 @triton.jit
 def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
                 PF: tl.constexpr, DEPTH: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr,
-                NARROW: tl.constexpr, PFD: tl.constexpr = 0, EF: tl.constexpr = 0, fill=0, RING: tl.constexpr = 0,
-                RING_BYTES: tl.constexpr = 0):
-    """NARROW 1 (a launch variant): a slice that linear.narrow() picks streams 4·BR x KC/4 chunks.  Returns the
-    steps streamed (a weight ring's fills: RING)."""
+                NARROW: tl.constexpr, PFD: tl.constexpr = 0, EF: tl.constexpr = 0):
+    """NARROW 1 (a launch variant): a slice that linear.narrow() picks streams 4·BR x KC/4 chunks."""
     flags, S, slot = fld(word, EXPERT_LINEAR_FLAGS), fld(word, EXPERT_LINEAR_S), fld(word, EXPERT_LINEAR_SLOT)
     st = I + off(word, EXPERT_LINEAR_ST_OFF)
     expert = tl.load(st + slot, cache_modifier=".cg")
-    steps = fill * 0
     if expert >= 0:  # an empty slot does nothing (it still signals)
         count = tl.load(st + S + slot, cache_modifier=".cg")
         N, K, kk = fld(word, EXPERT_LINEAR_N), fld(word, EXPERT_LINEAR_K), fld(word, EXPERT_LINEAR_TOPK)
@@ -302,30 +299,26 @@ def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.con
         if PF > 0:  # the expert is known only now: its whole slice in flight at once
             prefetch_rows(w_ptr, w2_ptr, two, r0, r1, K, ALIGN)
         if NARROW and narrow(r1 - r0, K, BR, KC):
-            steps = expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K, BR * 4,
-                                  KC // 4, ALIGN, TB, DEPTH, ROWVEC, AHEAD, PFD, EF)
+            expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K, BR * 4, KC // 4,
+                          ALIGN, TB, DEPTH, ROWVEC, AHEAD, PFD, EF)
         else:
-            steps = expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K, BR, KC,
-                                  ALIGN, TB, DEPTH, ROWVEC, AHEAD, PFD, EF, fill, RING, RING_BYTES)
-    return steps
+            expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K, BR, KC, ALIGN, TB,
+                          DEPTH, ROWVEC, AHEAD, PFD, EF)
 
 
 @triton.jit
 def expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K, BR: tl.constexpr,
                   KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr, ROWVEC: tl.constexpr,
-                  AHEAD: tl.constexpr, PFD: tl.constexpr = 0, EF: tl.constexpr = 0, fill=0, RING: tl.constexpr = 0,
-                  RING_BYTES: tl.constexpr = 0):
-    """An expert slice's weight stream in BR x KC chunks: the first chunk (with RING, the first RING) requested
-    before the rest of the address math.  Returns the steps streamed."""
-    w = 0  # RING: stream_chunks issues the first RING chunks itself
-    if RING == 0:
-        w = first_chunk(w_ptr, r0, r1, K, BR, KC, ALIGN, EF)
+                  AHEAD: tl.constexpr, PFD: tl.constexpr = 0, EF: tl.constexpr = 0):
+    """An expert slice's weight stream in BR x KC chunks: the first chunk requested before the rest of the
+    address math."""
+    w = first_chunk(w_ptr, r0, r1, K, BR, KC, ALIGN, EF)
     pairs = st + 2 * S + slot * (N * kk)
     div = tl.where(has(flags, FLAG_EXPERT_LINEAR_GATHER), kk, 1)  # gate/up read token rows, down pair rows
     o_ptr, o_ld = A + off(word, EXPERT_LINEAR_OUT_OFF), fld(word, EXPERT_LINEAR_OUT_LD)
-    return stream_chunks(aligned_base(A, word, EXPERT_LINEAR_X_OFF, ALIGN), fld(word, EXPERT_LINEAR_X_LD), pairs, div,
-                         count, o_ptr, o_ld, o_ptr, o_ld, False, w_ptr, w2_ptr, two, r0, r1, K, w, False, 0.0, BR, KC,
-                         ALIGN, TB, DEPTH, 16, ROWVEC, AHEAD, PFD, EF, 0, False, fill, RING, RING_BYTES)
+    stream_chunks(aligned_base(A, word, EXPERT_LINEAR_X_OFF, ALIGN), fld(word, EXPERT_LINEAR_X_LD), pairs, div,
+                  count, o_ptr, o_ld, o_ptr, o_ld, False, w_ptr, w2_ptr, two, r0, r1, K, w, False, 0.0, BR, KC,
+                  ALIGN, TB, DEPTH, 16, ROWVEC, AHEAD, PFD, EF)
 
 
 @triton.jit
