@@ -1,7 +1,7 @@
 """Offline SASS for sm_90 on a machine without a GPU: what a body executes, before spending device time.
 
     python tools/sass_probe.py kernel [--model dsv2-lite] [--lines] [KEY=V,...]...
-        registers, spills and 16-byte loads of the whole persistent kernel, with the block sizes
+        registers, spills, shared memory and 16-byte loads of the whole persistent kernel, with the block sizes
         runtime.block_sizes() fits to the model's T=1 plan, then once per variant (block overrides);
         --lines adds instructions, spill loads/stores and barriers per source file and the worst lines
     python tools/sass_probe.py stream [--lines] [KEY=V,...]...
