@@ -23,7 +23,7 @@ from .fields import (ATTENTION_B, ATTENTION_CACHE_OFF, ATTENTION_CL_OFF, ATTENTI
                      ATTENTION_SPLIT_LEN, ATTENTION_T, ATTENTION_V_COL0, ATTENTION_WIDTH, ATTN_COMBINE_B,
                      ATTN_COMBINE_C0, ATTN_COMBINE_C1, ATTN_COMBINE_DIM, ATTN_COMBINE_H0, ATTN_COMBINE_H1,
                      ATTN_COMBINE_LSE_OFF, ATTN_COMBINE_NHEADS, ATTN_COMBINE_NSPLITS, ATTN_COMBINE_OP_OFF, ATTN_COMBINE_OUT_LD, ATTN_COMBINE_OUT_OFF,
-                     ATTN_COMBINE_T, FLAG_ATTENTION_MLA, FLAG_ATTENTION_ROPE,
+                     ATTN_COMBINE_T, FLAG_ATTENTION_EARLY, FLAG_ATTENTION_MLA, FLAG_ATTENTION_ROPE,
                      ATTENTION_KN_LD, ATTENTION_KN_OFF, ATTENTION_TAB_OFF, ATTENTION_VN_OFF)
 from .rope import rotate
 
@@ -161,8 +161,9 @@ def new_rows(word, A, cache, width, limit, T, b, j0, j_end, k_col, v_col, dim, d
 
 
 @triton.jit
-def split_of(word, A, I, C, mla, ALIGN: tl.constexpr):
-    """A task's sizes and pointers (mla: a constant where the plan has one kind)."""
+def split_of(word, A, I, C, mla, ALIGN: tl.constexpr, cl_early=-1):
+    """A task's sizes and pointers (mla: a constant where the plan has one kind); cl_early >= 0: the cache
+    length early_rows read before the wait."""
     T, S, b = fld(word, ATTENTION_T), fld(word, ATTENTION_S), fld(word, ATTENTION_B)
     width = aligned(fld(word, ATTENTION_WIDTH), ALIGN)
     h0, h1, nh, ns = fld(word, ATTENTION_H0), fld(word, ATTENTION_H1), fld(word, ATTENTION_NHEADS), fld(word, ATTENTION_NSPLITS)
@@ -177,7 +178,11 @@ def split_of(word, A, I, C, mla, ALIGN: tl.constexpr):
                                      aligned(fld(word, ATTENTION_PE_LD), ALIGN), aligned(fld(word, ATTENTION_PE_HS), ALIGN),
                                      aligned(fld(word, ATTENTION_PE_COL0), ALIGN))
     cache = C + aligned(off(word, ATTENTION_CACHE_OFF), ALIGN) + b.to(tl.int64) * S * width
-    limit = tl.load(I + off(word, ATTENTION_CL_OFF) + b, cache_modifier=".cg") + fld(word, ATTENTION_POS_OFFSET)
+    if cl_early >= 0:
+        cl = cl_early
+    else:
+        cl = tl.load(I + off(word, ATTENTION_CL_OFF) + b, cache_modifier=".cg")
+    limit = cl + fld(word, ATTENTION_POS_OFFSET)
     op_ptr, lse_ptr = A + aligned(off(word, ATTENTION_OP_OFF), ALIGN), A + off(word, ATTENTION_LSE_OFF)
     group = fld(word, ATTENTION_GROUP)
     k_col = (h0 // group) * aligned(fld(word, ATTENTION_KV_HS), ALIGN)  # GQA: one KV head per task
@@ -192,20 +197,75 @@ def split_of(word, A, I, C, mla, ALIGN: tl.constexpr):
 
 
 @triton.jit
+def early_rows(word, I, C, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr, ALIGN: tl.constexpr,
+               KIND: tl.constexpr, EF: tl.constexpr, AKV: tl.constexpr):
+    """Before an ATTENTION[EARLY] task's wait (isa.py: its length and the rows below it are final for the launch),
+    AKV 2: its sequence's cache length, so that after the wait the query rows and the first cache block are
+    requested together, not the block a round trip after the length; AKV 3 (a launch variant): the split's first
+    block of rows below it too (32 registers on llama-1b, held through the wait).  (cl, keys, kpe, values); cl =
+    -1 where the task is not EARLY."""
+    if KIND == 0:
+        mla = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_MLA)
+    else:
+        mla: tl.constexpr = KIND == 1
+    d = tl.arange(0, DMAX)
+    e = tl.arange(0, RMAX)
+    if AKV >= 2:
+        early = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_EARLY)
+        (T, S, b, width, h0, h1, nh, ns, split, dim, scale, rope_dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs,
+         pe_col0, cache, limit, op_ptr, lse_ptr, k_col, v_col, j0, j1) = split_of(word, I, I, C, mla, ALIGN, 0)
+        cl = tl.load(I + off(word, ATTENTION_CL_OFF) + b, mask=early, other=-1, cache_modifier=".cg")
+    else:
+        cl = tl.full([], -1, tl.int32)
+    if AKV >= 3:
+        j_end = tl.where(early, tl.minimum(tl.minimum(j0 + fld(word, ATTENTION_SPLIT_LEN), S), cl), j0)
+        keys, kpe, values = kv_block(cache, width, j0, j_end, k_col, v_col, dim, d, d < dim, e, e < rope_dim, mla, BJ,
+                                     KIND, EF)
+    else:
+        keys = tl.zeros((BJ, DMAX), C.dtype.element_ty)
+        kpe = tl.zeros((BJ, RMAX), C.dtype.element_ty)
+        values = keys
+    return cl, keys, kpe, values
+
+
+@triton.jit
+def query_rows(word, A, mb, b, T, h0, heads, dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs, pe_col0, d, dmask,
+               e, emask, mla, rotated, BM: tl.constexpr):
+    """Query block mb's rows (token t, head h; rotated with ATTENTION[ROPE]) and MLA's rope parts."""
+    rr = mb + tl.arange(0, BM)
+    rvalid = rr < T * heads
+    t = rr // heads
+    h = h0 + rr % heads
+    q_rows = b * T + t
+    q = tl.load(q_ptr + q_rows[:, None] * q_ld + h[:, None] * q_hs + q_col0 + d[None, :],
+                mask=rvalid[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
+    if rotated:
+        q = rotate_half(q, q_ptr + q_rows[:, None] * q_ld + h[:, None] * q_hs + q_col0,
+                        A + off(word, ATTENTION_TAB_OFF) + q_rows[:, None] * dim, d[None, :], dim,
+                        rvalid[:, None] & dmask[None, :])
+    pe = tl.load(pe_ptr + q_rows[:, None] * pe_ld + h[:, None] * pe_hs + pe_col0 + e[None, :],
+                 mask=rvalid[:, None] & emask[None, :] & mla, other=0.0, cache_modifier=".cg")
+    return q, pe
+
+
+@triton.jit
 def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr,
-         STAGES: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr, KIND: tl.constexpr, EF: tl.constexpr = 0,
-         ROPE: tl.constexpr = 0):
+         STAGES: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr, KIND: tl.constexpr, EF: tl.constexpr,
+         ROPE: tl.constexpr, AKV: tl.constexpr, cl_early, keys_early, kpe_early, values_early):
     """STAGES 2: the next cache block is in flight while this one is reduced; 3: the next two (a launch
     variant, +3% on llama-1b: a block's ~2 us is its arithmetic's dependent chain, not its loads, session 21);
     1: one at a time.  The sums are the same in every order of loads.
     KIND: 1 every attention task of the plan is MLA, 2 none is (compiled for that kind alone), 0 read
-    the flag per task.  ROPE 1: the plan has ATTENTION[ROPE] tasks (compiled in only then; the flag read per task)."""
+    the flag per task.  ROPE 1: the plan has ATTENTION[ROPE] tasks (compiled in only then; the flag read per task).
+    AKV 1: a plan with ATTENTION[ROPE] requests the first query rows before the new rows, not after their barrier;
+    2: also early_rows' cache length (cl_early >= 0); 3: and its first block, where that lies below the length (the
+    same values a load after the wait returns: the rows are final)."""
     if KIND == 0:
         mla = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_MLA)
     else:
         mla: tl.constexpr = KIND == 1
     (T, S, b, width, h0, h1, nh, ns, split, dim, scale, rope_dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs,
-     pe_col0, cache, limit, op_ptr, lse_ptr, k_col, v_col, j0, j1) = split_of(word, A, I, C, mla, ALIGN)
+     pe_col0, cache, limit, op_ptr, lse_ptr, k_col, v_col, j0, j1) = split_of(word, A, I, C, mla, ALIGN, cl_early)
     heads = h1 - h0
     d = tl.arange(0, DMAX)
     dmask = d < dim
@@ -214,27 +274,38 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
     rotated = False
     if ROPE:
         rotated = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_ROPE)
+    HOIST: tl.constexpr = (AKV >= 1) and (ROPE == 1)  # only where new rows could be written: more registers
+    if HOIST:  # in flight while the new rows are written
+        q, pe = query_rows(word, A, 0, b, T, h0, heads, dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs, pe_col0,
+                           d, dmask, e, emask, mla, rotated, BM)
+    if ROPE:
         if rotated:  # before any thread reads the split's rows
             new_rows(word, A, cache, width, limit, T, b, j0, tl.minimum(j0 + fld(word, ATTENTION_SPLIT_LEN), S), k_col,
                      v_col, dim, d)
+    reuse = (cl_early >= 0) & (j0 + BJ <= cl_early)  # the first block's rows all final, loaded before the wait
     for mb in range(0, T * heads, BM):
         rr = mb + tl.arange(0, BM)
         rvalid = rr < T * heads
         t = rr // heads
         h = h0 + rr % heads
-        q_rows = b * T + t
-        q = tl.load(q_ptr + q_rows[:, None] * q_ld + h[:, None] * q_hs + q_col0 + d[None, :],
-                    mask=rvalid[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
-        if rotated:
-            q = rotate_half(q, q_ptr + q_rows[:, None] * q_ld + h[:, None] * q_hs + q_col0,
-                            A + off(word, ATTENTION_TAB_OFF) + q_rows[:, None] * dim, d[None, :], dim,
-                            rvalid[:, None] & dmask[None, :])
-        pe = tl.load(pe_ptr + q_rows[:, None] * pe_ld + h[:, None] * pe_hs + pe_col0 + e[None, :],
-                     mask=rvalid[:, None] & emask[None, :] & mla, other=0.0, cache_modifier=".cg")
+        if HOIST:
+            if mb > 0:
+                q, pe = query_rows(word, A, mb, b, T, h0, heads, dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs,
+                                   pe_col0, d, dmask, e, emask, mla, rotated, BM)
+        else:
+            q, pe = query_rows(word, A, mb, b, T, h0, heads, dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs,
+                               pe_col0, d, dmask, e, emask, mla, rotated, BM)
         m_i = tl.full((BM,), float("-inf"), tl.float32)
         l_i = tl.zeros((BM,), tl.float32)
         acc = tl.zeros((BM, DMAX), tl.float32)
-        keys, kpe, values = kv_block(cache, width, j0, j1, k_col, v_col, dim, d, dmask, e, emask, mla, BJ, KIND, EF)
+        if AKV >= 3:
+            if reuse & (mb == 0):
+                keys, kpe, values = keys_early, kpe_early, values_early
+            else:
+                keys, kpe, values = kv_block(cache, width, j0, j1, k_col, v_col, dim, d, dmask, e, emask, mla, BJ,
+                                             KIND, EF)
+        else:
+            keys, kpe, values = kv_block(cache, width, j0, j1, k_col, v_col, dim, d, dmask, e, emask, mla, BJ, KIND, EF)
         if STAGES > 2:  # the block after it too, before the loop (rows past j1 are masked off: no traffic)
             keys_1, kpe_1, values_1 = kv_block(cache, width, j0 + BJ, j1, k_col, v_col, dim, d, dmask, e, emask, mla,
                                                BJ, KIND, EF)
