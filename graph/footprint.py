@@ -44,11 +44,6 @@ class Access:
             yield self.base + r * self.ld + self.col0, self.base + r * self.ld + self.col1
 
 
-def routes_for_step(task: Decoded) -> bool:
-    """The EXPERT_LINEAR[ROUTE] task that writes the step's slot table and weights: slot 0's rows from 0."""
-    return task.has("ROUTE") and task["slot"] == 0 and task["r0"] == 0
-
-
 def declared_disjoint(a: Access, b: Access) -> bool:
     """Run-time-addressed writes of one op that cannot meet: different expert slots, or different token rows.
 
@@ -212,13 +207,7 @@ def footprint(task: Decoded) -> list[Access]:
     elif name == "EXPERT_LINEAR":
         N, K, k, S, r0, r1 = f["N"], f["K"], f["topk"], f["S"], f["r0"], f["r1"]
         out += _acc(task, "x", 0, N if task.has("GATHER") else N * k, 0, K, False)
-        if task.has("ROUTE"):  # routes the token itself; one task writes the table and weights for the step
-            out += _acc(task, "lg", 0, N, 0, f["E"], False)
-            if routes_for_step(task):
-                out += _flat(task, "st", 0, 2 * S + S * N * k, True) + _flat(task, "wts", 0, N * k, True)
-        else:
-            out += _flat(task, "st", 0, 2 * S + S * N * k, False)
-        out += _flat(task, "map", 0, f["E"], False)
+        out += _flat(task, "st", 0, 2 * S + S * N * k, False) + _flat(task, "map", 0, f["E"], False)
         out += _acc(task, "out", 0, N * k, r0, r1, True,
                     exclusive=(task.signal, "slot", f["st.off"], f["out.off"], f["slot"], f["slot"] + 1))
     elif name == "MOE_COMBINE":

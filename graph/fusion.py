@@ -13,10 +13,6 @@ Rules, applied in this order (each names what it merged in the report):
                  keys and writes them and their values into the cache before reading its rows: attention
                  waits on the projections, one phase and one hop fewer a layer)
 - route:         ROUTE[SCORE], ROUTE[TOPK], ROUTE[SLOTS]   -> one ROUTE
-- route_into_experts: one token's ROUTE (N = 1, not GROUPED, up to 64 experts) and the routed experts' first
-                 EXPERT_LINEAR[GATHER] -> EXPERT_LINEAR[ROUTE]: each of its tasks ranks the router's logits
-                 itself and one writes the slot table, so the experts wait on the router, one hop and one task
-                 fewer a layer (opt-in until measured)
 - hc_coeff:      HC_COEFF mix, act, sinkhorn, collapse     -> one HC_COEFF
 - norm_into_linear: RMSNORM read only as x by LINEARs      -> each LINEAR[NORM], the norm gone
                  (its weight g folded into each reader's weight columns, W' = W diag(g), rounded to
@@ -39,15 +35,14 @@ from __future__ import annotations
 from .ir import Graph, Op, Tensor, View
 
 RULES = ("swiglu", "moe_epilogue", "residual_into_linear", "residual_norm", "rope_into_cache", "rope_into_attention",
-         "route", "route_into_experts", "hc_coeff", "norm_into_linear", "norm_beside_experts")
+         "route", "hc_coeff", "norm_into_linear", "norm_beside_experts")
 WEIGHT_RULES = ("norm_into_linear", "norm_beside_experts")  # rules that derive packed weights (W' = W diag(g))
 # what a plan applies unless told.  norm_beside_experts stays opt-in: its first version (session 15: -2.8%,
 # -3.1% on dsv2-lite) rounded the router's W·diag(g) to bf16, which moved routing decisions (1.2% of tokens per
 # layer on random weights); its second (the router exact, the shared experts folded: -1.1%, session 16) still
 # moved one greedy token of tiny-moe's 64-step teacher-forced GPU test.  This one, where only the router folds
 # and every expert reads the norm's rows, has not run on a GPU
-DEFAULT_RULES = tuple(r for r in RULES if r not in ("norm_beside_experts", "route_into_experts"))
-ROUTE_IN_TASK_EXPERTS = 64  # most experts EXPERT_LINEAR[ROUTE] ranks (one [experts x experts] comparison)
+DEFAULT_RULES = tuple(r for r in RULES if r != "norm_beside_experts")
 
 
 class _Ctx:
@@ -251,40 +246,9 @@ def _scaled_alike(ctx: _Ctx, op: Op, g: str) -> bool:
     return norm is not None and "ADD" not in norm.flags and "w" in norm.reads and norm.reads["w"].tensor == g
 
 
-def ranks_logits(op: Op) -> bool:
-    """A ROUTE, or an EXPERT_LINEAR[ROUTE] (route_into_experts): an op that ranks a router's sums (its lg)."""
-    return op.opcode == "ROUTE" or (op.opcode == "EXPERT_LINEAR" and "ROUTE" in op.flags)
-
-
 def _feeds_route(ctx: _Ctx, op: Op) -> bool:
     """A router: a LINEAR whose sums a ROUTE ranks."""
-    return any(ranks_logits(c) and c.reads.get("lg", View("")).tensor == op.writes["out"].tensor
-               for c in ctx.cons.get(op.writes["out"].tensor, []))
-
-
-def _route_into_experts(ctx: _Ctx) -> str | None:
-    for route in ctx.g.ops:
-        a = route.attrs
-        if route.opcode != "ROUTE" or not {"SCORE", "TOPK", "SLOTS"} <= route.flags or "GROUPED" in route.flags \
-                or a["N"] != 1 or a["E"] > ROUTE_IN_TASK_EXPERTS or "sc" in route.writes:
-            continue
-        table = route.writes["st"].tensor
-        readers = ctx.cons.get(table, [])
-        if not readers or any(op.opcode != "EXPERT_LINEAR" or "ROUTE" in op.flags for op in readers):
-            continue  # a helper call sends the table, or it is fused already
-        if "ids" in route.writes and not ctx.private(route.writes["ids"].tensor, route):
-            continue
-        first = next((op for op in readers if "GATHER" in op.flags and "map" not in op.reads), None)
-        if first is None:
-            continue
-        reads = {k: v for k, v in first.reads.items() if k != "st"}
-        reads["lg"] = route.reads["lg"]
-        writes = {**first.writes, "st": route.writes["st"], "wts": route.writes["wts"]}  # the ids: ROUTE's scratch
-        flags = first.flags | {"ROUTE"} | (route.flags & {"SIGMOID", "NORM"})  # NOAUX only comes GROUPED
-        fused = _new(first, flags, reads, writes, {**first.attrs, "scale": a["scale"]})
-        ctx.replace([route, first], fused)
-        return f"{route.label} + {first.label} -> EXPERT_LINEAR[ROUTE]"
-    return None
+    return any(c.opcode == "ROUTE" for c in ctx.cons.get(op.writes["out"].tensor, []))
 
 
 def _norm_into_linear(ctx: _Ctx, beside_experts: bool = False) -> str | None:
@@ -391,7 +355,6 @@ def fuse(graph: Graph, rules: tuple[str, ...] = DEFAULT_RULES) -> dict:
         "rope_into_attention": _rope_into_attention,
         # ROUTE's slot-table stage reads the top-k ids back from memory (megakernel/ops/moe.py)
         "route": lambda c: _merge_stages(c, "ROUTE", ("SCORE", "TOPK", "SLOTS"), ".route", scratch=("ids",)),
-        "route_into_experts": _route_into_experts,
         "hc_coeff": lambda c: _merge_stages(c, "HC_COEFF", ("MIX", "ACT", "SINK", "COLLAPSE"), ".coeff"),
         "norm_into_linear": _norm_into_linear,
         "norm_beside_experts": lambda c: _norm_into_linear(c, beside_experts=True),

@@ -141,12 +141,8 @@ _OPS = [
            ("SCORE", "TOPK", "SLOTS", "SIGMOID", "NOAUX", "GROUPED", "NORM")),
     # rows of expert slot_expert[slot]'s weights r0..r1 applied to the tokens routed to `slot`
     # with a map (helper plans): the weights sit in main slot map[expert] of a shared arena
-    # ROUTE (fusion rule route_into_experts; one token, N = 1, GATHER): the task routes the token itself, as
-    # ROUTE[SCORE|TOPK|SLOTS] (not GROUPED, so not NOAUX) with the same SIGMOID and NORM would from lg, scale: its slot's
-    # expert is the slot-th lowest id of the top-k, its one pair that expert's rank.  The task of slot 0 whose rows
-    # start at 0 also writes what the rest of the step reads of that ROUTE's results: the slot table st and wts
-    Opcode("EXPERT_LINEAR", 12, _f("x* w+ w2+ w_es out* st+ N K r0 r1 slot S topk map+ E lg* wts+ scale"),
-           ("GATHER", "SCATTER", "SILU_MUL", "ROUTE", "SIGMOID", "NORM")),
+    Opcode("EXPERT_LINEAR", 12, _f("x* w+ w2+ w_es out* st+ N K r0 r1 slot S topk map+ E"),
+           ("GATHER", "SCATTER", "SILU_MUL")),
     # out[r, c0:c1] = sum_j wts[r, j] · y[r·topk + j] (+ shared[r]) (+ res[r]), summed in a fixed order
     Opcode("MOE_COMBINE", 13, _f("y+ wts+ sh* res* out* H topk r0 r1 c0 c1"), ("SHARED", "RES")),
     # MIX: mix = rmsnorm(streams) @ fn.T; ACT: raw coefficients; SINK: Sinkhorn; COLLAPSE: sum_j pre_j stream_j

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .ir import Graph, Op
-from .fusion import ranks_logits
 from .isa import Buf
 
 
@@ -103,8 +102,8 @@ class Tiler:
             ids = dict.fromkeys(prod[v.tensor] for v in op.reads.values() if prod.get(v.tensor) in streamed)
             candidates.append([streamed[i] for i in ids])
         ancestors = self.ancestors()
-        routers = {prod[v.tensor] for op in self.g.ops if ranks_logits(op)
-                   for v in (op.reads.values() if op.opcode == "ROUTE" else [op.reads["lg"]]) if v.tensor in prod}
+        routers = {prod[v.tensor] for op in self.g.ops if op.opcode == "ROUTE" for v in op.reads.values()
+                   if v.tensor in prod}
         shares = {}
         for ops in candidates:
             # the latest candidates: none depends on another (an ancestor of a candidate runs before it, not beside

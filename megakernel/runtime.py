@@ -42,8 +42,7 @@ OPERAND_BUFFERS = {
     "ATTENTION": {"q": Buf.A, "pe": Buf.A, "cache": Buf.C, "cl": Buf.I, "op": Buf.A, "lse": Buf.A},
     "ATTN_COMBINE": {"op": Buf.A, "lse": Buf.A, "out": Buf.A},
     "ROUTE": {"lg": Buf.A, "sc": Buf.A, "bias": Buf.WF, "ids": Buf.I, "wts": Buf.A, "st": Buf.I},
-    "EXPERT_LINEAR": {"x": Buf.A, "w": Buf.W, "w2": Buf.W, "out": Buf.A, "st": Buf.I, "map": Buf.I, "lg": Buf.A,
-                      "wts": Buf.A},
+    "EXPERT_LINEAR": {"x": Buf.A, "w": Buf.W, "w2": Buf.W, "out": Buf.A, "st": Buf.I, "map": Buf.I},
     "MOE_COMBINE": {"y": Buf.A, "wts": Buf.A, "sh": Buf.A, "res": Buf.A, "out": Buf.A},
     "HC_COEFF": {"st": Buf.A, "fn": Buf.WF, "base": Buf.WF, "scale": Buf.WF, "mix": Buf.A, "craw": Buf.A,
                  "coef": Buf.A, "out": Buf.A},
@@ -84,9 +83,6 @@ def check_operand_buffers(plan: Plan, tasks: list[Decoded]) -> None:
         if t.op.name == "ROUTE" and t["E"] > 64 and t["topk"] > 16:
             raise MegakernelError(f"task {i}: {t['topk']} of {t['E']} experts per token; with more than 64 experts "
                                   "the ROUTE body picks at most 16")
-        if t.op.name == "EXPERT_LINEAR" and t.has("ROUTE") and (t["N"] != 1 or t["E"] > 64 or not t.has("GATHER")):
-            raise MegakernelError(f"task {i} ({plan.task_labels[i]}): EXPERT_LINEAR[ROUTE] routes one token (N={t['N']}) "
-                                  f"among at most 64 experts (E={t['E']}) for its token rows (GATHER) only")
         if t.op.name == "ROUTE" and t.has("TOPK") and t.fields["ids.buf"] < 0:
             raise MegakernelError(f"task {i} ({plan.task_labels[i]}): ROUTE has no ids buffer; its body stores the "
                                   "top-k ids (and its slot-table stage reads them back) in memory")
@@ -144,8 +140,6 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
             stream_n = max(stream_n, _pow2(f["N"], 1))
             if t.op.name == "LINEAR" and t.has("NORM"):  # x's norm, summed as RMSNORM sums a row
                 norm_width = max(norm_width, _pow2(f["K"], 2))
-            if t.op.name == "EXPERT_LINEAR" and t.has("ROUTE"):  # ranks the experts as ROUTE does
-                experts = max(experts, _pow2(f["E"]))
         elif t.op.name == "HEAD_MATMUL":
             stream_n = max(stream_n, _pow2(f["N"], 1))
             k = 1 if t.has("TRANS") else 0
@@ -247,8 +241,6 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 HILO=int(any(t.op.name == "LINEAR" and t.has("PAIR") for t in tasks)),
                 # attention compiled for the plan's one kind (MLA or GQA), else the flag read per task
                 ATT_KIND=att_kinds.pop() if len(att_kinds) == 1 else 0,
-                # EXPERT_LINEAR[ROUTE] (fusion rule route_into_experts) compiled in (only where used)
-                RIN=int(any(t.op.name == "EXPERT_LINEAR" and t.has("ROUTE") for t in tasks)),
                 # ATTENTION[ROPE] (fusion rule rope_into_attention) compiled in (only where used)
                 ATT_ROPE=int(any(t.op.name == "ATTENTION" and t.has("ROPE") for t in tasks)),
                 # 1: attention's first query rows requested before ATTENTION[ROPE]'s new cache rows; 2: also an
@@ -336,9 +328,6 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
     if blocks["HILO"] < fitted["HILO"]:
         raise MegakernelError("block override HILO=0: this plan has LINEAR[PAIR] tasks (a router's weights as a high "
                               "and a low part), whose low part a kernel without HILO would not read")
-    if blocks["RIN"] < fitted["RIN"]:
-        raise MegakernelError("block override RIN=0: this plan has EXPERT_LINEAR[ROUTE] tasks (fusion rule "
-                              "route_into_experts), whose routing a kernel without it would skip")
     if blocks["ATT_ROPE"] < fitted["ATT_ROPE"]:
         raise MegakernelError("block override ATT_ROPE=0: this plan has ATTENTION[ROPE] tasks (fusion rule "
                               "rope_into_attention), whose rotation and new cache rows a kernel without it would skip")

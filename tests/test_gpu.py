@@ -119,22 +119,6 @@ def test_gqa_cache_prefetch_on_llama_1b():
         assert torch.equal(logits, want), blocks
 
 
-def test_routes_inside_the_experts_on_dsv2_lite():
-    """Fusion rule route_into_experts (opt-in) on dsv2-lite's shapes (4 layers, T=1, B=1): routed gate|up tasks
-    that rank the router's logits themselves (one of them writing the slot table and weights) give the default
-    plan's logits bit for bit."""
-    workers = torch.cuda.get_device_properties(0).multi_processor_count
-    logits = []
-    for rules in (DEFAULT_RULES, DEFAULT_RULES + ("route_into_experts",)):
-        cfg, w, plan, mk = _setup("dsv2-lite", T=1, B=1, max_len=256, workers=workers, layers=4, rules=rules)
-        assert mk.blocks["RIN"] == int("route_into_experts" in rules)
-        _random_cache(mk)
-        tokens = torch.randint(0, cfg.vocab_size, (1, 1), device="cuda",
-                               generator=torch.Generator(device="cuda").manual_seed(1))
-        logits.append(mk.step(tokens, torch.tensor([200], device="cuda")).logits.clone())
-    assert torch.equal(logits[0], logits[1])
-
-
 def _top2_gap(logits):
     """(top-1 minus top-2 logit, the top logit's magnitude, at least 1) per row."""
     top = logits.float().topk(2, dim=-1).values

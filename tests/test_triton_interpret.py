@@ -112,35 +112,6 @@ def test_kernel_one_token_route_from_registers():
     _compare(cfg, interp, mk, torch.tensor([5]))
 
 
-@pytest.mark.parametrize("variant", ["softmax", "sigmoid_norm"])
-def test_kernel_routes_inside_the_experts(variant):
-    """Fusion rule route_into_experts (opt-in) at T=1, B=1: no ROUTE task is left; each routed gate|up task ranks
-    the router's logits itself and one writes the slot table and weights.  Every routing table, activation and
-    logit equals the interpreter's, and the default plan's kernel bit for bit (the same operations as ROUTE's)."""
-    from megakernel.runtime import LaunchConfig, Megakernel
-    cfg = preset("tiny-mhc")
-    if variant == "sigmoid_norm":
-        cfg = cfg.replace(scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5)
-    w = init_weights(cfg, seed=3)
-    shape = StepShape(T=1, B=1, max_len=16, attn_split=4)
-    logits = []
-    for rules in (DEFAULT_RULES, DEFAULT_RULES + ("route_into_experts",)):
-        plan = compile_step(cfg, shape, CompileOptions(workers=1, fusion_rules=rules))
-        ops = [decode(word) for word in plan.words]
-        fused = [t for t in ops if t.op.name == "EXPERT_LINEAR" and t.has("ROUTE")]
-        assert bool(fused) == ("route_into_experts" in rules)
-        assert ("ROUTE" in {t.op.name for t in ops}) != bool(fused)
-        interp = Interpreter(plan, w)
-        mk = Megakernel(plan, w, device="cpu", config=LaunchConfig(max_spins=2000))
-        assert mk.blocks["RIN"] == int(bool(fused))
-        cache = torch.randn(interp.cache().shape, generator=torch.Generator().manual_seed(0))
-        interp.cache().copy_(cache)
-        mk.cache().copy_(cache)
-        _compare(cfg, interp, mk, torch.tensor([6]))
-        logits.append(mk.result().logits)
-    assert torch.equal(logits[0], logits[1])
-
-
 def test_kernel_norms_as_tasks_of_their_own():
     """Without norm_into_linear every layer's norms are RMSNORM tasks (the plain body, and the A side
     of the fold)."""

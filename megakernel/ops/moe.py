@@ -14,9 +14,7 @@ import triton
 import triton.language as tl
 
 from .common import aligned, ffld, fld, has, off
-from .fields import (EXPERT_LINEAR_E, EXPERT_LINEAR_LG_OFF, EXPERT_LINEAR_SCALE,
-                     EXPERT_LINEAR_WTS_OFF, FLAG_EXPERT_LINEAR_NORM, FLAG_EXPERT_LINEAR_ROUTE,
-                     FLAG_EXPERT_LINEAR_SIGMOID, EXPERT_LINEAR_FLAGS, EXPERT_LINEAR_K, EXPERT_LINEAR_MAP_BUF, EXPERT_LINEAR_MAP_OFF, EXPERT_LINEAR_TOPK, EXPERT_LINEAR_N, EXPERT_LINEAR_OUT_LD,
+from .fields import (EXPERT_LINEAR_FLAGS, EXPERT_LINEAR_K, EXPERT_LINEAR_MAP_BUF, EXPERT_LINEAR_MAP_OFF, EXPERT_LINEAR_TOPK, EXPERT_LINEAR_N, EXPERT_LINEAR_OUT_LD,
                      EXPERT_LINEAR_OUT_OFF, EXPERT_LINEAR_R0, EXPERT_LINEAR_R1, EXPERT_LINEAR_S, EXPERT_LINEAR_SLOT,
                      EXPERT_LINEAR_ST_OFF, EXPERT_LINEAR_W2_OFF, EXPERT_LINEAR_W_ES, EXPERT_LINEAR_W_OFF,
                      EXPERT_LINEAR_X_LD, EXPERT_LINEAR_X_OFF,
@@ -32,78 +30,47 @@ from .linear import aligned_base, first_chunk, narrow, prefetch_rows, stream_chu
 
 
 def reference_route(task, mem) -> None:
-    N, E, k = task["N"], task["E"], task["topk"]
+    N, E, k, S = task["N"], task["E"], task["topk"], task["S"]
     scores = None
     if task.has("SCORE"):
-        scores = route_scores(task, mem.mat(task, "lg", N, E).float())
+        logits = mem.mat(task, "lg", N, E).float()
+        scores = torch.sigmoid(logits) if task.has("SIGMOID") else torch.softmax(logits, dim=-1)
         if mem.present(task, "sc"):
             mem.flat(task, "sc", 0, N * E).copy_(scores.reshape(-1))
     ids = None
     if task.has("TOPK"):
         if scores is None:
             scores = mem.flat(task, "sc", 0, N * E).view(N, E).clone()
-        ids, weights = top_k(task, mem, scores)
-        mem.flat(task, "wts", 0, N * k).copy_(weights.reshape(-1))
+        choice = scores + mem.flat(task, "bias", 0, E) if task.has("NOAUX") else scores
+        if task.has("GROUPED"):
+            G = task["n_group"]
+            groups = choice.view(N, G, E // G)
+            group_scores = groups.topk(2, dim=-1).values.sum(-1) if task.has("NOAUX") else groups.max(-1).values
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(task["topk_group"], dim=-1).indices, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(E // G, dim=1), float("-inf"))
+        ids = choice.topk(k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if task.has("NORM"):
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        mem.flat(task, "wts", 0, N * k).copy_((weights * task["scale"]).reshape(-1))
         if mem.present(task, "ids"):
             mem.flat(task, "ids", 0, N * k).copy_(ids.reshape(-1))
     if task.has("SLOTS"):
         if ids is None:
             ids = mem.flat(task, "ids", 0, N * k).view(N, k).long()
-        write_slot_table(task, mem, ids)
-
-
-def route_scores(task, logits: torch.Tensor) -> torch.Tensor:
-    return torch.sigmoid(logits) if task.has("SIGMOID") else torch.softmax(logits, dim=-1)
-
-
-def top_k(task, mem, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids [N, topk], their weights, normalised with NORM and scaled) of each token's scores (a ROUTE's, or an
-    EXPERT_LINEAR[ROUTE]'s, which is never GROUPED or NOAUX)."""
-    E, k = task["E"], task["topk"]
-    routes = task.op.name == "ROUTE"
-    choice = scores + mem.flat(task, "bias", 0, E) if routes and task.has("NOAUX") else scores
-    if routes and task.has("GROUPED"):
-        N, G = scores.shape[0], task["n_group"]
-        groups = choice.view(N, G, E // G)
-        group_scores = groups.topk(2, dim=-1).values.sum(-1) if task.has("NOAUX") else groups.max(-1).values
-        keep = torch.zeros_like(group_scores, dtype=torch.bool)
-        keep.scatter_(1, group_scores.topk(task["topk_group"], dim=-1).indices, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(E // G, dim=1), float("-inf"))
-    ids = choice.topk(k, dim=-1).indices
-    weights = scores.gather(1, ids)
-    if task.has("NORM"):
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return ids, weights * task["scale"]
-
-
-def write_slot_table(task, mem, ids: torch.Tensor) -> None:
-    """st: the experts of all S slots and their counts; a slot's pair list only up to its count (the rest is
-    not read)."""
-    S, P = task["S"], ids.numel()
-    head = torch.full((2 * S,), -1, dtype=torch.int32)
-    head[S:] = 0
-    flat = ids.reshape(-1).cpu()
-    experts = torch.unique(flat)  # sorted ascending
-    st = mem.flat(task, "st", 0, 2 * S + S * P)
-    for s, e in enumerate(experts.tolist()):
-        pairs = torch.nonzero(flat == e).flatten()
-        head[s] = e
-        head[S + s] = pairs.numel()
-        st[2 * S + s * P: 2 * S + s * P + pairs.numel()] = pairs.int().to(mem.device)
-    st[:2 * S] = head.to(mem.device)
-
-
-def route_in_task(task, mem) -> tuple[int, torch.Tensor]:
-    """EXPERT_LINEAR[ROUTE]: (its slot's expert, its pair) from the router's logits, the slot table and
-    weights written by the one task that writes them for the step (footprint.routes_for_step)."""
-    from graph.footprint import routes_for_step
-    ids, weights = top_k(task, mem, route_scores(task, mem.mat(task, "lg", 1, task["E"]).float()))
-    if routes_for_step(task):
-        mem.flat(task, "wts", 0, task["topk"]).copy_(weights.reshape(-1))
-        write_slot_table(task, mem, ids)
-    chosen = ids[0].tolist()
-    expert = sorted(chosen)[task["slot"]]
-    return expert, torch.tensor([chosen.index(expert)], device=mem.device)
+        # experts and counts of all S slots; a slot's pair list only up to its count (the rest is not read)
+        head = torch.full((2 * S,), -1, dtype=torch.int32)
+        head[S:] = 0
+        flat = ids.reshape(-1).cpu()
+        experts = torch.unique(flat)  # sorted ascending
+        st = mem.flat(task, "st", 0, 2 * S + S * N * k)
+        for s, e in enumerate(experts.tolist()):
+            pairs = torch.nonzero(flat == e).flatten()
+            head[s] = e
+            head[S + s] = pairs.numel()
+            st[2 * S + s * N * k: 2 * S + s * N * k + pairs.numel()] = pairs.int().to(mem.device)
+        st[:2 * S] = head.to(mem.device)
 
 
 def slot_pairs(task, mem, slot: int) -> tuple[int, torch.Tensor]:
@@ -126,7 +93,7 @@ def main_slot(task, mem, expert: int) -> int:
 
 
 def reference_expert(task, mem) -> None:
-    expert, pairs = route_in_task(task, mem) if task.has("ROUTE") else slot_pairs(task, mem, task["slot"])
+    expert, pairs = slot_pairs(task, mem, task["slot"])
     if expert < 0:
         return
     K, r0, r1 = task["K"], task["r0"], task["r1"]
@@ -163,65 +130,20 @@ KMAX = tl.constexpr(16)  # most experts per token topk_by_rounds handles (the ru
 
 
 @triton.jit
-def expert_ranks(choice, ex, emask, k):
+def topk_by_rank(choice, scores, ex, emask, k, ids, wts, norm, scale, BE: tl.constexpr):
     """Every expert's place in the descending order of choice, ties to the lower id (the reference's
     sort), from one [experts x experts] comparison: k rounds of argmax were 2k cross-warp
     reductions in a row on the layer's dependency chain (15 us for dsv2-lite).  Up to 64 experts:
-    the comparison is 16 values per thread.  (rank, picked: among the top k)."""
+    the comparison is 16 values per thread."""
     c_e, c_other = choice[:, None], choice[None, :]
     ahead = (c_other > c_e) | ((c_other == c_e) & (ex[None, :] < ex[:, None]))
     rank = tl.sum(ahead.to(tl.int32), axis=1)
-    return rank, (rank < k) & emask
-
-
-@triton.jit
-def store_weights(scores, rank, picked, wts, norm, scale):
-    """The picked experts' weights in rank order (normalised with NORM, scaled)."""
+    picked = (rank < k) & emask
     total = tl.sum(tl.where(picked, scores, 0.0), axis=0)
     denom = total + 1e-20 if norm else 1.0
-    tl.store(wts + rank, scores / denom * scale, mask=picked)
-
-
-@triton.jit
-def topk_by_rank(choice, scores, ex, emask, k, ids, wts, norm, scale, BE: tl.constexpr):
-    """ids and weights of the top k in rank order (expert_ranks)."""
-    rank, picked = expert_ranks(choice, ex, emask, k)
     tl.store(ids + rank, ex.to(tl.int32), mask=picked)
-    store_weights(scores, rank, picked, wts, norm, scale)
+    tl.store(wts + rank, scores / denom * scale, mask=picked)
     return rank, picked
-
-
-@triton.jit
-def router_scores(logits, emask, sigmoid):
-    """softmax or sigmoid of one token's router logits (-inf past E); 0 past E."""
-    if sigmoid:
-        scores = 1.0 / (1.0 + tl.exp(-logits))
-    else:
-        z = tl.exp(logits - tl.max(logits, axis=0))
-        scores = z / tl.sum(z, axis=0)
-    return tl.where(emask, scores, 0.0)
-
-
-@triton.jit
-def route_one(word, A, I, flags, slot, r0, BE: tl.constexpr):
-    """EXPERT_LINEAR[ROUTE]: its slot's expert and pair, ranked from the router's logits as route_body ranks
-    them (the same operations, so the same choices and weights); the task of slot 0 whose rows start at 0
-    writes the step's weights and slot table as route_body with ROUTE1 would (slot_table_one)."""
-    E, k, S = fld(word, EXPERT_LINEAR_E), fld(word, EXPERT_LINEAR_TOPK), fld(word, EXPERT_LINEAR_S)
-    ex = tl.arange(0, BE)
-    emask = ex < E
-    logits = tl.load(A + off(word, EXPERT_LINEAR_LG_OFF) + ex, mask=emask, other=float("-inf"), cache_modifier=".cg")
-    scores = router_scores(logits, emask, has(flags, FLAG_EXPERT_LINEAR_SIGMOID))
-    rank, picked = expert_ranks(tl.where(emask, scores, float("-inf")), ex, emask, k)  # never GROUPED, so no bias
-    slot_of = tl.cumsum(picked.to(tl.int32), axis=0) - 1  # slots in ascending expert order
-    mine = picked & (slot_of == slot)
-    expert = tl.max(tl.where(mine, ex, -1), axis=0)
-    pair = tl.max(tl.where(mine, rank, -1), axis=0)  # one token: its pair is the expert's rank
-    if (slot == 0) & (r0 == 0):
-        store_weights(scores, rank, picked, A + off(word, EXPERT_LINEAR_WTS_OFF), has(flags, FLAG_EXPERT_LINEAR_NORM),
-                      ffld(word, EXPERT_LINEAR_SCALE))
-        slot_table_one(rank, picked, ex, I + off(word, EXPERT_LINEAR_ST_OFF), S, k, BE)
-    return expert, pair
 
 
 @triton.jit
@@ -264,7 +186,12 @@ def route_body(word, WF, A, I, BE: tl.constexpr, BP: tl.constexpr, ROUTE1: tl.co
     for n in range(N):
         if has(flags, FLAG_ROUTE_SCORE):
             logits = tl.load(lg + n * lg_ld + ex, mask=emask, other=float("-inf"), cache_modifier=".cg")
-            scores = router_scores(logits, emask, has(flags, FLAG_ROUTE_SIGMOID))
+            if has(flags, FLAG_ROUTE_SIGMOID):
+                scores = 1.0 / (1.0 + tl.exp(-logits))
+            else:
+                z = tl.exp(logits - tl.max(logits, axis=0))
+                scores = z / tl.sum(z, axis=0)
+            scores = tl.where(emask, scores, 0.0)
             if store_sc:
                 tl.store(sc + n * E + ex, scores, mask=emask)
         else:
@@ -353,26 +280,15 @@ def slot_table(ids, st, P, E, S, BE: tl.constexpr, BP: tl.constexpr):
 @triton.jit
 def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
                 PF: tl.constexpr, DEPTH: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr,
-                NARROW: tl.constexpr, PFD: tl.constexpr, EF: tl.constexpr, BE: tl.constexpr, RIN: tl.constexpr):
-    """NARROW 1 (a launch variant): a slice that linear.narrow() picks streams 4·BR x KC/4 chunks.  RIN 1: the
-    plan has EXPERT_LINEAR[ROUTE] tasks (compiled in only then), which route their token themselves (route_one)."""
+                NARROW: tl.constexpr, PFD: tl.constexpr = 0, EF: tl.constexpr = 0):
+    """NARROW 1 (a launch variant): a slice that linear.narrow() picks streams 4·BR x KC/4 chunks."""
     flags, S, slot = fld(word, EXPERT_LINEAR_FLAGS), fld(word, EXPERT_LINEAR_S), fld(word, EXPERT_LINEAR_SLOT)
     st = I + off(word, EXPERT_LINEAR_ST_OFF)
-    r0, r1 = fld(word, EXPERT_LINEAR_R0), fld(word, EXPERT_LINEAR_R1)
-    pair = tl.full([], -1, tl.int32)  # >= 0: the one pair a task that routed itself computes for
-    if RIN:
-        if has(flags, FLAG_EXPERT_LINEAR_ROUTE):
-            expert, pair = route_one(word, A, I, flags, slot, r0, BE)
-        else:
-            expert = tl.load(st + slot, cache_modifier=".cg")
-    else:
-        expert = tl.load(st + slot, cache_modifier=".cg")
+    expert = tl.load(st + slot, cache_modifier=".cg")
     if expert >= 0:  # an empty slot does nothing (it still signals)
-        if pair >= 0:
-            count = tl.full([], 1, tl.int32)
-        else:
-            count = tl.load(st + S + slot, cache_modifier=".cg")
+        count = tl.load(st + S + slot, cache_modifier=".cg")
         N, K, kk = fld(word, EXPERT_LINEAR_N), fld(word, EXPERT_LINEAR_K), fld(word, EXPERT_LINEAR_TOPK)
+        r0, r1 = fld(word, EXPERT_LINEAR_R0), fld(word, EXPERT_LINEAR_R1)
         two = has(flags, FLAG_EXPERT_LINEAR_SILU_MUL)
         where = expert
         if fld(word, EXPERT_LINEAR_MAP_BUF) >= 0:  # helper plans: the main slot holding the expert
@@ -383,26 +299,23 @@ def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.con
         if PF > 0:  # the expert is known only now: its whole slice in flight at once
             prefetch_rows(w_ptr, w2_ptr, two, r0, r1, K, ALIGN)
         if NARROW and narrow(r1 - r0, K, BR, KC):
-            expert_stream(word, A, st, S, slot, N, kk, flags, count, pair, w_ptr, w2_ptr, two, r0, r1, K, BR * 4,
-                          KC // 4, ALIGN, TB, DEPTH, ROWVEC, AHEAD, PFD, EF)
+            expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K, BR * 4, KC // 4,
+                          ALIGN, TB, DEPTH, ROWVEC, AHEAD, PFD, EF)
         else:
-            expert_stream(word, A, st, S, slot, N, kk, flags, count, pair, w_ptr, w2_ptr, two, r0, r1, K, BR, KC, ALIGN,
-                          TB, DEPTH, ROWVEC, AHEAD, PFD, EF)
+            expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K, BR, KC, ALIGN, TB,
+                          DEPTH, ROWVEC, AHEAD, PFD, EF)
 
 
 @triton.jit
-def expert_stream(word, A, st, S, slot, N, kk, flags, count, pair, w_ptr, w2_ptr, two, r0, r1, K, BR: tl.constexpr,
+def expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K, BR: tl.constexpr,
                   KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr, ROWVEC: tl.constexpr,
                   AHEAD: tl.constexpr, PFD: tl.constexpr = 0, EF: tl.constexpr = 0):
     """An expert slice's weight stream in BR x KC chunks: the first chunk requested before the rest of the
-    address math.  pair >= 0 (a task that routed its one token itself): no row list, token row 0 into out row
-    pair."""
+    address math."""
     w = first_chunk(w_ptr, r0, r1, K, BR, KC, ALIGN, EF)
     pairs = st + 2 * S + slot * (N * kk)
     div = tl.where(has(flags, FLAG_EXPERT_LINEAR_GATHER), kk, 1)  # gate/up read token rows, down pair rows
-    div = tl.where(pair >= 0, 0, div)
     o_ptr, o_ld = A + off(word, EXPERT_LINEAR_OUT_OFF), fld(word, EXPERT_LINEAR_OUT_LD)
-    o_ptr += tl.maximum(pair, 0) * o_ld
     stream_chunks(aligned_base(A, word, EXPERT_LINEAR_X_OFF, ALIGN), fld(word, EXPERT_LINEAR_X_LD), pairs, div,
                   count, o_ptr, o_ld, o_ptr, o_ld, False, w_ptr, w2_ptr, two, r0, r1, K, w, False, 0.0, BR, KC,
                   ALIGN, TB, DEPTH, 16, ROWVEC, AHEAD, PFD, EF)
