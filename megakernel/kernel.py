@@ -78,7 +78,7 @@ def attention_task(word, t, end, counters, epoch, err, pid, A, I, C, MAX_WAITS: 
                    DMAX: tl.constexpr, RMAX: tl.constexpr, STAGES: tl.constexpr, ALIGN: tl.constexpr,
                    DOT_PREC: tl.constexpr, ATT_KIND: tl.constexpr, EF: tl.constexpr, ATT_ROPE: tl.constexpr,
                    APF: tl.constexpr, AKV: tl.constexpr, WORDS: tl.constexpr, WPF: tl.constexpr):
-    """An ATTENTION task: its split's cache rows asked of the L2 (APF) and, where they are final (EARLY, AKV 2),
+    """An ATTENTION task: its split's cache rows asked of the L2 (APF) and, where they are final (EARLY, AKV),
     its first block loaded, before the wait; then the body.  (ok, ready time)."""
     if APF:
         attention.prefetch_split(word, I, C, ALIGN, DMAX, APF, ATT_KIND)

@@ -200,8 +200,8 @@ def split_of(word, A, I, C, mla, ALIGN: tl.constexpr, cl_early=-1):
 def early_rows(word, I, C, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr, ALIGN: tl.constexpr,
                KIND: tl.constexpr, EF: tl.constexpr, AKV: tl.constexpr):
     """Before an ATTENTION[EARLY] task's wait (isa.py: its length and the rows below it are final for the launch),
-    AKV 2: its sequence's cache length, so that after the wait the query rows and the first cache block are
-    requested together, not the block a round trip after the length; AKV 3 (a launch variant): the split's first
+    AKV bit 2: its sequence's cache length, so that after the wait the query rows and the first cache block are
+    requested together, not the block a round trip after the length; bit 4 (a launch variant): the split's first
     block of rows below it too (32 registers on llama-1b, held through the wait).  (cl, keys, kpe, values); cl =
     -1 where the task is not EARLY."""
     if KIND == 0:
@@ -210,14 +210,14 @@ def early_rows(word, I, C, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.conste
         mla: tl.constexpr = KIND == 1
     d = tl.arange(0, DMAX)
     e = tl.arange(0, RMAX)
-    if AKV >= 2:
+    if (AKV & 2) != 0:
         early = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_EARLY)
         (T, S, b, width, h0, h1, nh, ns, split, dim, scale, rope_dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs,
          pe_col0, cache, limit, op_ptr, lse_ptr, k_col, v_col, j0, j1) = split_of(word, I, I, C, mla, ALIGN, 0)
         cl = tl.load(I + off(word, ATTENTION_CL_OFF) + b, mask=early, other=-1, cache_modifier=".cg")
     else:
         cl = tl.full([], -1, tl.int32)
-    if AKV >= 3:
+    if (AKV & 6) == 6:
         j_end = tl.where(early, tl.minimum(tl.minimum(j0 + fld(word, ATTENTION_SPLIT_LEN), S), cl), j0)
         keys, kpe, values = kv_block(cache, width, j0, j_end, k_col, v_col, dim, d, d < dim, e, e < rope_dim, mla, BJ,
                                      KIND, EF)
@@ -257,9 +257,9 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
     1: one at a time.  The sums are the same in every order of loads.
     KIND: 1 every attention task of the plan is MLA, 2 none is (compiled for that kind alone), 0 read
     the flag per task.  ROPE 1: the plan has ATTENTION[ROPE] tasks (compiled in only then; the flag read per task).
-    AKV 1: a plan with ATTENTION[ROPE] requests the first query rows before the new rows, not after their barrier;
-    2: also early_rows' cache length (cl_early >= 0); 3: and its first block, where that lies below the length (the
-    same values a load after the wait returns: the rows are final)."""
+    AKV, bits: 1, a plan with ATTENTION[ROPE] requests the first query rows before the new rows, not after their
+    barrier; 2, early_rows' cache length (cl_early >= 0); 4 (with 2), its first block, where that lies below the
+    length (the same values a load after the wait returns: the rows are final)."""
     if KIND == 0:
         mla = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_MLA)
     else:
@@ -274,7 +274,7 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
     rotated = False
     if ROPE:
         rotated = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_ROPE)
-    HOIST: tl.constexpr = (AKV >= 1) and (ROPE == 1)  # only where new rows could be written: more registers
+    HOIST: tl.constexpr = ((AKV & 1) != 0) and (ROPE == 1)  # only where new rows could be written: more registers
     if HOIST:  # in flight while the new rows are written
         q, pe = query_rows(word, A, 0, b, T, h0, heads, dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs, pe_col0,
                            d, dmask, e, emask, mla, rotated, BM)
@@ -298,7 +298,7 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
         m_i = tl.full((BM,), float("-inf"), tl.float32)
         l_i = tl.zeros((BM,), tl.float32)
         acc = tl.zeros((BM, DMAX), tl.float32)
-        if AKV >= 3:
+        if (AKV & 6) == 6:
             if reuse & (mb == 0):
                 keys, kpe, values = keys_early, kpe_early, values_early
             else:
