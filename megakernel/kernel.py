@@ -78,17 +78,16 @@ def attention_task(word, t, end, counters, epoch, err, pid, A, I, C, MAX_WAITS: 
                    DMAX: tl.constexpr, RMAX: tl.constexpr, STAGES: tl.constexpr, ALIGN: tl.constexpr,
                    DOT_PREC: tl.constexpr, ATT_KIND: tl.constexpr, EF: tl.constexpr, ATT_ROPE: tl.constexpr,
                    APF: tl.constexpr, AKV: tl.constexpr, WORDS: tl.constexpr, WPF: tl.constexpr):
-    """An ATTENTION task: its split's cache rows asked of the L2 (APF) and, where they are final (EARLY, AKV),
-    its first block loaded, before the wait; then the body.  (ok, ready time)."""
+    """An ATTENTION task: its split's cache rows asked of the L2 (APF) and, where it is final (EARLY, AKV), its
+    cache length read, before the wait; then the body.  (ok, ready time)."""
     if APF:
         attention.prefetch_split(word, I, C, ALIGN, DMAX, APF, ATT_KIND)
-    cl, keys, kpe, values = attention.early_rows(word, I, C, BJ, DMAX, RMAX, ALIGN, ATT_KIND, EF, AKV)
+    cl = attention.early_length(word, I, AKV)
     ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
     t_ready = now_ns(USE_TIMER)
     next_word_to_l1(word, t, end, WORDS, WPF)
     if ok == 1:
-        attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC, ATT_KIND, EF, ATT_ROPE, AKV, cl, keys,
-                       kpe, values)
+        attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC, ATT_KIND, EF, ATT_ROPE, cl)
     return ok, t_ready
 
 

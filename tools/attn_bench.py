@@ -55,9 +55,8 @@ def attention_tasks(words, idx, A, I, C, stamps, BM: tl.constexpr, BJ: tl.conste
     p = tl.program_id(0)
     word = words + tl.load(idx + p).to(tl.int64) * WORDS
     t0 = now_ns(True)
-    cl, keys, kpe, values = attention.early_rows(word, I, C, BJ, DMAX, RMAX, ALIGN, KIND, EF, AKV)  # no wait here
-    attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC, KIND, EF, ROPE, AKV, cl, keys, kpe,
-                   values)
+    attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC, KIND, EF, ROPE,
+                   attention.early_length(word, I, AKV))  # no wait here
     tl.debug_barrier()
     tl.store(stamps + 2 * p, t0)
     tl.store(stamps + 2 * p + 1, now_ns(True))

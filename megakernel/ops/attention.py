@@ -163,7 +163,7 @@ def new_rows(word, A, cache, width, limit, T, b, j0, j_end, k_col, v_col, dim, d
 @triton.jit
 def split_of(word, A, I, C, mla, ALIGN: tl.constexpr, cl_early=-1):
     """A task's sizes and pointers (mla: a constant where the plan has one kind); cl_early >= 0: the cache
-    length early_rows read before the wait."""
+    length early_length read before the wait."""
     T, S, b = fld(word, ATTENTION_T), fld(word, ATTENTION_S), fld(word, ATTENTION_B)
     width = aligned(fld(word, ATTENTION_WIDTH), ALIGN)
     h0, h1, nh, ns = fld(word, ATTENTION_H0), fld(word, ATTENTION_H1), fld(word, ATTENTION_NHEADS), fld(word, ATTENTION_NSPLITS)
@@ -197,35 +197,18 @@ def split_of(word, A, I, C, mla, ALIGN: tl.constexpr, cl_early=-1):
 
 
 @triton.jit
-def early_rows(word, I, C, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr, ALIGN: tl.constexpr,
-               KIND: tl.constexpr, EF: tl.constexpr, AKV: tl.constexpr):
-    """Before an ATTENTION[EARLY] task's wait (isa.py: its length and the rows below it are final for the launch),
-    AKV bit 2: its sequence's cache length, so that after the wait the query rows and the first cache block are
-    requested together, not the block a round trip after the length; bit 4 (a launch variant): the split's first
-    block of rows below it too (32 registers on llama-1b, held through the wait).  (cl, keys, kpe, values); cl =
-    -1 where the task is not EARLY."""
-    if KIND == 0:
-        mla = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_MLA)
-    else:
-        mla: tl.constexpr = KIND == 1
-    d = tl.arange(0, DMAX)
-    e = tl.arange(0, RMAX)
-    if (AKV & 2) != 0:
+def early_length(word, I, AKV: tl.constexpr):
+    """AKV 1, before an ATTENTION[EARLY] task's wait (isa.py: its cache length is final for the launch): that
+    length, so that after the wait the query rows and the first cache block are requested together, not the block
+    a round trip after the length; -1 where the task is not EARLY (or AKV 0).  (Loading the first block itself
+    before the wait too held 32 registers through it: +4.5% on llama-1b, docs/PERF.md session 26.)"""
+    if AKV:
         early = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_EARLY)
-        (T, S, b, width, h0, h1, nh, ns, split, dim, scale, rope_dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs,
-         pe_col0, cache, limit, op_ptr, lse_ptr, k_col, v_col, j0, j1) = split_of(word, I, I, C, mla, ALIGN, 0)
-        cl = tl.load(I + off(word, ATTENTION_CL_OFF) + b, mask=early, other=-1, cache_modifier=".cg")
+        cl = tl.load(I + off(word, ATTENTION_CL_OFF) + fld(word, ATTENTION_B), mask=early, other=-1,
+                     cache_modifier=".cg")
     else:
         cl = tl.full([], -1, tl.int32)
-    if (AKV & 6) == 6:
-        j_end = tl.where(early, tl.minimum(tl.minimum(j0 + fld(word, ATTENTION_SPLIT_LEN), S), cl), j0)
-        keys, kpe, values = kv_block(cache, width, j0, j_end, k_col, v_col, dim, d, d < dim, e, e < rope_dim, mla, BJ,
-                                     KIND, EF)
-    else:
-        keys = tl.zeros((BJ, DMAX), C.dtype.element_ty)
-        kpe = tl.zeros((BJ, RMAX), C.dtype.element_ty)
-        values = keys
-    return cl, keys, kpe, values
+    return cl
 
 
 @triton.jit
@@ -251,15 +234,13 @@ def query_rows(word, A, mb, b, T, h0, heads, dim, q_ptr, q_ld, q_hs, q_col0, pe_
 @triton.jit
 def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr,
          STAGES: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr, KIND: tl.constexpr, EF: tl.constexpr,
-         ROPE: tl.constexpr, AKV: tl.constexpr, cl_early, keys_early, kpe_early, values_early):
+         ROPE: tl.constexpr, cl_early):
     """STAGES 2: the next cache block is in flight while this one is reduced; 3: the next two (a launch
     variant, +3% on llama-1b: a block's ~2 us is its arithmetic's dependent chain, not its loads, session 21);
     1: one at a time.  The sums are the same in every order of loads.
     KIND: 1 every attention task of the plan is MLA, 2 none is (compiled for that kind alone), 0 read
     the flag per task.  ROPE 1: the plan has ATTENTION[ROPE] tasks (compiled in only then; the flag read per task).
-    AKV, bits: 1, a plan with ATTENTION[ROPE] requests the first query rows before the new rows, not after their
-    barrier; 2, early_rows' cache length (cl_early >= 0); 4 (with 2), its first block, where that lies below the
-    length (the same values a load after the wait returns: the rows are final)."""
+    cl_early >= 0: the cache length early_length read before the wait."""
     if KIND == 0:
         mla = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_MLA)
     else:
@@ -274,38 +255,21 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
     rotated = False
     if ROPE:
         rotated = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_ROPE)
-    HOIST: tl.constexpr = ((AKV & 1) != 0) and (ROPE == 1)  # only where new rows could be written: more registers
-    if HOIST:  # in flight while the new rows are written
-        q, pe = query_rows(word, A, 0, b, T, h0, heads, dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs, pe_col0,
-                           d, dmask, e, emask, mla, rotated, BM)
     if ROPE:
         if rotated:  # before any thread reads the split's rows
             new_rows(word, A, cache, width, limit, T, b, j0, tl.minimum(j0 + fld(word, ATTENTION_SPLIT_LEN), S), k_col,
                      v_col, dim, d)
-    reuse = (cl_early >= 0) & (j0 + BJ <= cl_early)  # the first block's rows all final, loaded before the wait
     for mb in range(0, T * heads, BM):
         rr = mb + tl.arange(0, BM)
         rvalid = rr < T * heads
         t = rr // heads
         h = h0 + rr % heads
-        if HOIST:
-            if mb > 0:
-                q, pe = query_rows(word, A, mb, b, T, h0, heads, dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs,
-                                   pe_col0, d, dmask, e, emask, mla, rotated, BM)
-        else:
-            q, pe = query_rows(word, A, mb, b, T, h0, heads, dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs,
-                               pe_col0, d, dmask, e, emask, mla, rotated, BM)
+        q, pe = query_rows(word, A, mb, b, T, h0, heads, dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs, pe_col0,
+                           d, dmask, e, emask, mla, rotated, BM)
         m_i = tl.full((BM,), float("-inf"), tl.float32)
         l_i = tl.zeros((BM,), tl.float32)
         acc = tl.zeros((BM, DMAX), tl.float32)
-        if (AKV & 6) == 6:
-            if reuse & (mb == 0):
-                keys, kpe, values = keys_early, kpe_early, values_early
-            else:
-                keys, kpe, values = kv_block(cache, width, j0, j1, k_col, v_col, dim, d, dmask, e, emask, mla, BJ,
-                                             KIND, EF)
-        else:
-            keys, kpe, values = kv_block(cache, width, j0, j1, k_col, v_col, dim, d, dmask, e, emask, mla, BJ, KIND, EF)
+        keys, kpe, values = kv_block(cache, width, j0, j1, k_col, v_col, dim, d, dmask, e, emask, mla, BJ, KIND, EF)
         if STAGES > 2:  # the block after it too, before the loop (rows past j1 are masked off: no traffic)
             keys_1, kpe_1, values_1 = kv_block(cache, width, j0 + BJ, j1, k_col, v_col, dim, d, dmask, e, emask, mla,
                                                BJ, KIND, EF)
