@@ -127,12 +127,9 @@ _OPS = [
     # ROPE (GQA, one KV head g a task): q is rotated here (rotate-half, cos/sin from tab's rows b·T + t, ld dim);
     # the step's new keys kn[b·T + t, g·kv_hs : +dim], rotated, and values vn[..] (vn's ld: kn.ld) are written
     # into the cache at their positions, by the split whose rows hold them, before it reads its rows
-    # EARLY: cl is the step's input, which no task writes, so the cache rows below cl[b] are final for the whole
-    # launch (every cache write of a step lands at or past its sequence's input length: cl + pos_offset + t, or
-    # ACCEPT's base = cl + accepted); a runtime may read them, and cl, before the task's waits
     Opcode("ATTENTION", 9, _f("q* q_hs q_col0 pe* pe_hs pe_col0 cache+ cl+ T S width b h0 h1 split split_len "
                               "dim rope_dim v_col0 kv_hs group scale op+ lse+ nheads nsplits pos_offset tab+ kn* vn+"),
-           ("MLA", "ROPE", "EARLY")),
+           ("MLA", "ROPE")),
     # out[b*T + t, h*dim : +dim] = sum_s exp(lse_s - LSE) · o_part_s
     Opcode("ATTN_COMBINE", 10, _f("op+ lse+ out* b T h0 h1 nheads nsplits dim c0 c1")),
     # SCORE: scores = softmax|sigmoid(logits); TOPK: ids, weights; SLOTS: distinct experts -> slot table

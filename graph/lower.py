@@ -213,9 +213,7 @@ class _Lowering:
         reads = {"q": q, "cache": self.caches[layer], "cl": self.cl}
         if pe is not None:
             reads["pe"] = pe
-        # EARLY where cl is the step's input (not the speculative passes' base, which ACCEPT writes): isa.py
-        flags = ("MLA",) * mla + ("EARLY",) * (self.cl == self.cache_lens)
-        self.emit("ATTENTION", label, flags, reads=reads, writes={"op": part_o, "lse": part_lse},
+        self.emit("ATTENTION", label, ("MLA",) if mla else (), reads=reads, writes={"op": part_o, "lse": part_lse},
                   layer=layer, q_hs=q_hs, q_col0=0, pe_hs=pe_hs, pe_col0=0, T=T, S=s.max_len,
                   width=cfg.cache_width, dim=dim, rope_dim=cfg.qk_rope_head_dim if mla else 0, v_col0=v_col0,
                   kv_hs=kv_hs, group=group, scale=cfg.softmax_scale, nheads=nh, nsplits=nsplits,

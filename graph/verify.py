@@ -133,28 +133,11 @@ def verify_plan(plan, check_hazards: bool = True, tasks: list | None = None) -> 
                     raise PlanError(f"{name(i)} writes the read-only buffer {Buf(a.buf).name}")
                 continue
             groups[t.signal][a.buf].append((i, a))
-    early_violation(tasks, groups, name)
     checked = 0
     if check_hazards:
         hb = _HappensBefore(clocks, worker_of, pos, signallers)
         checked = _check_hazards(groups, signallers, hb, name)
     return {"tasks": n, "counters": C, "hazard_pairs_checked": checked}
-
-
-def early_violation(tasks: list, groups, name) -> None:
-    """ATTENTION[EARLY] reads its cache length, and the rows below it, before its waits (isa.py): no task of
-    the plan may write that length."""
-    written = [a for by_buf in groups.values() for a in by_buf.get(Buf.I, []) if a[1].write]
-    for i, t in enumerate(tasks):
-        if t.op.name != "ATTENTION" or not t.has("EARLY"):
-            continue
-        if t["cl.buf"] != Buf.I:
-            raise PlanError(f"{name(i)}: ATTENTION[EARLY] reads cl from buffer {t['cl.buf']}, not I (a step input)")
-        at = t["cl.off"] + t["b"]
-        for j, a in written:
-            if any(lo <= at < hi for lo, hi in a.rows()):
-                raise PlanError(f"{name(i)}: ATTENTION[EARLY] reads its cache length I[{at}] before its waits, but "
-                                f"{name(j)} writes it in the step")
 
 
 def _topological(preds: list[list[int]], n: int, name) -> list[int]:

@@ -73,25 +73,6 @@ def linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS: tl.con
 
 
 @triton.jit
-def attention_task(word, t, end, counters, epoch, err, pid, A, I, C, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr,
-                   MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, BM: tl.constexpr, BJ: tl.constexpr,
-                   DMAX: tl.constexpr, RMAX: tl.constexpr, STAGES: tl.constexpr, ALIGN: tl.constexpr,
-                   DOT_PREC: tl.constexpr, ATT_KIND: tl.constexpr, EF: tl.constexpr, ATT_ROPE: tl.constexpr,
-                   APF: tl.constexpr, AKV: tl.constexpr, WORDS: tl.constexpr, WPF: tl.constexpr):
-    """An ATTENTION task: its split's cache rows asked of the L2 (APF) and, where it is final (EARLY, AKV), its
-    cache length read, before the wait; then the body.  (ok, ready time)."""
-    if APF:
-        attention.prefetch_split(word, I, C, ALIGN, DMAX, APF, ATT_KIND)
-    cl = attention.early_length(word, I, AKV)
-    ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
-    t_ready = now_ns(USE_TIMER)
-    next_word_to_l1(word, t, end, WORDS, WPF)
-    if ok == 1:
-        attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC, ATT_KIND, EF, ATT_ROPE, cl)
-    return ok, t_ready
-
-
-@triton.jit
 def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I, C, HB,
                WORDS: tl.constexpr, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr, MAX_SPINS: tl.constexpr,
                HELPER_NS: tl.constexpr,
@@ -105,7 +86,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                ALIGN: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr, ATT_KIND: tl.constexpr,
                ROWVEC: tl.constexpr, AHEAD: tl.constexpr, NARROW: tl.constexpr, ROUTE1: tl.constexpr, PFD: tl.constexpr,
                EF: tl.constexpr, WPF: tl.constexpr, APF: tl.constexpr, PFK: tl.constexpr, HILO: tl.constexpr,
-               HELPER_SIDE: tl.constexpr, ATT_ROPE: tl.constexpr, AKV: tl.constexpr):
+               HELPER_SIDE: tl.constexpr, ATT_ROPE: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
     end = tl.load(queue_ptr + pid + 1)
@@ -141,11 +122,10 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             else:
                 ok, t_ready = head_matmul_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
                                                MAX_SPINS, USE_TIMER, BI, BO, ALIGN, False, TB, WORDS, WPF, EF)
-        elif op == OP_ATTENTION:
-            ok, t_ready = attention_task(word, t, end, counters, epoch, err, pid, A, I, C, MAX_WAITS, TIMEOUT_NS,
-                                         MAX_SPINS, USE_TIMER, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC, ATT_KIND, EF,
-                                         ATT_ROPE, APF, AKV, WORDS, WPF)
         else:
+            if APF:  # a split's cache rows asked of the L2 while it waits
+                if op == OP_ATTENTION:
+                    attention.prefetch_split(word, I, C, ALIGN, DMAX, APF, ATT_KIND)
             ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
             t_ready = now_ns(USE_TIMER)
             next_word_to_l1(word, t, end, WORDS, WPF)
@@ -154,6 +134,8 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                     moe.expert_body(word, W, A, I, BR, KC, ALIGN, TB, PF, DEPTH, ROWVEC, AHEAD, NARROW, PFD, EF)
                 elif op == OP_RMSNORM:
                     norm.body(word, W, A, BN)
+                elif op == OP_ATTENTION:
+                    attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC, ATT_KIND, EF, ATT_ROPE)
                 elif op == OP_ATTN_COMBINE:
                     attention.combine_body(word, A, BSC, BCW, CPF, ALIGN)
                 elif op == OP_ROPE:

@@ -242,10 +242,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # attention compiled for the plan's one kind (MLA or GQA), else the flag read per task
                 ATT_KIND=att_kinds.pop() if len(att_kinds) == 1 else 0,
                 # ATTENTION[ROPE] (fusion rule rope_into_attention) compiled in (only where used)
-                ATT_ROPE=int(any(t.op.name == "ATTENTION" and t.has("ROPE") for t in tasks)),
-                # 1: an ATTENTION[EARLY] split's cache length read before its wait (the same bits, -0.3 to -0.7% on
-                # llama-1b, docs/PERF.md session 26)
-                AKV=1)
+                ATT_ROPE=int(any(t.op.name == "ATTENTION" and t.has("ROPE") for t in tasks)))
 
 
 def bulk_prefetch_refusal(align: int, weight_bytes: int) -> str | None:
@@ -297,9 +294,6 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
                        ("WPF", "the next task word's prefetch"), ("HILO", "LINEAR[PAIR] compiled in")):
         if blocks[flag] not in (0, 1):
             raise MegakernelError(f"block override {flag}={blocks[flag]}: 0, or 1 ({what})")
-    if blocks["AKV"] not in (0, 1):
-        raise MegakernelError(f"block override AKV={blocks['AKV']}: 0, or 1 (an EARLY attention split's cache length "
-                              "read before its wait)")
     if blocks["APF"] not in (0, 1, 2):
         raise MegakernelError(f"block override APF={blocks['APF']}: 0, 1 (MLA attention's cache rows asked of the L2 "
                               "before the wait) or 2 (GQA's head lines too)")

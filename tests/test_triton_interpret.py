@@ -326,20 +326,6 @@ def test_attention_key_blocks_in_flight_change_nothing(name):
     assert torch.equal(logits[0], logits[1]) and torch.equal(logits[1], logits[2])
 
 
-@pytest.mark.parametrize("name", ["tiny-dense", "tiny-mhc"])
-def test_attention_reads_ahead_of_its_wait_change_nothing(name):
-    """Launch variant AKV (1, the default: an ATTENTION[EARLY] split's cache length read before its wait) moves a
-    load, not a value: with and without it the kernel equals the interpreter, bit for bit the same (GQA with
-    rope_into_attention, and MLA; one-position key blocks, so a split's blocks start at the length it read)."""
-    logits = []
-    for akv in (0, 1):
-        cfg, plan, interp, mk = _pair(name, passes=0, blocks=dict(BJ=1, AKV=akv))
-        assert all(decode(w).has("EARLY") for w in plan.words if decode(w).op.name == "ATTENTION")
-        _compare(cfg, interp, mk, torch.tensor([5, 13]))
-        logits.append(mk.result().logits)
-    assert all(torch.equal(logits[0], other) for other in logits[1:])
-
-
 def test_greedy_argmax_takes_the_first_of_tied_maxima():
     """ARGMAX over several vocab blocks (vocab_block=128), each read in two pieces (BD=4: 64 logits a piece): with
     the top logit tied within a lane across pieces (ids 10 and 74), across lanes (20) and across blocks (200),

@@ -151,22 +151,3 @@ def test_loaded_plans_are_verified():
         Plan.from_json(bad.to_json())
     assert np.array_equal(Plan.from_json(plan.to_json()).words, plan.words)
     assert HEADER == 12
-
-
-def test_early_attention_needs_a_cache_length_no_task_writes():
-    """ATTENTION[EARLY] reads its cache length and the rows below it before its waits (graph/isa.py), so the
-    compiler marks only the tasks whose cl is the step's input: a speculative step's draft passes read ACCEPT's
-    base, written in the step, and stay unmarked.  Marking one of them is refused, by task."""
-    from graph.isa import OPCODES
-    plan = compile_step(preset("tiny-moe"), StepShape(T=3, B=2, max_len=16, speculative=True),
-                        CompileOptions(workers=2))
-    tasks = [decode(w) for w in plan.words]
-    attention = [i for i, t in enumerate(tasks) if t.op.name == "ATTENTION"]
-    early = [i for i in attention if tasks[i].has("EARLY")]
-    late = [i for i in attention if not tasks[i].has("EARLY")]
-    assert early and late, (len(early), len(late))
-    assert {tasks[i]["cl.off"] for i in early}.isdisjoint({tasks[i]["cl.off"] for i in late})
-    bad = copy.deepcopy(plan)
-    bad.words[late[0], 1] |= OPCODES["ATTENTION"].flag("EARLY")
-    with pytest.raises(PlanError, match=rf"task {late[0]} .*ATTENTION\[EARLY\] reads its cache length"):
-        verify_plan(bad)

@@ -51,12 +51,11 @@ from model import init_weights, preset  # noqa: E402
 @triton.jit
 def attention_tasks(words, idx, A, I, C, stamps, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr,
                     RMAX: tl.constexpr, STAGES: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr,
-                    KIND: tl.constexpr, EF: tl.constexpr, WORDS: tl.constexpr, ROPE: tl.constexpr, AKV: tl.constexpr):
+                    KIND: tl.constexpr, EF: tl.constexpr, WORDS: tl.constexpr, ROPE: tl.constexpr):
     p = tl.program_id(0)
     word = words + tl.load(idx + p).to(tl.int64) * WORDS
     t0 = now_ns(True)
-    attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC, KIND, EF, ROPE,
-                   attention.early_length(word, I, AKV))  # no wait here
+    attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC, KIND, EF, ROPE)
     tl.debug_barrier()
     tl.store(stamps + 2 * p, t0)
     tl.store(stamps + 2 * p + 1, now_ns(True))
@@ -137,7 +136,6 @@ def run_variant(spec, v, blocks, words, layers, mem, reps, reference: list, cubi
                                          RMAX=blocks["RMAX"], STAGES=stages, ALIGN=blocks["ALIGN"],
                                          DOT_PREC="bf16" if v.get("prec1") else blocks["DOT_PREC"],
                                          KIND=blocks["ATT_KIND"], EF=ef, WORDS=WORDS, ROPE=blocks["ATT_ROPE"],
-                                         AKV=int(v.get("AKV", blocks["AKV"])),
                                          num_warps=warps)
 
     before = A.clone()

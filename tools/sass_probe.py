@@ -81,11 +81,9 @@ def compile_sass(fn, pointers: dict, scalars: list[str], const: dict, num_warps:
 
 @triton.jit
 def attention_probe(words, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr,
-                    STAGES: tl.constexpr, ALIGN: tl.constexpr, KIND: tl.constexpr, EF: tl.constexpr,
-                    AKV: tl.constexpr = 1):
+                    STAGES: tl.constexpr, ALIGN: tl.constexpr, KIND: tl.constexpr, EF: tl.constexpr):
     """One ATTENTION task (its word's fields read at run time), as the persistent kernel runs it."""
-    attention.body(words, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, "bf16x2", KIND, EF, 0,
-                   attention.early_length(words, I, AKV))
+    attention.body(words, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, "bf16x2", KIND, EF)
 
 
 ATTENTION_PROBE_ARGS = ({"words": "*i32", "A": "*fp32", "I": "*i32", "C": "*bf16"}, [])

@@ -23,7 +23,7 @@ from .fields import (ATTENTION_B, ATTENTION_CACHE_OFF, ATTENTION_CL_OFF, ATTENTI
                      ATTENTION_SPLIT_LEN, ATTENTION_T, ATTENTION_V_COL0, ATTENTION_WIDTH, ATTN_COMBINE_B,
                      ATTN_COMBINE_C0, ATTN_COMBINE_C1, ATTN_COMBINE_DIM, ATTN_COMBINE_H0, ATTN_COMBINE_H1,
                      ATTN_COMBINE_LSE_OFF, ATTN_COMBINE_NHEADS, ATTN_COMBINE_NSPLITS, ATTN_COMBINE_OP_OFF, ATTN_COMBINE_OUT_LD, ATTN_COMBINE_OUT_OFF,
-                     ATTN_COMBINE_T, FLAG_ATTENTION_EARLY, FLAG_ATTENTION_MLA, FLAG_ATTENTION_ROPE,
+                     ATTN_COMBINE_T, FLAG_ATTENTION_MLA, FLAG_ATTENTION_ROPE,
                      ATTENTION_KN_LD, ATTENTION_KN_OFF, ATTENTION_TAB_OFF, ATTENTION_VN_OFF)
 from .rope import rotate
 
@@ -161,9 +161,8 @@ def new_rows(word, A, cache, width, limit, T, b, j0, j_end, k_col, v_col, dim, d
 
 
 @triton.jit
-def split_of(word, A, I, C, mla, ALIGN: tl.constexpr, cl_early=-1):
-    """A task's sizes and pointers (mla: a constant where the plan has one kind); cl_early >= 0: the cache
-    length early_length read before the wait."""
+def split_of(word, A, I, C, mla, ALIGN: tl.constexpr):
+    """A task's sizes and pointers (mla: a constant where the plan has one kind)."""
     T, S, b = fld(word, ATTENTION_T), fld(word, ATTENTION_S), fld(word, ATTENTION_B)
     width = aligned(fld(word, ATTENTION_WIDTH), ALIGN)
     h0, h1, nh, ns = fld(word, ATTENTION_H0), fld(word, ATTENTION_H1), fld(word, ATTENTION_NHEADS), fld(word, ATTENTION_NSPLITS)
@@ -178,11 +177,7 @@ def split_of(word, A, I, C, mla, ALIGN: tl.constexpr, cl_early=-1):
                                      aligned(fld(word, ATTENTION_PE_LD), ALIGN), aligned(fld(word, ATTENTION_PE_HS), ALIGN),
                                      aligned(fld(word, ATTENTION_PE_COL0), ALIGN))
     cache = C + aligned(off(word, ATTENTION_CACHE_OFF), ALIGN) + b.to(tl.int64) * S * width
-    if cl_early >= 0:
-        cl = cl_early
-    else:
-        cl = tl.load(I + off(word, ATTENTION_CL_OFF) + b, cache_modifier=".cg")
-    limit = cl + fld(word, ATTENTION_POS_OFFSET)
+    limit = tl.load(I + off(word, ATTENTION_CL_OFF) + b, cache_modifier=".cg") + fld(word, ATTENTION_POS_OFFSET)
     op_ptr, lse_ptr = A + aligned(off(word, ATTENTION_OP_OFF), ALIGN), A + off(word, ATTENTION_LSE_OFF)
     group = fld(word, ATTENTION_GROUP)
     k_col = (h0 // group) * aligned(fld(word, ATTENTION_KV_HS), ALIGN)  # GQA: one KV head per task
@@ -197,56 +192,20 @@ def split_of(word, A, I, C, mla, ALIGN: tl.constexpr, cl_early=-1):
 
 
 @triton.jit
-def early_length(word, I, AKV: tl.constexpr):
-    """AKV 1, before an ATTENTION[EARLY] task's wait (isa.py: its cache length is final for the launch): that
-    length, so that after the wait the query rows and the first cache block are requested together, not the block
-    a round trip after the length; -1 where the task is not EARLY (or AKV 0).  (Loading the first block itself
-    before the wait too held 32 registers through it: +4.5% on llama-1b, docs/PERF.md session 26.)"""
-    if AKV:
-        early = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_EARLY)
-        cl = tl.load(I + off(word, ATTENTION_CL_OFF) + fld(word, ATTENTION_B), mask=early, other=-1,
-                     cache_modifier=".cg")
-    else:
-        cl = tl.full([], -1, tl.int32)
-    return cl
-
-
-@triton.jit
-def query_rows(word, A, mb, b, T, h0, heads, dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs, pe_col0, d, dmask,
-               e, emask, mla, rotated, BM: tl.constexpr):
-    """Query block mb's rows (token t, head h; rotated with ATTENTION[ROPE]) and MLA's rope parts."""
-    rr = mb + tl.arange(0, BM)
-    rvalid = rr < T * heads
-    t = rr // heads
-    h = h0 + rr % heads
-    q_rows = b * T + t
-    q = tl.load(q_ptr + q_rows[:, None] * q_ld + h[:, None] * q_hs + q_col0 + d[None, :],
-                mask=rvalid[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
-    if rotated:
-        q = rotate_half(q, q_ptr + q_rows[:, None] * q_ld + h[:, None] * q_hs + q_col0,
-                        A + off(word, ATTENTION_TAB_OFF) + q_rows[:, None] * dim, d[None, :], dim,
-                        rvalid[:, None] & dmask[None, :])
-    pe = tl.load(pe_ptr + q_rows[:, None] * pe_ld + h[:, None] * pe_hs + pe_col0 + e[None, :],
-                 mask=rvalid[:, None] & emask[None, :] & mla, other=0.0, cache_modifier=".cg")
-    return q, pe
-
-
-@triton.jit
 def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr,
-         STAGES: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr, KIND: tl.constexpr, EF: tl.constexpr,
-         ROPE: tl.constexpr, cl_early):
+         STAGES: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr, KIND: tl.constexpr, EF: tl.constexpr = 0,
+         ROPE: tl.constexpr = 0):
     """STAGES 2: the next cache block is in flight while this one is reduced; 3: the next two (a launch
     variant, +3% on llama-1b: a block's ~2 us is its arithmetic's dependent chain, not its loads, session 21);
     1: one at a time.  The sums are the same in every order of loads.
     KIND: 1 every attention task of the plan is MLA, 2 none is (compiled for that kind alone), 0 read
-    the flag per task.  ROPE 1: the plan has ATTENTION[ROPE] tasks (compiled in only then; the flag read per task).
-    cl_early >= 0: the cache length early_length read before the wait."""
+    the flag per task.  ROPE 1: the plan has ATTENTION[ROPE] tasks (compiled in only then; the flag read per task)."""
     if KIND == 0:
         mla = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_MLA)
     else:
         mla: tl.constexpr = KIND == 1
     (T, S, b, width, h0, h1, nh, ns, split, dim, scale, rope_dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs,
-     pe_col0, cache, limit, op_ptr, lse_ptr, k_col, v_col, j0, j1) = split_of(word, A, I, C, mla, ALIGN, cl_early)
+     pe_col0, cache, limit, op_ptr, lse_ptr, k_col, v_col, j0, j1) = split_of(word, A, I, C, mla, ALIGN)
     heads = h1 - h0
     d = tl.arange(0, DMAX)
     dmask = d < dim
@@ -255,7 +214,6 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
     rotated = False
     if ROPE:
         rotated = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_ROPE)
-    if ROPE:
         if rotated:  # before any thread reads the split's rows
             new_rows(word, A, cache, width, limit, T, b, j0, tl.minimum(j0 + fld(word, ATTENTION_SPLIT_LEN), S), k_col,
                      v_col, dim, d)
@@ -264,8 +222,15 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
         rvalid = rr < T * heads
         t = rr // heads
         h = h0 + rr % heads
-        q, pe = query_rows(word, A, mb, b, T, h0, heads, dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs, pe_col0,
-                           d, dmask, e, emask, mla, rotated, BM)
+        q_rows = b * T + t
+        q = tl.load(q_ptr + q_rows[:, None] * q_ld + h[:, None] * q_hs + q_col0 + d[None, :],
+                    mask=rvalid[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
+        if rotated:
+            q = rotate_half(q, q_ptr + q_rows[:, None] * q_ld + h[:, None] * q_hs + q_col0,
+                            A + off(word, ATTENTION_TAB_OFF) + q_rows[:, None] * dim, d[None, :], dim,
+                            rvalid[:, None] & dmask[None, :])
+        pe = tl.load(pe_ptr + q_rows[:, None] * pe_ld + h[:, None] * pe_hs + pe_col0 + e[None, :],
+                     mask=rvalid[:, None] & emask[None, :] & mla, other=0.0, cache_modifier=".cg")
         m_i = tl.full((BM,), float("-inf"), tl.float32)
         l_i = tl.zeros((BM,), tl.float32)
         acc = tl.zeros((BM, DMAX), tl.float32)
