@@ -8,6 +8,8 @@
 #            profile for $MODELS (default: llama-1b dsv2-lite);
 #   spec     the speculative k sweep (k = 0..7, one graph replay each) and speculative-equals-plain
 #            check on dsv2-lite and llama-1b, each with one MTP layer (tools/spec_sweep.py);
+#   hop      one dependency hop alone (tools/hop_bench.py): the kernel's counter hand-over against an ld.acquire
+#            poll and NCCL-style flagged rows, ns a hop (~1 min);
 #   stream   the weight stream alone (tools/stream_bench.py): GB/s per SM of LINEAR and expert
 #            tasks, default launch beside $STREAM_VARIANTS;
 #   ncu      Nsight Compute's warp-state samples of one step of each of $MODELS (tools/ncu_step.py; the
@@ -70,6 +72,9 @@ fi
 if [[ "$parts" == *,spec,* ]]; then
     timeout 500 python3 tools/spec_sweep.py --models dsv2-lite llama-1b --mtp 1 --ctx 4096 --kmax 7 --out "$out" 2>&1 \
         | tee "$out/spec.log" | tail -20 || worst $?
+fi
+if [[ "$parts" == *,hop,* ]]; then
+    timeout 120 python3 tools/hop_bench.py --out "$out" 2>&1 | tee "$out/hop.log" | tail -8 || worst $?
 fi
 if [[ "$parts" == *,stream,* ]]; then
     for kind in dense moe; do
