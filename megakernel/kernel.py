@@ -42,10 +42,10 @@ def next_word_to_l1(word, t, end, WORDS: tl.constexpr, WPF: tl.constexpr):
 def head_matmul_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr,
                      MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr,
                      ALIGN: tl.constexpr, TRANS: tl.constexpr, TB: tl.constexpr, WORDS: tl.constexpr,
-                     WPF: tl.constexpr, EF: tl.constexpr):
+                     WPF: tl.constexpr, EF: tl.constexpr, POLL: tl.constexpr):
     """A HEAD_MATMUL task as a LINEAR one runs: first weights requested, wait, body.  (ok, ready time)."""
     w = head_matmul.prefetch(word, W, BI, BO, ALIGN, TRANS, EF)
-    ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
+    ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL)
     t_ready = now_ns(USE_TIMER)
     next_word_to_l1(word, t, end, WORDS, WPF)
     if ok == 1:
@@ -58,13 +58,13 @@ def linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS: tl.con
                 MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, BR: tl.constexpr, KC: tl.constexpr,
                 ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr,
                 AHEAD: tl.constexpr, PFD: tl.constexpr, EF: tl.constexpr, WORDS: tl.constexpr, WPF: tl.constexpr,
-                HILO: tl.constexpr):
+                HILO: tl.constexpr, POLL: tl.constexpr):
     """A LINEAR task: its first weights requested before the wait (weights never depend on activations),
     then the body.  (ok, ready time)."""
     w = linear.prefetch(word, W, BR, KC, ALIGN, EF)
     if PFD > 0:
         linear.prefetch_blocks(word, W, BR, ALIGN, PFD, HILO)
-    ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
+    ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL)
     t_ready = now_ns(USE_TIMER)
     next_word_to_l1(word, t, end, WORDS, WPF)
     if ok == 1:
@@ -86,7 +86,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                ALIGN: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr, ATT_KIND: tl.constexpr,
                ROWVEC: tl.constexpr, AHEAD: tl.constexpr, NARROW: tl.constexpr, ROUTE1: tl.constexpr, PFD: tl.constexpr,
                EF: tl.constexpr, WPF: tl.constexpr, APF: tl.constexpr, PFK: tl.constexpr, HILO: tl.constexpr,
-               HELPER_SIDE: tl.constexpr, ATT_ROPE: tl.constexpr):
+               HELPER_SIDE: tl.constexpr, ATT_ROPE: tl.constexpr, POLL: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
     end = tl.load(queue_ptr + pid + 1)
@@ -110,23 +110,23 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             if NARROW and linear.needs_narrow(word, BR, KC):  # a launch variant: a copy with 4·BR x KC/4 chunks
                 ok, t_ready = linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
                                           MAX_SPINS, USE_TIMER, BR * 4, KC // 4, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD,
-                                          PFD, EF, WORDS, WPF, HILO)
+                                          PFD, EF, WORDS, WPF, HILO, POLL)
             else:
                 ok, t_ready = linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
                                           MAX_SPINS, USE_TIMER, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF,
-                                          WORDS, WPF, HILO)
+                                          WORDS, WPF, HILO, POLL)
         elif op == OP_HEAD_MATMUL:  # a copy per weight layout, so each vectorizes its loads
             if head_matmul.transposed(word):
                 ok, t_ready = head_matmul_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
-                                               MAX_SPINS, USE_TIMER, BIT, BOT, ALIGN, True, TB, WORDS, WPF, EF)
+                                               MAX_SPINS, USE_TIMER, BIT, BOT, ALIGN, True, TB, WORDS, WPF, EF, POLL)
             else:
                 ok, t_ready = head_matmul_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
-                                               MAX_SPINS, USE_TIMER, BI, BO, ALIGN, False, TB, WORDS, WPF, EF)
+                                               MAX_SPINS, USE_TIMER, BI, BO, ALIGN, False, TB, WORDS, WPF, EF, POLL)
         else:
             if APF:  # a split's cache rows asked of the L2 while it waits
                 if op == OP_ATTENTION:
                     attention.prefetch_split(word, I, C, ALIGN, DMAX, APF, ATT_KIND)
-            ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
+            ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL)
             t_ready = now_ns(USE_TIMER)
             next_word_to_l1(word, t, end, WORDS, WPF)
             if ok == 1:  # the other opcodes' bodies

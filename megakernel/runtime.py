@@ -242,7 +242,10 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # attention compiled for the plan's one kind (MLA or GQA), else the flag read per task
                 ATT_KIND=att_kinds.pop() if len(att_kinds) == 1 else 0,
                 # ATTENTION[ROPE] (fusion rule rope_into_attention) compiled in (only where used)
-                ATT_ROPE=int(any(t.op.name == "ATTENTION" and t.has("ROPE") for t in tasks)))
+                ATT_ROPE=int(any(t.op.name == "ATTENTION" and t.has("ROPE") for t in tasks)),
+                # 1 (a launch variant, inline PTX: not measured in a step yet): dependency waits poll with every
+                # thread's ld.acquire.gpu, not one thread's atomic (ops/common.poll_counter; tools/hop_bench.py)
+                POLL=0)
 
 
 def bulk_prefetch_refusal(align: int, weight_bytes: int) -> str | None:
@@ -294,6 +297,11 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
                        ("WPF", "the next task word's prefetch"), ("HILO", "LINEAR[PAIR] compiled in")):
         if blocks[flag] not in (0, 1):
             raise MegakernelError(f"block override {flag}={blocks[flag]}: 0, or 1 ({what})")
+    if blocks["POLL"] not in (0, 1):
+        raise MegakernelError(f"block override POLL={blocks['POLL']}: 0 (a scalar acquire atomic) or 1 (every "
+                              "thread's ld.acquire.gpu)")
+    if blocks["POLL"] and INTERPRET:
+        raise MegakernelError("block override POLL=1: the Triton interpreter runs no inline PTX")
     if blocks["APF"] not in (0, 1, 2):
         raise MegakernelError(f"block override APF={blocks['APF']}: 0, 1 (MLA attention's cache rows asked of the L2 "
                               "before the wait) or 2 (GQA's head lines too)")

@@ -116,6 +116,21 @@ def test_gqa_cache_prefetch_on_llama_1b():
         assert torch.equal(logits, want), blocks
 
 
+def test_acquire_load_polls_give_the_same_bits():
+    """Launch variant POLL=1 (every dependency wait polls with each thread's ld.acquire.gpu, not one thread's
+    acquire atomic) changes when a task sees its counters, not what it computes: llama-1b's logits (4 layers,
+    B=2) bit for bit, and the watchdog still turns a stalled counter into an error and recovers."""
+    from megakernel.runtime import LaunchConfig, Megakernel
+    want, got = _variant_logits("llama-1b", 2, 1024, [700, 1000], [dict(POLL=1)])
+    for blocks, logits in got:
+        assert torch.equal(logits, want), blocks
+    cfg, w, plan, _ = _setup("tiny-moe")
+    mk = Megakernel(plan, w, "cuda", torch.bfloat16, config=LaunchConfig(blocks=dict(POLL=1)))
+    mk.capture()
+    stall_is_a_watchdog_error_then_recovers(mk, plan.num_tasks // 2, torch.zeros(2, 2, dtype=torch.long, device="cuda"),
+                                            torch.tensor([0, 0], device="cuda"))
+
+
 def _top2_gap(logits):
     """(top-1 minus top-2 logit, the top logit's magnitude, at least 1) per row."""
     top = logits.float().topk(2, dim=-1).values

@@ -9,8 +9,9 @@ that: 6 hops x ~2 us is ~10% of a llama-1b step.  This times the hop by itself, 
 
 - counter: the persistent kernel's (ops/common.py): every thread stores its part, a CTA barrier, one thread's
   release add on the counter; the consumer polls with a scalar acquire add (one thread's, shared through a
-  barrier), then loads the rows;
-- ldacq: the same with the poll an `ld.acquire.gpu` by every thread (a load, not an atomic), the CTA's minimum;
+  barrier: poll_counter with POLL=0), then loads the rows;
+- ldacq: the same with the poll an `ld.acquire.gpu` by every thread (a load, not an atomic), the CTA's minimum
+  (the kernel's launch variant POLL=1);
 - ll: no counter (NCCL's LL protocol): each 8-byte word carries a 4-byte value and a 4-byte flag (the hop's
   number), stored together, so a consumer polls the rows themselves and has them when every flag matches: no
   release, no second round trip.  Twice the bytes on the wire.
@@ -36,24 +37,20 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megakernel.ops.common import now_ns  # noqa: E402
+from megakernel.ops.common import now_ns, poll_counter  # noqa: E402
 
 MODES = {"counter": 0, "ldacq": 1, "ll": 2}
 MAX_SPINS = 10_000_000
 
 
 @triton.jit
-def poll_counter(cnt, target, MODE: tl.constexpr, MAX_SPINS: tl.constexpr):
-    """Spins until cnt >= target (acquire); the polls it took, or -1 past MAX_SPINS."""
+def wait_count(cnt, target, MODE: tl.constexpr, MAX_SPINS: tl.constexpr):
+    """Spins until cnt >= target, polling as the kernel's waits do (ops/common.poll_counter: MODE 0 is POLL 0,
+    1 is POLL 1); the polls it took, or -1 past MAX_SPINS."""
     spins = 0
     seen = tl.cast(-1, tl.int32)
     while (seen < target) & (spins >= 0):
-        if MODE == 0:
-            seen = tl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
-        else:
-            seen = tl.min(tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l",
-                                                    [cnt + tl.zeros([32], tl.int32)], dtype=tl.int32, is_pure=False,
-                                                    pack=1), axis=0)
+        seen = poll_counter(cnt, MODE)
         spins += 1
         if spins > MAX_SPINS:
             spins = -1
@@ -88,7 +85,7 @@ def take_over(rows, ll, cnt, g, d, MODE: tl.constexpr, MAX_SPINS: tl.constexpr):
         vals = (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
     else:
         # the counter counts this direction's hops over every launch: hop g is its number g // 2 + 1
-        spins = poll_counter(cnt, g // 2 + 1, MODE, MAX_SPINS)
+        spins = wait_count(cnt, g // 2 + 1, MODE, MAX_SPINS)
         vals = tl.load(rows + d, cache_modifier=".cg")
     return vals, spins
 

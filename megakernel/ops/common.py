@@ -230,11 +230,25 @@ def record_stop(err, state, reason, t, counter, seen, target, TIMEOUT_REASON: tl
 
 
 @triton.jit
+def poll_counter(ptr, POLL: tl.constexpr):
+    """A counter's value, acquired, the same in every thread.  POLL 0: a scalar atomic (one thread's, shared
+    through a barrier); 1 (a launch variant, inline PTX): every thread's own ld.acquire.gpu and the CTA's
+    minimum, a load rather than a read-modify-write at the L2's atomic unit (tools/hop_bench.py times both:
+    `counter` and `ldacq`).  A 32-wide row is every thread's own element: warps replicate it."""
+    if POLL == 1:
+        return tl.min(tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l",
+                                                [ptr + tl.zeros([32], tl.int32)], dtype=tl.int32, is_pure=False,
+                                                pack=1), axis=0)
+    else:
+        return tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
 def wait_task(word, t, counters, epoch, err, pid, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr,
-              MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr):
+              MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, POLL: tl.constexpr = 0):
     """1 when every wait of the task holds, 0 when this worker must stop (timeout, or another failed).
-    A poll is a scalar atomic (one thread's, shared through a barrier: every thread leaves the loop at
-    the same turn); the bound is decided alike in every thread too (poll_stop), from the 32nd poll."""
+    A poll (poll_counter) gives every thread the same value, so every thread leaves the loop at the same
+    turn; the bound is decided alike in every thread too (poll_stop), from the 32nd poll."""
     ok = 1
     for i in tl.static_range(MAX_WAITS):
         c = tl.load(word + WORD_WAITS + 2 * i)
@@ -242,12 +256,12 @@ def wait_task(word, t, counters, epoch, err, pid, MAX_WAITS: tl.constexpr, TIMEO
             target = epoch * tl.load(word + WORD_WAITS + 2 * i + 1)
             ptr = counters + c.to(tl.int64) * COUNTER_STRIDE
             state = err + ERR_HEADER + pid * ERR_PER_WORKER
-            seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+            seen = poll_counter(ptr, POLL)
             start = tl.cast(0, tl.int32)  # scalars as tl.cast: these compile inside Gluon too
             spins = 0
             reason = 0
             while (seen < target) & (reason == 0):
-                seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+                seen = poll_counter(ptr, POLL)
                 spins += 1
                 reason, start = past_bound(err, state, spins, start, TIMEOUT_NS, MAX_SPINS, USE_TIMER, 1)
             if reason != 0:
