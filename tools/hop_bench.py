@@ -1,11 +1,13 @@
-"""What one dependency hop costs, alone: two programs on two SMs hand an activation vector back and forth.
+"""What one dependency hop costs, alone: programs on their own SMs hand activation rows on, hop after hop.
 
-    python tools/hop_bench.py [--rounds 2000] [--sizes 64 2048] [--modes counter ldacq ll] [--out DIR]
+    python tools/hop_bench.py [--rounds 2000] [--programs 2 0] [--sizes 64 2048] [--modes counter ldacq ll] [--out DIR]
 
 Every layer of a step is a chain of ~6 (llama-1b) to ~10 (dsv2-lite) hops: a task's rows reach the L2, its
 counter is released, the next op's tasks see the count, then load the rows.  In session 24's traces a consumer
 was ready 1.1-1.7 us after its producer's end, and its first activation load is another L2 round trip after
-that: 6 hops x ~2 us is ~10% of a llama-1b step.  This times the hop by itself, for each way of handing over:
+that: 6 hops x ~2 us is ~10% of a llama-1b step.  This times the hop by itself, all to all as a chain of LINEAR
+ops is (each program writes its share of a hop's rows, then waits for and reads all of them), on 2 programs or
+one per SM (`--programs 0`), for each way of handing over:
 
 - counter: the persistent kernel's (ops/common.py): every thread stores its part, a CTA barrier, one thread's
   release add on the counter; the consumer polls with a scalar acquire add (one thread's, shared through a
@@ -16,11 +18,12 @@ that: 6 hops x ~2 us is ~10% of a llama-1b step.  This times the hop by itself, 
   number), stored together, so a consumer polls the rows themselves and has them when every flag matches: no
   release, no second round trip.  Twice the bytes on the wire.
 
-Hop h's rows are h + row index, written from the count the producer itself last read (row 0 + 1), so every hop
-depends on the one before; each consumer checks every row (a stale or torn row is an error naming the mode).  Per mode and size: ns a hop
-(the rounds' span on the device timer / rounds).  Polls are bounded (MAX_SPINS): a hop that never arrives ends
-the run with an error naming the mode, not a hang.  Under TRITON_INTERPRET (programs one after another) only a
-hop from program 0 to 1 can run: tests/test_hop_bench.py checks the protocols' values that way.
+Hop g's rows are g + row index, written from the count each program read in hop g - 1 (row 0 + 1), so every hop
+depends on the one before; every program checks every row it reads (a stale or torn row is an error naming the
+mode).  Per programs, mode and size: ns a hop (the rounds' span on the device timer / rounds), the median of the
+launches after the first.  Polls are bounded (MAX_SPINS): a hop that never arrives ends the run with an error,
+not a hang.  Under TRITON_INTERPRET (programs one after another) only one program can run a chain:
+tests/test_hop_bench.py checks the protocols' values that way, and that two programs end in the bound's error.
 """
 
 from __future__ import annotations
@@ -58,21 +61,22 @@ def wait_count(cnt, target, MODE: tl.constexpr, MAX_SPINS: tl.constexpr):
 
 
 @triton.jit
-def hand_over(rows, ll, cnt, g, vals, d, MODE: tl.constexpr):
-    """Hop g's rows out: values (counter modes: then the release), or value | flag words (ll, flag g + 1)."""
+def hand_over(rows, ll, cnt, g, vals, d, mine, MODE: tl.constexpr):
+    """This program's rows of hop g out: values (counter modes: then the release), or value | flag words (ll, flag
+    g + 1)."""
     if MODE == 2:
         flag = (g + 1).to(tl.int64)
         bits = vals.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-        tl.store(ll + d, (flag << 32) | bits)
+        tl.store(ll + d, (flag << 32) | bits, mask=mine)
     else:
-        tl.store(rows + d, vals)
+        tl.store(rows + d, vals, mask=mine)
         tl.debug_barrier()  # every thread's rows before the release
         tl.atomic_add(cnt, 1, sem="release", scope="gpu")
 
 
 @triton.jit
-def take_over(rows, ll, cnt, g, d, MODE: tl.constexpr, MAX_SPINS: tl.constexpr):
-    """(hop g's rows, polls it took or -1)."""
+def take_over(rows, ll, cnt, g, target, d, MODE: tl.constexpr, MAX_SPINS: tl.constexpr):
+    """(every row of hop g, polls it took or -1); target: the count its buffer's counter reaches with it."""
     if MODE == 2:
         flag = (g + 1).to(tl.int64)
         words = tl.load(ll + d, volatile=True)
@@ -84,21 +88,24 @@ def take_over(rows, ll, cnt, g, d, MODE: tl.constexpr, MAX_SPINS: tl.constexpr):
                 spins = -1
         vals = (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
     else:
-        # the counter counts this direction's hops over every launch: hop g is its number g // 2 + 1
-        spins = wait_count(cnt, g // 2 + 1, MODE, MAX_SPINS)
+        spins = wait_count(cnt, target, MODE, MAX_SPINS)
         vals = tl.load(rows + d, cache_modifier=".cg")
     return vals, spins
 
 
 @triton.jit
-def ping_pong(rows, ll, counters, result, base, ROUNDS: tl.constexpr, N: tl.constexpr, MODE: tl.constexpr,
-              MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr):
-    """Hops are numbered over every launch (base: the hops earlier launches ran); program p produces hops g with
-    g % 2 == p and consumes the others, through direction g % 2's rows and counter (128 bytes apart).  result[8p:]: start, end, the count it last read,
-    the hop that never arrived + 1, rows that were not what their hop wrote."""
-    pid = tl.program_id(0)
+def chain(rows, ll, counters, result, base, ROUNDS: tl.constexpr, N: tl.constexpr, MODE: tl.constexpr,
+          MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr):
+    """G programs (the grid), each hop all to all, as a chain of LINEAR ops is: every program writes its rows of
+    hop g (rows r with r % G == its id), then waits for and reads every row, and writes hop g + 1 from what it
+    read.  Hops are numbered over every launch (base: the hops earlier launches ran) and alternate between two
+    buffers, each with its counter (128 bytes apart); a buffer is written again only after every program has read
+    it (each has written the next hop, which it does after its reads).  result[8p:]: start, end, the count it
+    last read, the hop that never arrived + 1, rows that were not what their hop wrote."""
+    pid, G = tl.program_id(0), tl.num_programs(0)
     d = tl.arange(0, N)
-    count = tl.cast(0, tl.int32) + base  # hops seen: what the next hop this program produces writes
+    mine = d % G == pid
+    count = tl.cast(0, tl.int32) + base  # hop g's rows are g + row: written from the count read in hop g - 1
     failed = tl.cast(0, tl.int32)
     bad = tl.cast(0, tl.int32)
     t0 = now_ns(USE_TIMER)
@@ -106,14 +113,13 @@ def ping_pong(rows, ll, counters, result, base, ROUNDS: tl.constexpr, N: tl.cons
         g = base + hop
         way = g % 2
         if failed == 0:
-            if way == pid:
-                hand_over(rows + way * N, ll + way * N, counters + way * 32, g, (count + d).to(tl.float32), d, MODE)
-            else:
-                vals, spins = take_over(rows + way * N, ll + way * N, counters + way * 32, g, d, MODE, MAX_SPINS)
-                bad += tl.sum((vals != (g + d).to(tl.float32)).to(tl.int32), axis=0)
-                count = tl.sum(tl.where(d == 0, vals, 0.0), axis=0).to(tl.int32) + 1
-                if spins < 0:
-                    failed = hop + 1
+            hand_over(rows + way * N, ll + way * N, counters + way * 32, g, (count + d).to(tl.float32), d, mine, MODE)
+            vals, spins = take_over(rows + way * N, ll + way * N, counters + way * 32, g, G * (g // 2 + 1), d, MODE,
+                                    MAX_SPINS)
+            bad += tl.sum((vals != (g + d).to(tl.float32)).to(tl.int32), axis=0)
+            count = tl.sum(tl.where(d == 0, vals, 0.0), axis=0).to(tl.int32) + 1
+            if spins < 0:
+                failed = hop + 1
     t1 = now_ns(USE_TIMER)
     tl.store(result + 8 * pid, t0)
     tl.store(result + 8 * pid + 1, t1)
@@ -123,38 +129,47 @@ def ping_pong(rows, ll, counters, result, base, ROUNDS: tl.constexpr, N: tl.cons
 
 
 class HopBench:
-    """Buffers for one (mode, size); run() launches one ping-pong of `rounds` hops and checks its sum."""
+    """Buffers for one (mode, rows, programs); run() launches one chain of `rounds` hops and checks every row."""
 
-    def __init__(self, mode: str, n: int, device: str):
+    def __init__(self, mode: str, n: int, programs: int, device: str):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}: {', '.join(MODES)}")
         if n & (n - 1) or n < 32:
             raise ValueError(f"size {n}: a power of two >= 32 (one value per lane at least)")
-        self.mode, self.n, self.device = mode, n, torch.device(device)
+        if not 1 <= programs <= n:
+            raise ValueError(f"programs={programs}: 1 to the {n} rows (each writes at least one)")
+        if torch.device(device).type == "cuda":
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            if programs > sms:
+                raise ValueError(f"programs={programs}: more than the {sms} SMs, which one CTA each must hold "
+                                 "(they wait on one another)")
+        self.mode, self.n, self.programs, self.device = mode, n, programs, torch.device(device)
         self.rows = torch.zeros(2 * n, dtype=torch.float32, device=device)
         self.ll = torch.zeros(2 * n, dtype=torch.int64, device=device)
         self.counters = torch.zeros(64, dtype=torch.int32, device=device)
-        self.result = torch.zeros(16, dtype=torch.int64, device=device)
+        self.result = torch.zeros(8 * programs, dtype=torch.int64, device=device)
         self.hops_done = 0  # over every launch: the counters and flags only grow
 
     def run(self, rounds: int) -> dict:
         if rounds < 1:
             raise ValueError(f"rounds={rounds}: at least one hop")
         timer = self.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-        ping_pong[(2,)](self.rows, self.ll, self.counters, self.result, self.hops_done, ROUNDS=rounds, N=self.n,
-                        MODE=MODES[self.mode], MAX_SPINS=MAX_SPINS, USE_TIMER=timer, num_warps=4)
-        base, self.hops_done = self.hops_done, self.hops_done + rounds
-        r = self.result.cpu().tolist()
-        failed, bad = max(r[3], r[11]), r[4] + r[12]
+        chain[(self.programs,)](self.rows, self.ll, self.counters, self.result, self.hops_done, ROUNDS=rounds,
+                                N=self.n, MODE=MODES[self.mode], MAX_SPINS=MAX_SPINS, USE_TIMER=timer, num_warps=4)
+        self.hops_done += rounds
+        r = self.result.view(self.programs, 8).cpu()
+        stuck = r[:, 3][r[:, 3] > 0]  # hop + 1 where a program gave up: the first is the one to look at
+        failed, bad = int(stuck.min()) if len(stuck) else 0, int(r[:, 4].sum())
+        what = f"hop_bench {self.mode} N={self.n} programs={self.programs}"
         if failed:
-            raise RuntimeError(f"hop_bench {self.mode} N={self.n}: hop {failed - 1} never arrived within "
-                               f"{MAX_SPINS} polls (programs not co-resident, or a protocol bug)")
-        last = 1 - (self.hops_done - 1) % 2  # the program that consumed the last hop
-        if bad or r[8 * last + 2] != self.hops_done:
-            raise RuntimeError(f"hop_bench {self.mode} N={self.n}: {bad} rows were not their hop's, the last count "
-                               f"read {r[8 * last + 2]} (want {self.hops_done}): a stale or torn row was taken")
-        span = max(r[1], r[9]) - min(r[0], r[8])
-        return {"mode": self.mode, "N": self.n, "rounds": rounds, "ns_per_hop": span / rounds if timer else None}
+            raise RuntimeError(f"{what}: hop {failed - 1} never arrived within {MAX_SPINS} polls (programs not "
+                               "co-resident, or a protocol bug)")
+        if bad or (r[:, 2] != self.hops_done).any():
+            raise RuntimeError(f"{what}: {bad} rows were not their hop's, last counts read {r[:, 2].unique().tolist()} "
+                               f"(want {self.hops_done}): a stale or torn row was taken")
+        span = int(r[:, 1].max() - r[:, 0].min())
+        return {"mode": self.mode, "N": self.n, "programs": self.programs, "rounds": rounds,
+                "ns_per_hop": span / rounds if timer else None}
 
 
 def main() -> None:
@@ -162,24 +177,27 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2000)
     p.add_argument("--reps", type=int, default=5, help="launches per mode and size (the first is the warm-up)")
     p.add_argument("--sizes", type=int, nargs="*", default=[64, 2048])
+    p.add_argument("--programs", type=int, nargs="*", default=[2, 0], help="0: one per SM (a layer's all-to-all hop)")
     p.add_argument("--modes", nargs="*", default=list(MODES))
     p.add_argument("--out", default=".")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("hop_bench times the GPU; on a CPU, tests/test_hop_bench.py checks the protocols")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for n in args.sizes:
-        for mode in args.modes:
-            bench = HopBench(mode, n, "cuda")
-            times = [bench.run(args.rounds)["ns_per_hop"] for _ in range(args.reps)][1:] or [None]
-            rows.append({"mode": mode, "N": n, "rounds": args.rounds, "ns_per_hop_median": sorted(times)[len(times) // 2],
-                         "ns_per_hop_all": times})
+    for programs in [g or sms for g in args.programs]:
+        for n in args.sizes:
+            for mode in args.modes:
+                bench = HopBench(mode, n, programs, "cuda")
+                times = [bench.run(args.rounds)["ns_per_hop"] for _ in range(args.reps)][1:] or [None]
+                rows.append({"mode": mode, "N": n, "programs": programs, "rounds": args.rounds,
+                             "ns_per_hop_median": sorted(times)[len(times) // 2], "ns_per_hop_all": times})
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "hop_bench.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                                                 "rows": rows}, indent=1))
-    print(f"{'mode':<9}{'N':>6}{'ns/hop':>9}")
+    print(f"{'programs':>8} {'mode':<9}{'N':>6}{'ns/hop':>9}")
     for r in rows:
-        print(f"{r['mode']:<9}{r['N']:>6}{r['ns_per_hop_median']:>9.0f}")
+        print(f"{r['programs']:>8} {r['mode']:<9}{r['N']:>6}{r['ns_per_hop_median']:>9.0f}")
 
 
 if __name__ == "__main__":
