@@ -234,10 +234,11 @@ def poll_counter(ptr, POLL: tl.constexpr):
     """A counter's value, acquired, the same in every thread.  POLL 0: a scalar atomic (one thread's, shared
     through a barrier); 1 (a launch variant, inline PTX): every thread's own ld.acquire.gpu and the CTA's
     minimum, a load rather than a read-modify-write at the L2's atomic unit (tools/hop_bench.py times both:
-    `counter` and `ldacq`).  A 32-wide row is every thread's own element: warps replicate it."""
+    `counter` and `ldacq`).  The row is 256 wide, at least one element per thread up to 8 warps: a row that warps
+    replicate is reduced per warp, and warps that saw different values would leave the wait at different turns."""
     if POLL == 1:
         return tl.min(tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l",
-                                                [ptr + tl.zeros([32], tl.int32)], dtype=tl.int32, is_pure=False,
+                                                [ptr + tl.zeros([256], tl.int32)], dtype=tl.int32, is_pure=False,
                                                 pack=1), axis=0)
     else:
         return tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
