@@ -1,8 +1,8 @@
 """What one dependency hop costs, alone: programs on their own SMs hand activation rows on, hop after hop.
 
-    python tools/hop_bench.py [--rounds 2000] [--programs 2 0] [--sizes 64 2048] [--modes counter ldacq ll] [--out DIR]
+    python tools/hop_bench.py [--rounds 2000] [--programs 2 0] [--sizes 256 2048] [--modes counter ldacq ll] [--out DIR]
 
-Every layer of a step is a chain of ~6 (llama-1b) to ~10 (dsv2-lite) hops: a task's rows reach the L2, its
+Every layer of a step is a chain of 6 (llama-1b) to 13 (dsv2-lite) hops: a task's rows reach the L2, its
 counter is released, the next op's tasks see the count, then load the rows.  In session 24's traces a consumer
 was ready 1.1-1.7 us after its producer's end, and its first activation load is another L2 round trip after
 that: 6 hops x ~2 us is ~10% of a llama-1b step.  This times the hop by itself, all to all as a chain of LINEAR
@@ -40,7 +40,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megakernel.ops.common import now_ns, poll_counter  # noqa: E402
+from megakernel.ops.common import COUNTER_STRIDE, now_ns, poll_counter  # noqa: E402
 
 MODES = {"counter": 0, "ldacq": 1, "ll": 2}
 MAX_SPINS = 10_000_000
@@ -99,7 +99,7 @@ def chain(rows, ll, counters, result, base, ROUNDS: tl.constexpr, N: tl.constexp
     """G programs (the grid), each hop all to all, as a chain of LINEAR ops is: every program writes its rows of
     hop g (rows r with r % G == its id), then waits for and reads every row, and writes hop g + 1 from what it
     read.  Hops are numbered over every launch (base: the hops earlier launches ran) and alternate between two
-    buffers, each with its counter (128 bytes apart); a buffer is written again only after every program has read
+    buffers, each with its counter (a line apart, as the kernel's); a buffer is written again only after every program has read
     it (each has written the next hop, which it does after its reads).  result[8p:]: start, end, the count it
     last read, the hop that never arrived + 1, rows that were not what their hop wrote."""
     pid, G = tl.program_id(0), tl.num_programs(0)
@@ -113,9 +113,9 @@ def chain(rows, ll, counters, result, base, ROUNDS: tl.constexpr, N: tl.constexp
         g = base + hop
         way = g % 2
         if failed == 0:
-            hand_over(rows + way * N, ll + way * N, counters + way * 32, g, (count + d).to(tl.float32), d, mine, MODE)
-            vals, spins = take_over(rows + way * N, ll + way * N, counters + way * 32, g, G * (g // 2 + 1), d, MODE,
-                                    MAX_SPINS)
+            cnt = counters + way * COUNTER_STRIDE
+            hand_over(rows + way * N, ll + way * N, cnt, g, (count + d).to(tl.float32), d, mine, MODE)
+            vals, spins = take_over(rows + way * N, ll + way * N, cnt, g, G * (g // 2 + 1), d, MODE, MAX_SPINS)
             bad += tl.sum((vals != (g + d).to(tl.float32)).to(tl.int32), axis=0)
             count = tl.sum(tl.where(d == 0, vals, 0.0), axis=0).to(tl.int32) + 1
             if spins < 0:
@@ -146,7 +146,7 @@ class HopBench:
         self.mode, self.n, self.programs, self.device = mode, n, programs, torch.device(device)
         self.rows = torch.zeros(2 * n, dtype=torch.float32, device=device)
         self.ll = torch.zeros(2 * n, dtype=torch.int64, device=device)
-        self.counters = torch.zeros(64, dtype=torch.int32, device=device)
+        self.counters = torch.zeros(2 * COUNTER_STRIDE.value, dtype=torch.int32, device=device)
         self.result = torch.zeros(8 * programs, dtype=torch.int64, device=device)
         self.hops_done = 0  # over every launch: the counters and flags only grow
 
@@ -176,7 +176,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=2000)
     p.add_argument("--reps", type=int, default=5, help="launches per mode and size (the first is the warm-up)")
-    p.add_argument("--sizes", type=int, nargs="*", default=[64, 2048])
+    p.add_argument("--sizes", type=int, nargs="*", default=[256, 2048])
     p.add_argument("--programs", type=int, nargs="*", default=[2, 0], help="0: one per SM (a layer's all-to-all hop)")
     p.add_argument("--modes", nargs="*", default=list(MODES))
     p.add_argument("--out", default=".")
@@ -187,6 +187,9 @@ def main() -> None:
     rows = []
     for programs in [g or sms for g in args.programs]:
         for n in args.sizes:
+            if programs > n:  # each program writes at least one row of a hop
+                print(f"skipped: {programs} programs over {n} rows")
+                continue
             for mode in args.modes:
                 bench = HopBench(mode, n, programs, "cuda")
                 times = [bench.run(args.rounds)["ns_per_hop"] for _ in range(args.reps)][1:] or [None]
