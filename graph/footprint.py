@@ -108,7 +108,10 @@ def footprint(task: Decoded) -> list[Access]:
             out += _acc(task, "d", r0, r1, 0, D, False) + _acc(task, "xo", r0, r1, 0, D, True)
         if not task.has("NOWEIGHT"):
             out += _flat(task, "w", 0, D, False)
-        out += _acc(task, "out", r0, r1, 0, D, True)
+        if task.has("CACHE"):  # the normalized rows go to the cache (a CACHE_WRITE fused in)
+            out += _cache_rows(task, f, D)
+        else:
+            out += _acc(task, "out", r0, r1, 0, D, True)
     elif name == "LINEAR":
         N, K, r0, r1 = f["N"], f["K"], f["r0"], f["r1"]
         out += _acc(task, "x", 0, N, 0, K, False)
@@ -299,8 +302,8 @@ READ_ONLY = (Buf.W, Buf.WF)
 
 
 def _cache_rows(task, f, cols: int, skip: int = 0) -> list:
-    """A cache write of rows r0..r1 (CACHE_WRITE, ROPE[CACHE]): the cache lengths it reads and the cache
-    columns col0+skip..col0+skip+cols it writes.  Positions come from the cache lengths at run time: claim every
+    """A cache write of rows r0..r1 (CACHE_WRITE, ROPE[CACHE], RMSNORM[CACHE]): the cache lengths it reads and the
+    cache columns col0+skip..col0+skip+cols it writes.  Positions come from the cache lengths at run time: claim every
     position of those sequences; tiles of one op with disjoint rows write distinct positions
     (cache_lens[b] + t differs per t)."""
     r0, r1, T, S, c0 = f["r0"], f["r1"], f["T"], f["S"], f["col0"] + skip

@@ -8,6 +8,9 @@ Rules, applied in this order (each names what it merged in the report):
 - residual_norm: ADD(a, b) feeding an RMSNORM              -> RMSNORM[ADD] (writes the sum too)
 - rope_into_cache: CACHE_WRITE of a ROPE's whole output     -> ROPE[CACHE] (rotated keys go straight
                  into the cache: one hop fewer before attention; the same values, rounded once)
+- norm_into_cache: CACHE_WRITE of an RMSNORM's whole output  -> RMSNORM[CACHE] (MLA's kv_a_norm writes the
+                 normalized latent straight into the cache: one hop fewer per MLA layer; the same values,
+                 computed in fp32 and rounded to the cache dtype once)
 - rope_into_attention: GQA's ROPE of q, ROPE[CACHE] of k, CACHE_WRITE of v -> ATTENTION[ROPE] (each split
                  rotates its query rows, and the split whose rows hold the step's new positions rotates their
                  keys and writes them and their values into the cache before reading its rows: attention
@@ -34,8 +37,8 @@ from __future__ import annotations
 
 from .ir import Graph, Op, Tensor, View
 
-RULES = ("swiglu", "moe_epilogue", "residual_into_linear", "residual_norm", "rope_into_cache", "rope_into_attention",
-         "route", "hc_coeff", "norm_into_linear", "norm_beside_experts")
+RULES = ("swiglu", "moe_epilogue", "residual_into_linear", "residual_norm", "rope_into_cache", "norm_into_cache",
+         "rope_into_attention", "route", "hc_coeff", "norm_into_linear", "norm_beside_experts")
 WEIGHT_RULES = ("norm_into_linear", "norm_beside_experts")  # rules that derive packed weights (W' = W diag(g))
 # what a plan applies unless told.  norm_beside_experts stays opt-in: its first version (session 15: -2.8%,
 # -3.1% on dsv2-lite) rounded the router's W·diag(g) to bf16, which moved routing decisions (1.2% of tokens per
@@ -190,6 +193,25 @@ def _rope_into_cache(ctx: _Ctx) -> str | None:
     return None
 
 
+def _norm_into_cache(ctx: _Ctx) -> str | None:
+    for write in ctx.g.ops:
+        if write.opcode != "CACHE_WRITE":
+            continue
+        norm = ctx.sole_producer(write.reads["src"], "RMSNORM")
+        if norm is None or "ADD" in norm.flags or set(norm.writes) != {"out"}:
+            continue  # RMSNORM[ADD] also writes the sum (xo)
+        out = norm.writes["out"]
+        if not _whole(ctx, out) or not ctx.private(out.tensor, write) or norm.attrs["D"] != write.attrs["cols"] \
+                or norm.attrs["rows"] != write.attrs["rows"]:
+            continue  # rows that are not the whole tensor, or another reader of the norm's rows
+        attrs = {**norm.attrs, **{k: write.attrs[k] for k in ("T", "S", "width", "col0", "pos_offset")}}
+        fused = _new(norm, norm.flags | {"CACHE"}, {**norm.reads, "cl": write.reads["cl"]},
+                     {"cache": write.writes["cache"]}, attrs)
+        ctx.replace([norm, write], fused)
+        return f"{write.label} -> {norm.label} RMSNORM[CACHE]"
+    return None
+
+
 def _rope_into_attention(ctx: _Ctx) -> str | None:
     for att in ctx.g.ops:
         if att.opcode != "ATTENTION" or att.flags & {"MLA", "ROPE"}:
@@ -254,7 +276,8 @@ def _feeds_route(ctx: _Ctx, op: Op) -> bool:
 def _norm_into_linear(ctx: _Ctx, beside_experts: bool = False) -> str | None:
     """beside_experts: only norms that routed experts read too, folded into the router alone."""
     for norm in ctx.g.ops:
-        if norm.opcode != "RMSNORM" or "ADD" in norm.flags or not _whole(ctx, norm.writes["out"]):
+        if norm.opcode != "RMSNORM" or "ADD" in norm.flags or "out" not in norm.writes \
+                or not _whole(ctx, norm.writes["out"]):  # (an RMSNORM[CACHE] writes no rows)
             continue
         out = norm.writes["out"].tensor
         every = ctx.cons.get(out, [])
@@ -352,6 +375,7 @@ def fuse(graph: Graph, rules: tuple[str, ...] = DEFAULT_RULES) -> dict:
         "moe_epilogue": _moe_epilogue,
         "residual_norm": _residual_norm,
         "rope_into_cache": _rope_into_cache,
+        "norm_into_cache": _norm_into_cache,
         "rope_into_attention": _rope_into_attention,
         # ROUTE's slot-table stage reads the top-k ids back from memory (megakernel/ops/moe.py)
         "route": lambda c: _merge_stages(c, "ROUTE", ("SCORE", "TOPK", "SLOTS"), ".route", scratch=("ids",)),

@@ -103,8 +103,10 @@ def _f(spec: str) -> tuple[str, ...]:
 _OPS = [
     # out[r, c*H:(c+1)*H] = table[tok[r·ld]] for each of `copies` (mHC streams) — rows r0..r1
     Opcode("EMBED", 1, _f("tok* table+ out* H copies r0 r1")),
-    # v = x[r] (+ d[r] with ADD, v also stored to xo); out[r] = v * rsqrt(mean(v²) + eps) * w
-    Opcode("RMSNORM", 2, _f("x* d* xo* w+ out* D r0 r1 eps"), ("ADD", "NOWEIGHT")),
+    # v = x[r] (+ d[r] with ADD, v also stored to xo); out[r] = v * rsqrt(mean(v²) + eps) * w;
+    # CACHE: into cache[b, pos, col0 : col0 + D] instead (in the cache dtype), b and pos as in CACHE_WRITE
+    Opcode("RMSNORM", 2, _f("x* d* xo* w+ out* D r0 r1 eps cache+ cl+ T S width col0 pos_offset"),
+           ("ADD", "NOWEIGHT", "CACHE")),
     # out[:, r0:r1] = x[:N, :K] @ W[r0:r1].T (+ res with RES); SILU_MUL: silu(x@W.T) * (x@W2.T);
     # NORM: each x@W.T times rsqrt(mean(x[n]²) + eps), x's RMSNorm (its weight folded into W's columns);
     # PAIR: x@W.T + x@W2.T, W and W2 one matrix's bf16 high and low parts (a router's folded weights, kept exact)

@@ -133,7 +133,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                 if op == OP_EXPERT_LINEAR:
                     moe.expert_body(word, W, A, I, BR, KC, ALIGN, TB, PF, DEPTH, ROWVEC, AHEAD, NARROW, PFD, EF)
                 elif op == OP_RMSNORM:
-                    norm.body(word, W, A, BN)
+                    norm.body(word, W, A, I, C, BN)
                 elif op == OP_ATTENTION:
                     attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC, ATT_KIND, EF, ATT_ROPE)
                 elif op == OP_ATTN_COMBINE:

@@ -32,7 +32,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # the buffer each operand role must live in (the kernel indexes these pointers directly)
 OPERAND_BUFFERS = {
     "EMBED": {"tok": Buf.I, "table": Buf.W, "out": Buf.A},
-    "RMSNORM": {"x": Buf.A, "d": Buf.A, "xo": Buf.A, "w": Buf.W, "out": Buf.A},
+    "RMSNORM": {"x": Buf.A, "d": Buf.A, "xo": Buf.A, "w": Buf.W, "out": Buf.A, "cache": Buf.C, "cl": Buf.I},
     "LINEAR": {"x": Buf.A, "w": Buf.W, "w2": Buf.W, "res": Buf.A, "out": Buf.A},
     "EWISE": {"a": Buf.A, "b": Buf.A, "out": Buf.A},
     "ROPE_TABLE": {"cl": Buf.I, "f": Buf.WF, "out": Buf.A},

@@ -273,6 +273,93 @@ def test_rotated_keys_go_straight_into_the_cache(name):
     _same_step(cfg, (plan, unfused), 1, [2, 11])
 
 
+def _ops_by_layer(plan) -> dict:
+    """Layer prefix ("L3") -> the plan's ops (counter labels) of it; an MTP layer's passes count twice."""
+    counts = {}
+    for label in plan.counter_labels:
+        layer = label.split(".")[0]
+        counts[layer] = counts.get(layer, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("name,dtype", [("tiny-moe", None), ("tiny-mhc", None), ("tiny-moe", "bfloat16")])
+def test_the_latent_norm_writes_the_cache(name, dtype):
+    """norm_into_cache (a default rule): every MLA layer's kv_a_norm, whose rows only its cache_latent CACHE_WRITE
+    read, writes them into the cache itself (RMSNORM[CACHE], at the write's cache columns and positions): no
+    cache_latent is left, and every layer (each MTP pass too) has one op fewer than with the rule removed
+    (compile_options' norm_into_cache=0).  Over two steps (T=2, B=2, two MTP passes) the two plans write the same
+    caches and logits, bit for bit, in fp32 and in bf16 (the norm's fp32 rows rounded to the cache dtype once)."""
+    import torch
+
+    from graph.compile import compile_options
+    from graph.isa import Buf
+    from megakernel.interpreter import Interpreter
+    from model import init_weights
+    cfg = preset(name) if dtype is None else preset(name).replace(dtype=dtype)
+    shape = StepShape(T=2, B=2, max_len=16, mtp_passes=2)
+    plan = compile_step(cfg, shape, CompileOptions(workers=4))
+    unfused = compile_step(cfg, shape, compile_options("norm_into_cache=0", 4)[0])
+    layers = cfg.num_hidden_layers + 2  # two MTP passes
+    fusion = next(p for p in plan.passes if p["pass"] == "fusion")
+    assert fusion["per_rule"]["norm_into_cache"] == layers
+
+    def tasks(p, test):
+        return [(p.task_labels[i].split("[")[0], p.task(i)) for i in range(p.num_tasks) if test(p.task(i))]
+
+    fused = tasks(plan, lambda t: t.op.name == "RMSNORM" and t.has("CACHE"))
+    writes = tasks(unfused, lambda t: t.op.name == "CACHE_WRITE")
+    latent = [(label, t) for label, t in writes if label.endswith(".attn.cache_latent")]
+    assert len({t.signal for _, t in fused}) == len({t.signal for _, t in latent}) == layers
+    assert all(label.endswith(".attn.kv_a_norm") and t["out.buf"] == -1 and t["cache.buf"] == Buf.C
+               for label, t in fused)
+    assert not any(label.endswith("cache_latent") for label in plan.task_labels)
+    assert not tasks(unfused, lambda t: t.op.name == "RMSNORM" and t.has("CACHE"))
+    keys = ("cache.off", "cl.off", "T", "S", "width", "col0", "pos_offset", "r0", "r1")
+    assert sorted(tuple(t[k] for k in keys) for _, t in fused) == sorted(tuple(t[k] for k in keys) for _, t in latent)
+    assert all(t["D"] == t2["cols"] == cfg.kv_lora_rank for (_, t), (_, t2) in zip(fused, latent))
+    other_writes = len(writes) - len(latent)  # k_pe's (ROPE[CACHE] with rope_into_cache): untouched
+    assert sum(t.op.name == "CACHE_WRITE" for t in (plan.task(i) for i in range(plan.num_tasks))) == other_writes
+    before, after = _ops_by_layer(unfused), _ops_by_layer(plan)
+    n = cfg.num_hidden_layers
+    assert {k: before[k] - after.get(k, 0) for k in before} == {**{f"L{i}": 1 for i in range(n)}, f"L{n}": 2,
+                                                                **{k: 0 for k in before if not k.startswith("L")}}
+
+    w = init_weights(cfg, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    prefix = torch.randn(Interpreter(plan, w).cache().shape, generator=gen)
+    steps = [torch.randint(0, cfg.vocab_size, (2, 2), generator=gen) for _ in range(2)]
+    runs = []
+    for p in (plan, unfused):
+        interp = Interpreter(p, w)
+        interp.cache().copy_(prefix)
+        outs = [interp.step(tokens, torch.tensor([2 + 2 * k, 9 + 2 * k])) for k, tokens in enumerate(steps)]
+        runs.append((outs, interp.cache().clone()))
+    (a, cache_a), (b, cache_b) = runs
+    assert torch.equal(cache_a, cache_b) and not torch.equal(cache_a, prefix.to(cache_a.dtype))
+    for x, y in zip(a, b):
+        assert torch.equal(x.logits, y.logits) and torch.equal(x.tokens, y.tokens)
+        assert len(x.mtp_logits) == 2 and all(torch.equal(m, m2) for m, m2 in zip(x.mtp_logits, y.mtp_logits))
+
+
+def test_dsv2_lite_latent_norm_writes_the_cache():
+    """dsv2-lite (six layers keep the compile short): each layer's kv_a_norm is an RMSNORM[CACHE] and its
+    cache_latent is gone, one op fewer per layer (13 on the dense layer 0, 18 on a MoE layer), as compile_step
+    plans it at ctx 4096 (T=1, B=1).  A GQA model (tiny-dense) has no norm a cache write reads: the rule leaves it."""
+    from graph.compile import compile_options
+    shape = StepShape(T=1, B=1, max_len=4097)
+    plan = compile_step(_six("dsv2-lite"), shape)
+    unfused = compile_step(_six("dsv2-lite"), shape, compile_options("norm_into_cache=0", 132)[0])
+    before, after = _ops_by_layer(unfused), _ops_by_layer(plan)
+    assert (before["L0"], after["L0"], before["L5"], after["L5"]) == (14, 13, 19, 18)
+    assert all(before[f"L{i}"] - after[f"L{i}"] == 1 for i in range(6))
+    assert not any("cache_latent" in label for label in plan.counter_labels)
+    norms = {plan.task_labels[i].split("[")[0] for i in range(plan.num_tasks)
+             if plan.task(i).op.name == "RMSNORM" and plan.task(i).has("CACHE")}
+    assert norms == {f"L{i}.attn.kv_a_norm" for i in range(6)}
+    llama = compile_step(preset("tiny-dense"), StepShape(T=2, B=2, max_len=16, mtp_passes=1), CompileOptions(workers=4))
+    assert "norm_into_cache" not in next(p for p in llama.passes if p["pass"] == "fusion")["per_rule"]
+
+
 @pytest.mark.parametrize("name,T,B,passes", [("tiny-dense", 2, 2, 0), ("tiny-dense", 1, 1, 0), ("tiny-dense", 2, 1, 2),
                                               ("tiny-moe", 2, 2, 0)])
 def test_ropes_and_cache_writes_go_into_attention(name, T, B, passes):

@@ -56,7 +56,32 @@ def _compare(cfg, interp, mk, lens):
 @pytest.mark.parametrize("name", TINY_PRESETS)
 def test_kernel_equals_interpreter_one_worker(name):
     cfg, plan, interp, mk = _pair(name)
+    # MLA: the latent's norm writes the cache itself (norm_into_cache, a default rule), so the body's CACHE path runs
+    assert any(decode(w).op.name == "RMSNORM" and decode(w).has("CACHE") for w in plan.words) == cfg.is_mla
     _compare(cfg, interp, mk, torch.tensor([0, 9]))
+
+
+def test_kernel_latent_norm_into_a_bf16_cache_is_the_cache_write():
+    """norm_into_cache in the model dtype: tiny-moe in bf16, its RMSNORM[CACHE] tasks round the norm's fp32 rows to
+    the cache dtype once, as the unfused plan's CACHE_WRITE does: the kernel's caches and logits with the rule and
+    without it (norm_into_cache=0) are equal, bit for bit."""
+    from megakernel.runtime import LaunchConfig, Megakernel
+    cfg = preset("tiny-moe").replace(dtype="bfloat16")
+    w = init_weights(cfg, seed=3)
+    shape = StepShape(T=2, B=2, max_len=16, mtp_passes=1, attn_split=4)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 2), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for rules in (DEFAULT_RULES, tuple(r for r in DEFAULT_RULES if r != "norm_into_cache")):
+        plan = compile_step(cfg, shape, CompileOptions(workers=1, fusion_rules=rules))
+        assert any(decode(w).op.name == "RMSNORM" and decode(w).has("CACHE") for w in plan.words) == (
+            "norm_into_cache" in rules)
+        mk = Megakernel(plan, w, device="cpu", config=LaunchConfig(max_spins=2000))
+        assert mk.cache().dtype == torch.bfloat16
+        mk.cache().copy_(torch.randn(mk.cache().shape, generator=torch.Generator().manual_seed(0)))
+        got = mk.step(tokens, torch.tensor([3, 9]))
+        runs.append((got.logits.clone(), [m.clone() for m in got.mtp_logits], mk.cache().clone()))
+    (a, mtp_a, cache_a), (b, mtp_b, cache_b) = runs
+    assert torch.equal(cache_a, cache_b) and torch.equal(a, b) and all(map(torch.equal, mtp_a, mtp_b))
 
 
 @pytest.mark.parametrize("name", ["tiny-moe", "tiny-dense"])
@@ -67,10 +92,13 @@ def test_kernel_small_blocks(name):
     next block requested early, rope over several blocks of heads, per-head matmuls over several
     input and output blocks, attention compiled for either kind (ATT_KIND=0, the flag read per task;
     the other tests run the plan's one kind), top-k by rounds of argmax (BE > 64; the other tests
-    rank the experts)."""
+    rank the experts), MLA's latent norm into the cache (RMSNORM[CACHE]) over two passes."""
     cfg, plan, interp, mk = _pair(name, blocks=dict(BSC=2, BCW=8, BN=16, CPF=1, BR=8, KC=32, TB=2, DEPTH=2, BH=512,
                                                   BI=8, BO=8, BIT=8, BOT=4, ATT_KIND=0, BE=128))
     assert cfg.hidden_size > 16 and plan.shape["max_len"] // plan.shape["attn_split"] > 2
+    # MLA's latent norm into the cache (RMSNORM[CACHE]) in two passes too: its rows are longer than BN
+    assert not cfg.is_mla or cfg.kv_lora_rank > 16 and any(decode(w).op.name == "RMSNORM" and decode(w).has("CACHE")
+                                                           for w in plan.words)
     _compare(cfg, interp, mk, torch.tensor([3, 11]))
 
 

@@ -129,6 +129,24 @@ def test_attention_splits_writing_one_cache_region_are_a_hazard():
     pytest.fail("no splits s and 2s of one head on two workers")
 
 
+def test_attention_that_does_not_wait_for_the_latent_norm_races_on_the_cache():
+    """RMSNORM[CACHE] (norm_into_cache) writes an MLA layer's normalized latent into the cache: its footprint claims
+    those cache columns (and the cache lengths it reads), so an attention task that no longer waits for it is a
+    race on the cache the verifier names (16 workers and no memory reuse: nothing else orders the two)."""
+    plan = compile_step(preset("tiny-moe"), StepShape(T=2, B=2, max_len=16, mtp_passes=1),
+                        CompileOptions(workers=16, reuse_memory=False))
+    tasks = [decode(w) for w in plan.words]
+    norms = {t.signal for t in tasks if t.op.name == "RMSNORM" and t.has("CACHE")}
+    cuts = [(i, k) for i, t in enumerate(tasks) if t.op.name == "ATTENTION"
+            for k, (c, _) in enumerate(t.waits) if c in norms]
+    assert norms and cuts
+    for i, k in cuts:
+        bad = copy.deepcopy(plan)
+        bad.words[i, 3 + 2 * k: 5 + 2 * k] = (-1, 0)
+        with pytest.raises(PlanError, match=r"hazard on C\[.*kv_a_norm"):
+            verify_plan(bad)
+
+
 def test_unknown_counter_and_opcode():
     plan = _plan()
     bad = copy.deepcopy(plan)
