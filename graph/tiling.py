@@ -22,10 +22,12 @@ class TilingOptions:
     row_align: int = 8
     act_rows: int = 16  # activation rows per task for row-parallel ops
     attn_heads: int = 0  # query heads per attention task (0: all for MLA, one KV group for GQA)
-    # heads per ROPE task (0: all of a row's heads in one task).  4: llama-1b's 32-head query rope, the tail of each
-    # layer's chain before attention, becomes 8 tasks: -2.7% / -3.5% (two runs), dsv2-lite +0.5% (noise), logits
-    # bit-identical (docs/PERF.md session 19; session 12, when the queues set llama's step, measured no change)
-    rope_heads: int = 4
+    # heads per ROPE task (0: all of a row's heads in one task; one block of them in the body).  4 made llama-1b's
+    # 32-head query rope 8 tasks (-2.7 / -3.5%, session 19), before rope_into_attention moved GQA's ropes into
+    # attention; a plan with separate ropes may still want it.  Left to MLA's q rope, 4 made dsv2-lite's phase
+    # after q|kv_a 135 tasks for 132 workers, and the q ropes queued behind each other: 0 measured -0.75 / -1.1%
+    # with norm_into_cache (docs/PERF.md session 27); logits bit-identical
+    rope_heads: int = 0
     # > 0: split an op that would make fewer tasks than this (a layer's small projections, the
     # router, per-head matmuls, the attention combine) into up to this many, down to min_tile_bytes
     # each: such ops sit on the step's dependency chain, where only their slowest task counts
