@@ -39,6 +39,24 @@ def next_word_to_l1(word, t, end, WORDS: tl.constexpr, WPF: tl.constexpr):
 
 
 @triton.jit
+def host_inputs_to_device(HT, HL, HD, I):
+    """HIN (a launch variant): the step's tokens and cache lengths copied from the host's pinned stage buffers
+    (HT, HL: mapped, read over the bus) into their plan slots in I (offsets and counts in HD), so a step is one
+    kernel and no copy nodes.  Every worker copies them before its first task and then reads only its own
+    copy (program order, after the barrier), so no worker waits on another: the workers store the same values
+    at the same words, and no task of a step writes an input slot (graph/memory.py keeps them)."""
+    tok_off, n_tok, len_off, n_len = tl.load(HD), tl.load(HD + 1), tl.load(HD + 2), tl.load(HD + 3)
+    i = tl.arange(0, 256)
+    for b in range(0, n_tok, 256):
+        m = b + i < n_tok
+        tl.store(I + tok_off + b + i, tl.load(HT + b + i, mask=m, other=0, volatile=True), mask=m)
+    for b in range(0, n_len, 256):
+        m = b + i < n_len
+        tl.store(I + len_off + b + i, tl.load(HL + b + i, mask=m, other=0, volatile=True), mask=m)
+    tl.debug_barrier()  # every thread's copies before any thread's first task reads them
+
+
+@triton.jit
 def head_matmul_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr,
                      MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr,
                      ALIGN: tl.constexpr, TRANS: tl.constexpr, TB: tl.constexpr, WORDS: tl.constexpr,
@@ -73,7 +91,7 @@ def linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS: tl.con
 
 
 @triton.jit
-def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I, C, HB,
+def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I, C, HB, HT, HL, HD,
                WORDS: tl.constexpr, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr, MAX_SPINS: tl.constexpr,
                HELPER_NS: tl.constexpr,
                USE_TIMER: tl.constexpr, PROFILE: tl.constexpr,
@@ -86,12 +104,14 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                ALIGN: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr, ATT_KIND: tl.constexpr,
                ROWVEC: tl.constexpr, AHEAD: tl.constexpr, NARROW: tl.constexpr, ROUTE1: tl.constexpr, PFD: tl.constexpr,
                EF: tl.constexpr, WPF: tl.constexpr, APF: tl.constexpr, PFK: tl.constexpr, HILO: tl.constexpr,
-               HELPER_SIDE: tl.constexpr, ATT_ROPE: tl.constexpr, POLL: tl.constexpr):
+               HELPER_SIDE: tl.constexpr, ATT_ROPE: tl.constexpr, POLL: tl.constexpr, HIN: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
     end = tl.load(queue_ptr + pid + 1)
     epoch = tl.load(worker_epoch + pid) + 1
     tl.store(worker_epoch + pid, epoch)
+    if HIN:
+        host_inputs_to_device(HT, HL, HD, I)
     ok = (tl.atomic_add(err, 0, sem="acquire", scope="gpu") == 0).to(tl.int32)
     t = start
     while (t < end) & (ok == 1):

@@ -245,7 +245,11 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 ATT_ROPE=int(any(t.op.name == "ATTENTION" and t.has("ROPE") for t in tasks)),
                 # 1 (a launch variant, inline PTX: not measured in a step yet): dependency waits poll with every
                 # thread's ld.acquire.gpu, not one thread's atomic (ops/common.poll_counter; tools/hop_bench.py)
-                POLL=0)
+                POLL=0,
+                # 1 (a launch variant, not yet run on a GPU): every worker copies the step's tokens and cache lengths
+                # from the pinned stage buffers itself (kernel.host_inputs_to_device), so the graph is one kernel and
+                # no copy nodes: 1 launch a step, not 3
+                HIN=0)
 
 
 def bulk_prefetch_refusal(align: int, weight_bytes: int) -> str | None:
@@ -297,6 +301,9 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
                        ("WPF", "the next task word's prefetch"), ("HILO", "LINEAR[PAIR] compiled in")):
         if blocks[flag] not in (0, 1):
             raise MegakernelError(f"block override {flag}={blocks[flag]}: 0, or 1 ({what})")
+    if blocks["HIN"] not in (0, 1):
+        raise MegakernelError(f"block override HIN={blocks['HIN']}: 0 (inputs copied into the plan's slots by the "
+                              "graph's copy nodes) or 1 (every worker reads them from the pinned stage buffers)")
     if blocks["POLL"] not in (0, 1):
         raise MegakernelError(f"block override POLL={blocks['POLL']}: 0 (a scalar acquire atomic) or 1 (every "
                               "thread's ld.acquire.gpu)")
@@ -423,11 +430,22 @@ def precompile(plan: Plan, dtype: torch.dtype, config: LaunchConfig | None = Non
     tasks = [decode(w) for w in plan.words]
     blocks = launch_blocks(tasks, dtype, config)
     dev = torch.device(device)
-    dtypes = [torch.int32] * 5 + [torch.int64] + [buffer_dtype(b, dtype) for b in KERNEL_BUFFERS]  # as _args orders
+    dtypes = ([torch.int32] * 5 + [torch.int64] + [buffer_dtype(b, dtype) for b in KERNEL_BUFFERS]
+              + [torch.int32] * 3)  # as _args orders (HT, HL, HD last)
     args = [torch.zeros(64, dtype=t, device=dev) for t in dtypes]
     return megakernel.warmup(*args, **kernel_constants(blocks, wait_bound_s(tasks, config), config, dev.type == "cuda"),
                              grid=(plan.workers - stream_workers(plan),), num_warps=body_warps(plan, config),
                              num_stages=config.num_stages)
+
+
+def host_input_slots(plan: Plan, device) -> torch.Tensor:
+    """[tokens' offset in I, tokens, cache lengths' offset in I, sequences] (int32): where HIN's copies land."""
+    tok, lens = plan.io["in.tokens"], plan.io["in.cache_lens"]
+    for name, slot in (("in.tokens", tok), ("in.cache_lens", lens)):
+        if slot.buf != int(Buf.I) or slot.cols != 1:
+            raise MegakernelError(f"plan input {name} is not one int32 column of buffer I (buf {slot.buf}, "
+                                  f"{slot.cols} columns): the kernel's input copy (HIN) assumes it is")
+    return torch.tensor([tok.offset, tok.rows, lens.offset, lens.rows], dtype=torch.int32, device=device)
 
 
 def cta_registers(compiled) -> int:
@@ -493,11 +511,18 @@ class Megakernel(PlanRunner):
         B, T = plan.shape["B"], plan.shape["T"]
         self.stage_tokens = torch.zeros(B * T, 1, dtype=torch.int32, pin_memory=pinned)
         self.stage_lens = torch.zeros(B, 1, dtype=torch.int32, pin_memory=pinned)
+        self.host_inputs = bool(self.blocks["HIN"])
+        if self.host_inputs and self.stream is not None:
+            raise MegakernelError("block override HIN=1: a stream_kernel plan's Gluon workers would run before the "
+                                  "inputs are copied; HIN needs a plain plan")
+        self.host_desc = host_input_slots(plan, self.device)
 
     # ---- launching -------------------------------------------------------------
     def _args(self):
+        # HT, HL: the pinned stage buffers with HIN, else a device stand-in the kernel never reads
+        stage = (self.stage_tokens, self.stage_lens) if self.host_inputs else (self.host_desc, self.host_desc)
         return (self.words, self.queue_ptr, self.counters, self.worker_epoch, self.err, self.prof,
-                *(self.mem.bufs[b] for b in KERNEL_BUFFERS))
+                *(self.mem.bufs[b] for b in KERNEL_BUFFERS), *stage, self.host_desc)
 
     def _constexprs(self) -> dict:
         return kernel_constants(self.blocks, self.wait_bound_s, self.config, self.device.type == "cuda")
@@ -550,6 +575,8 @@ class Megakernel(PlanRunner):
         self.stage_lens.copy_(cache_lens.reshape(-1, 1).to(torch.int32))
 
     def _inputs_to_device(self) -> None:
+        if self.host_inputs:  # the kernel reads the stage buffers itself (HIN)
+            return
         self.mem.io_view("in.tokens").copy_(self.stage_tokens, non_blocking=True)
         self.mem.io_view("in.cache_lens").copy_(self.stage_lens, non_blocking=True)
 

@@ -227,6 +227,30 @@ def test_one_graph_replay_is_at_most_three_launches(name):
     assert counts["kernels_per_step"] == 1 and counts["launches_per_step"] <= 3
 
 
+def test_inputs_read_from_the_host_make_one_launch_a_step():
+    """Launch variant HIN=1 (every worker copies the step's tokens and cache lengths from the pinned stage buffers):
+    a captured step is the kernel alone (1 launch, not 1 + 2 copies), its logits equal the default kernel's bit for
+    bit over replays with other inputs, and a stalled counter is still a watchdog error that the next step survives."""
+    from megakernel.profiler import count_launches
+    from megakernel.runtime import LaunchConfig, Megakernel
+    cfg, w, plan, mk = _setup("tiny-moe", T=1, B=2, max_len=64)
+    hin = Megakernel(plan, None, "cuda", share=mk.mem, config=LaunchConfig(blocks=dict(HIN=1)))
+    hin.capture()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for lens in ([0, 7], [30, 2], [12, 40]):
+        tokens = torch.randint(0, cfg.vocab_size, (2, 1), device="cuda", generator=g)
+        lens = torch.tensor(lens, device="cuda")
+        _random_cache(mk)
+        saved = mk.cache().clone()
+        want = mk.step(tokens, lens).logits.clone()
+        mk.cache().copy_(saved)
+        assert torch.equal(hin.step(tokens, lens).logits, want), lens
+    counts = count_launches(hin.replay, steps=5)
+    assert counts["kernels_per_step"] == 1 and counts["launches_per_step"] == 1, counts
+    stall_is_a_watchdog_error_then_recovers(hin, plan.num_tasks // 2, torch.zeros(2, 1, dtype=torch.long, device="cuda"),
+                                            torch.tensor([0, 0], device="cuda"))
+
+
 def test_watchdog_error_within_a_second_then_recovers():
     cfg, w, plan, mk = _setup("tiny-moe")
     mk.capture()

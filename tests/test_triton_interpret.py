@@ -222,6 +222,23 @@ def test_two_steps_reuse_counters_without_reset():
     assert mk.epoch == 2 and int(mk.worker_epoch[0]) == 2
 
 
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
+def test_workers_read_the_inputs_from_the_stage_buffers(name):
+    """Launch variant HIN=1: no copy of the step's inputs into the plan's slots (the graph's two copy nodes); every
+    worker copies the stage buffers itself before its first task.  Over three workers and two steps of other
+    tokens and cache lengths, the logits, caches and every int the step leaves (the input slots among them)
+    equal the interpreter's: a worker that read a stale slot, or a step that kept the last step's inputs, shows."""
+    cfg, plan, interp, mk = _pair(name, workers=3, scheduler="blocked", passes=0, blocks=dict(HIN=1))
+    assert mk.host_inputs and plan.workers == 3
+    mk.mem.io_view("in.cache_lens").fill_(-7)
+    mk._stage(torch.ones(2, 2, dtype=torch.long), torch.tensor([4, 4]))
+    mk._inputs_to_device()  # with HIN a no-op: the slots keep what they held
+    assert torch.equal(mk.mem.io_view("in.cache_lens"), torch.full((2, 1), -7, dtype=torch.int32))
+    for lens in (torch.tensor([0, 3]), torch.tensor([6, 2])):
+        _compare(cfg, interp, mk, lens)
+    assert mk.epoch == 2
+
+
 def test_watchdog_reports_a_stalled_counter_and_recovers():
     from megakernel.runtime import WatchdogError
     cfg, plan, interp, mk = _pair("tiny-dense", passes=0)
@@ -295,6 +312,7 @@ def test_block_overrides_that_would_change_the_result_are_refused():
                ({"AHEAD": 2}, "AHEAD=2: 0, or 1"), ({"ROUTE1": 2}, "ROUTE1=2: 0, or 1"),
                ({"NARROW": 2}, "NARROW=2: 0, or 1"), ({"NARROW": 1, "KC": 16}, "NARROW=1 needs KC/4"),
                ({"POLL": 2}, "POLL=2: 0 .a scalar acquire atomic."),
+               ({"HIN": 2}, "HIN=2: 0 .inputs copied"),
                ({"POLL": 1}, "POLL=1: the Triton interpreter runs no inline PTX")]
     for override, why in refused:
         with pytest.raises(MegakernelError, match=why):

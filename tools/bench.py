@@ -241,7 +241,8 @@ def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path,
             out_v = vk.step(tokens, lens)
             v.update(tasks=vk.plan.num_tasks, ms=time_ms(vk.replay, iters=50, warmup=10),
                      regs=vk.compiled.n_regs, spills=vk.compiled.n_spills,
-                     rel_err_vs_main=rel_err(out_v.logits, first.logits))
+                     rel_err_vs_main=rel_err(out_v.logits, first.logits),
+                     launches_per_step=count_launches(vk.replay, steps=3)["launches_per_step"])
             if profile == "variants" and row_key == "plan_variant":  # its trace beside the main plan's
                 pk = Megakernel(vk.plan, None, "cuda", share=vk.mem,
                                 config=dataclasses.replace(vk.config, profile=True))
@@ -347,7 +348,8 @@ def main() -> None:
             print(f"{'':<14}plan {v['plan_variant']}: " + (f"{v['ms']:.3f} ms, {v['tasks']} tasks" if "ms" in v else v["error"][:60]))
         for v in r.get("variants", []):
             print(f"{'':<14}variant {v['variant']}: "
-                  + (f"{v['ms']:.3f} ms, {v['regs']} regs, {v['spills']} spills" if "ms" in v else v["error"][:60]))
+                  + (f"{v['ms']:.3f} ms, {v['regs']} regs, {v['spills']} spills, {v['launches_per_step']:.1f} launches"
+                     if "ms" in v else v["error"][:60]))
 
 
 if __name__ == "__main__":

@@ -204,7 +204,8 @@ def probe_kernel(model: str, variants: list[str], lines: bool = False) -> None:
     plan = compile_step(preset(model), StepShape(T=1, B=1, max_len=4096), CompileOptions(workers=132))
     tasks = [decode(w) for w in plan.words]
     pointers = {"words": "*i32", "queue_ptr": "*i32", "counters": "*i32", "worker_epoch": "*i32", "err": "*i32",
-                "prof": "*i64", "W": "*bf16", "WF": "*fp32", "A": "*fp32", "I": "*i32", "C": "*bf16", "HB": "*i32"}
+                "prof": "*i64", "W": "*bf16", "WF": "*fp32", "A": "*fp32", "I": "*i32", "C": "*bf16", "HB": "*i32",
+                "HT": "*i32", "HL": "*i32", "HD": "*i32"}
     for spec in variants or [""]:
         blocks = parse_variant(spec)
         num_warps = blocks.pop("num_warps", 8)  # a launch option, not a constant of the kernel
