@@ -440,6 +440,10 @@ def precompile(plan: Plan, dtype: torch.dtype, config: LaunchConfig | None = Non
 
 def host_input_slots(plan: Plan, device) -> torch.Tensor:
     """[tokens' offset in I, tokens, cache lengths' offset in I, sequences] (int32): where HIN's copies land."""
+    missing = [name for name in ("in.tokens", "in.cache_lens") if name not in plan.io]
+    if missing:
+        raise MegakernelError(f"block override HIN=1: this plan has no {' or '.join(missing)} input (a helper's site "
+                              "plan?): there is nothing to copy from the host")
     tok, lens = plan.io["in.tokens"], plan.io["in.cache_lens"]
     for name, slot in (("in.tokens", tok), ("in.cache_lens", lens)):
         if slot.buf != int(Buf.I) or slot.cols != 1:
@@ -515,7 +519,9 @@ class Megakernel(PlanRunner):
         if self.host_inputs and self.stream is not None:
             raise MegakernelError("block override HIN=1: a stream_kernel plan's Gluon workers would run before the "
                                   "inputs are copied; HIN needs a plain plan")
-        self.host_desc = host_input_slots(plan, self.device)
+        # HIN's slots; else a device stand-in the kernel never reads (a helper's site plan has no inputs)
+        self.host_desc = (host_input_slots(plan, self.device) if self.host_inputs
+                          else torch.zeros(4, dtype=torch.int32, device=self.device))
 
     # ---- launching -------------------------------------------------------------
     def _args(self):

@@ -243,7 +243,7 @@ def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path,
                      regs=vk.compiled.n_regs, spills=vk.compiled.n_spills,
                      rel_err_vs_main=rel_err(out_v.logits, first.logits),
                      launches_per_step=count_launches(vk.replay, steps=3)["launches_per_step"])
-            if profile == "variants" and row_key == "plan_variant":  # its trace beside the main plan's
+            if profile == "variants":  # its trace beside the main plan's (a launch variant's: the same plan, its blocks)
                 pk = Megakernel(vk.plan, None, "cuda", share=vk.mem,
                                 config=dataclasses.replace(vk.config, profile=True))
                 v["profiled_step_us"] = profiled(pk, f"trace_{name}_T{T}_{re.sub('[^A-Za-z0-9]+', '_', spec)}.json")
@@ -295,7 +295,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0, help="default: the GPU's SM count")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-variants", action="store_true",
-                   help="with --profile: a trace of each plan variant too (tools/replay.py --layer N reads it)")
+                   help="with --profile: a trace of each launch and plan variant too (tools/replay.py --layer N "
+                        "reads it)")
     p.add_argument("--baselines", nargs="*", default=["eager", "graph", "compile"],
                    choices=["eager", "graph", "compile"], help="plain-PyTorch baselines to time (default: all)")
     p.add_argument("--variants", nargs="*", default=[], metavar="KEY=V,...",
