@@ -515,13 +515,17 @@ class Megakernel(PlanRunner):
         B, T = plan.shape["B"], plan.shape["T"]
         self.stage_tokens = torch.zeros(B * T, 1, dtype=torch.int32, pin_memory=pinned)
         self.stage_lens = torch.zeros(B, 1, dtype=torch.int32, pin_memory=pinned)
-        self.host_inputs = bool(self.blocks["HIN"])
         if self.host_inputs and self.stream is not None:
             raise MegakernelError("block override HIN=1: a stream_kernel plan's Gluon workers would run before the "
                                   "inputs are copied; HIN needs a plain plan")
         # HIN's slots; else a device stand-in the kernel never reads (a helper's site plan has no inputs)
         self.host_desc = (host_input_slots(plan, self.device) if self.host_inputs
                           else torch.zeros(4, dtype=torch.int32, device=self.device))
+
+    @property
+    def host_inputs(self) -> bool:
+        """HIN: the kernel copies the step's inputs from the stage buffers (no copy nodes)."""
+        return bool(self.blocks["HIN"])
 
     # ---- launching -------------------------------------------------------------
     def _args(self):

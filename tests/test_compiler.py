@@ -216,25 +216,30 @@ def test_a_plan_with_other_fusion_rules_cannot_share_the_arena():
         compile_step(cfg, StepShape(T=1, B=1, max_len=16), CompileOptions(workers=2, fusion_rules=("no_such",)))
 
 
-def _same_step(cfg, plans, seed: int, lens, mtp: int = 2) -> None:
+def _same_step(cfg, plans, seed: int, lens, mtp: int = 2, steps: int = 1) -> None:
     """Every plan's interpreter, from one random cache and the same tokens (the plans' T and B), writes the
-    same cache and logits, its `mtp` MTP logits included, bit for bit."""
+    same cache and logits, its `mtp` MTP logits and greedy tokens included, bit for bit, over `steps` steps
+    (step k's cache lengths are lens + k·T)."""
     import torch
 
     from megakernel.interpreter import Interpreter
     from model import init_weights
     w = init_weights(cfg, seed=4)
     gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, cfg.vocab_size, (plans[0].shape["B"], plans[0].shape["T"]), generator=gen)
+    B, T = plans[0].shape["B"], plans[0].shape["T"]
+    tokens = [torch.randint(0, cfg.vocab_size, (B, T), generator=gen) for _ in range(steps)]
     prefix = torch.randn(Interpreter(plans[0], w).cache().shape, generator=gen)
-    outs = []
+    runs = []
     for p in plans:
         interp = Interpreter(p, w)
         interp.cache().copy_(prefix)
-        outs.append((interp.step(tokens, torch.tensor(lens)), interp.cache().clone()))
-    (a, cache_a), (b, cache_b) = outs
-    assert torch.equal(cache_a, cache_b) and torch.equal(a.logits, b.logits)
-    assert len(a.mtp_logits) == mtp and all(torch.equal(x, y) for x, y in zip(a.mtp_logits, b.mtp_logits))
+        outs = [interp.step(tok, torch.tensor(lens) + k * T) for k, tok in enumerate(tokens)]
+        runs.append((outs, interp.cache().clone()))
+    (a, cache_a), (b, cache_b) = runs
+    assert torch.equal(cache_a, cache_b) and not torch.equal(cache_a, prefix.to(cache_a.dtype))
+    for x, y in zip(a, b):
+        assert torch.equal(x.logits, y.logits) and torch.equal(x.tokens, y.tokens)
+        assert len(x.mtp_logits) == mtp and all(torch.equal(m, m2) for m, m2 in zip(x.mtp_logits, y.mtp_logits))
 
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
@@ -289,12 +294,8 @@ def test_the_latent_norm_writes_the_cache(name, dtype):
     cache_latent is left, and every layer (each MTP pass too) has one op fewer than with the rule removed
     (compile_options' norm_into_cache=0).  Over two steps (T=2, B=2, two MTP passes) the two plans write the same
     caches and logits, bit for bit, in fp32 and in bf16 (the norm's fp32 rows rounded to the cache dtype once)."""
-    import torch
-
     from graph.compile import compile_options
     from graph.isa import Buf
-    from megakernel.interpreter import Interpreter
-    from model import init_weights
     cfg = preset(name) if dtype is None else preset(name).replace(dtype=dtype)
     shape = StepShape(T=2, B=2, max_len=16, mtp_passes=2)
     plan = compile_step(cfg, shape, CompileOptions(workers=4))
@@ -324,21 +325,7 @@ def test_the_latent_norm_writes_the_cache(name, dtype):
     assert {k: before[k] - after.get(k, 0) for k in before} == {**{f"L{i}": 1 for i in range(n)}, f"L{n}": 2,
                                                                 **{k: 0 for k in before if not k.startswith("L")}}
 
-    w = init_weights(cfg, seed=4)
-    gen = torch.Generator().manual_seed(5)
-    prefix = torch.randn(Interpreter(plan, w).cache().shape, generator=gen)
-    steps = [torch.randint(0, cfg.vocab_size, (2, 2), generator=gen) for _ in range(2)]
-    runs = []
-    for p in (plan, unfused):
-        interp = Interpreter(p, w)
-        interp.cache().copy_(prefix)
-        outs = [interp.step(tokens, torch.tensor([2 + 2 * k, 9 + 2 * k])) for k, tokens in enumerate(steps)]
-        runs.append((outs, interp.cache().clone()))
-    (a, cache_a), (b, cache_b) = runs
-    assert torch.equal(cache_a, cache_b) and not torch.equal(cache_a, prefix.to(cache_a.dtype))
-    for x, y in zip(a, b):
-        assert torch.equal(x.logits, y.logits) and torch.equal(x.tokens, y.tokens)
-        assert len(x.mtp_logits) == 2 and all(torch.equal(m, m2) for m, m2 in zip(x.mtp_logits, y.mtp_logits))
+    _same_step(cfg, (plan, unfused), 5, [2, 9], steps=2)
 
 
 def test_dsv2_lite_latent_norm_writes_the_cache():
