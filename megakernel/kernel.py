@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .ops import (argmax, attention, elementwise, embed, head_matmul, helper, helper_side, linear, mhc, moe, norm, rope,
                   spec)
-from .ops.common import now_ns, prefetch_word_l1, signal_done, wait_task
+from .ops.common import COUNTER_STRIDE, now_ns, prefetch_word_l1, signal_done, wait_counter, wait_task
 from .ops.fields import (OP_ACCEPT, OP_ARGMAX, OP_ATTENTION, OP_ATTN_COMBINE, OP_CACHE_WRITE, OP_EMBED, OP_EWISE,
                          OP_EXPERT_LINEAR, OP_GATHER, OP_HC_COEFF, OP_HC_EXPAND, OP_HC_HEAD, OP_HEAD_MATMUL, OP_HELPER_CALL,
                          OP_HELPER_RECV, OP_HELPER_SEND, OP_HELPER_WAIT, OP_LINEAR,
@@ -39,21 +39,31 @@ def next_word_to_l1(word, t, end, WORDS: tl.constexpr, WPF: tl.constexpr):
 
 
 @triton.jit
-def host_inputs_to_device(HT, HL, HD, I):
-    """HIN (a launch variant): the step's tokens and cache lengths copied from the host's pinned stage buffers
+def host_inputs_to_device(HT, HL, HD, I, counters, epoch, err, pid, TIMEOUT_NS: tl.constexpr,
+                          MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr):
+    """HIN (1 by default, where a plan has those inputs): the step's tokens and cache lengths copied from the host's pinned stage buffers
     (HT, HL: mapped, read over the bus) into their plan slots in I (offsets and counts in HD), so a step is one
-    kernel and no copy nodes.  Every worker copies them before its first task and then reads only its own
-    copy (program order, after the barrier), so no worker waits on another: the workers store the same values
-    at the same words, and no task of a step writes an input slot (graph/memory.py keeps them)."""
-    tok_off, n_tok, len_off, n_len = tl.load(HD), tl.load(HD + 1), tl.load(HD + 2), tl.load(HD + 3)
-    i = tl.arange(0, 256)
-    for b in range(0, n_tok, 256):
-        m = b + i < n_tok
-        tl.store(I + tok_off + b + i, tl.load(HT + b + i, mask=m, other=0, volatile=True), mask=m)
-    for b in range(0, n_len, 256):
-        m = b + i < n_len
-        tl.store(I + len_off + b + i, tl.load(HL + b + i, mask=m, other=0, volatile=True), mask=m)
-    tl.debug_barrier()  # every thread's copies before any thread's first task reads them
+    kernel and no copy nodes.  Worker 0 alone reads the host (the plans put EMBED first in its queue), then
+    releases the inputs counter (HD[4], a line past the plan's); every other worker acquires it before its
+    first task, bounded like a task's wait.  A first version had every worker read the host itself: 1.35 ms
+    a llama-1b step against 1.06 (docs/PERF.md session 28), as if the bus served those 264 reads one by one.
+    No task of a step writes an input slot (graph/memory.py keeps them).  1 when this worker may go on."""
+    inputs = counters + tl.load(HD + 4).to(tl.int64) * COUNTER_STRIDE
+    ok = 1
+    if pid == 0:
+        tok_off, n_tok, len_off, n_len = tl.load(HD), tl.load(HD + 1), tl.load(HD + 2), tl.load(HD + 3)
+        i = tl.arange(0, 256)
+        for b in range(0, n_tok, 256):
+            m = b + i < n_tok
+            tl.store(I + tok_off + b + i, tl.load(HT + b + i, mask=m, other=0, volatile=True), mask=m)
+        for b in range(0, n_len, 256):
+            m = b + i < n_len
+            tl.store(I + len_off + b + i, tl.load(HL + b + i, mask=m, other=0, volatile=True), mask=m)
+        tl.debug_barrier()  # every thread's copies before the release
+        tl.atomic_add(inputs, 1, sem="release", scope="gpu")
+    else:
+        ok = wait_counter(inputs, epoch, err, pid, -1, tl.load(HD + 4), TIMEOUT_NS, MAX_SPINS, USE_TIMER)
+    return ok
 
 
 @triton.jit
@@ -111,8 +121,10 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
     epoch = tl.load(worker_epoch + pid) + 1
     tl.store(worker_epoch + pid, epoch)
     if HIN:
-        host_inputs_to_device(HT, HL, HD, I)
-    ok = (tl.atomic_add(err, 0, sem="acquire", scope="gpu") == 0).to(tl.int32)
+        ok = host_inputs_to_device(HT, HL, HD, I, counters, epoch, err, pid, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
+        ok = ok & (tl.atomic_add(err, 0, sem="acquire", scope="gpu") == 0).to(tl.int32)
+    else:
+        ok = (tl.atomic_add(err, 0, sem="acquire", scope="gpu") == 0).to(tl.int32)
     t = start
     while (t < end) & (ok == 1):
         word = words + t.to(tl.int64) * WORDS

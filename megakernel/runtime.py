@@ -246,9 +246,10 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # 1 (a launch variant, inline PTX: not measured in a step yet): dependency waits poll with every
                 # thread's ld.acquire.gpu, not one thread's atomic (ops/common.poll_counter; tools/hop_bench.py)
                 POLL=0,
-                # 1 (a launch variant, not yet run on a GPU): every worker copies the step's tokens and cache lengths
-                # from the pinned stage buffers itself (kernel.host_inputs_to_device), so the graph is one kernel and
-                # no copy nodes: 1 launch a step, not 3
+                # 1: worker 0 copies the step's tokens and cache lengths from the pinned stage buffers and releases
+                # them to the others (kernel.host_inputs_to_device), so the graph is one kernel and no copy nodes: 1
+                # launch a step, not 3, at the same step time (docs/PERF.md session 28).  Fitted by launch_blocks
+                # from the plan: 1 where it has those inputs and no stream workers
                 HIN=0)
 
 
@@ -404,10 +405,12 @@ def wait_bound_s(tasks: list[Decoded], config: LaunchConfig) -> float:
     return config.timeout_s + (config.helper_timeout_s if helper else 0.0)
 
 
-def launch_blocks(tasks: list[Decoded], dtype: torch.dtype, config: LaunchConfig) -> dict:
-    """The block sizes a plan's kernel compiles with: fitted to its tasks, raised to SHARED_BLOCKS, then
-    the config's overrides (checked)."""
+def launch_blocks(tasks: list[Decoded], dtype: torch.dtype, config: LaunchConfig, plan: Plan | None = None) -> dict:
+    """The block sizes a plan's kernel compiles with: fitted to its tasks (and, given the plan, HIN to its
+    inputs), raised to SHARED_BLOCKS, then the config's overrides (checked)."""
     fitted = block_sizes(tasks, dtype)
+    if plan is not None:
+        fitted["HIN"] = int(host_inputs_refusal(plan) is None)
     blocks = {**raised_to(fitted, SHARED_BLOCKS), **(config.blocks or {})}
     check_block_overrides(blocks, fitted, dtype.itemsize)
     return blocks
@@ -428,7 +431,7 @@ def precompile(plan: Plan, dtype: torch.dtype, config: LaunchConfig | None = Non
     --jobs compiles a run's variants side by side).  Returns Triton's compiled kernel."""
     config = config or LaunchConfig()
     tasks = [decode(w) for w in plan.words]
-    blocks = launch_blocks(tasks, dtype, config)
+    blocks = launch_blocks(tasks, dtype, config, plan)
     dev = torch.device(device)
     dtypes = ([torch.int32] * 5 + [torch.int64] + [buffer_dtype(b, dtype) for b in KERNEL_BUFFERS]
               + [torch.int32] * 3)  # as _args orders (HT, HL, HD last)
@@ -438,18 +441,31 @@ def precompile(plan: Plan, dtype: torch.dtype, config: LaunchConfig | None = Non
                              num_stages=config.num_stages)
 
 
-def host_input_slots(plan: Plan, device) -> torch.Tensor:
-    """[tokens' offset in I, tokens, cache lengths' offset in I, sequences] (int32): where HIN's copies land."""
+def host_inputs_refusal(plan: Plan) -> str | None:
+    """Why the kernel cannot copy this plan's inputs from the host itself (HIN=1), or None."""
     missing = [name for name in ("in.tokens", "in.cache_lens") if name not in plan.io]
     if missing:
-        raise MegakernelError(f"block override HIN=1: this plan has no {' or '.join(missing)} input (a helper's site "
-                              "plan?): there is nothing to copy from the host")
-    tok, lens = plan.io["in.tokens"], plan.io["in.cache_lens"]
-    for name, slot in (("in.tokens", tok), ("in.cache_lens", lens)):
+        return (f"this plan has no {' or '.join(missing)} input (a helper's site plan?): there is nothing to copy "
+                "from the host")
+    for name in ("in.tokens", "in.cache_lens"):
+        slot = plan.io[name]
         if slot.buf != int(Buf.I) or slot.cols != 1:
-            raise MegakernelError(f"plan input {name} is not one int32 column of buffer I (buf {slot.buf}, "
-                                  f"{slot.cols} columns): the kernel's input copy (HIN) assumes it is")
-    return torch.tensor([tok.offset, tok.rows, lens.offset, lens.rows], dtype=torch.int32, device=device)
+            return (f"plan input {name} is not one int32 column of buffer I (buf {slot.buf}, {slot.cols} columns): "
+                    "the kernel's input copy assumes it is")
+    if stream_workers(plan):
+        return "a stream_kernel plan's Gluon workers would run before the inputs are copied; HIN needs a plain plan"
+    return None
+
+
+def host_input_slots(plan: Plan, device) -> torch.Tensor:
+    """[tokens' offset in I, tokens, cache lengths' offset in I, sequences, the inputs counter] (int32): where
+    HIN's copies land, and the counter worker 0 releases when they have."""
+    why = host_inputs_refusal(plan)
+    if why is not None:
+        raise MegakernelError(f"block override HIN=1: {why}")
+    tok, lens = plan.io["in.tokens"], plan.io["in.cache_lens"]
+    return torch.tensor([tok.offset, tok.rows, lens.offset, lens.rows, plan.num_counters + 1], dtype=torch.int32,
+                        device=device)
 
 
 def cta_registers(compiled) -> int:
@@ -483,8 +499,9 @@ class Megakernel(PlanRunner):
         self.mem = mem if mem is not None else Memory(plan, weights, self.device, dtype, share)
         self.words = torch.from_numpy(np.ascontiguousarray(plan.words)).to(self.device)
         self.queue_ptr = torch.tensor(plan.queue_ptr, dtype=torch.int32, device=self.device)
-        # one spare counter nobody signals: the stall test hook waits on it
-        self.counters = torch.zeros((plan.num_counters + 1) * COUNTER_STRIDE, dtype=torch.int32, device=self.device)
+        # two lines past the plan's counters: one nobody signals (the stall test hook waits on it), and HIN's
+        # inputs counter (worker 0 releases it once a step, when it has copied the step's inputs)
+        self.counters = torch.zeros((plan.num_counters + 2) * COUNTER_STRIDE, dtype=torch.int32, device=self.device)
         self.worker_epoch = torch.zeros(plan.workers, dtype=torch.int32, device=self.device)
         self.err = torch.zeros(ERR_HEADER + ERR_PER_WORKER * plan.workers, dtype=torch.int32, device=self.device)
         self.prof = torch.zeros(max(1, plan.num_tasks) * 4 if self.config.profile else 4, dtype=torch.int64,
@@ -492,7 +509,7 @@ class Megakernel(PlanRunner):
         self.expected = np.bincount(plan.words[:, 2], minlength=plan.num_counters).astype(np.int64)
         self.wait_bound_s = wait_bound_s(tasks, self.config)
         self.epoch = 0
-        self.blocks = launch_blocks(tasks, self.mem.dtype, self.config)
+        self.blocks = launch_blocks(tasks, self.mem.dtype, self.config, plan)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.compiled = None
         # a stream_kernel plan: its last queues hold the LINEAR tasks, run by a Gluon kernel beside this one
@@ -515,12 +532,9 @@ class Megakernel(PlanRunner):
         B, T = plan.shape["B"], plan.shape["T"]
         self.stage_tokens = torch.zeros(B * T, 1, dtype=torch.int32, pin_memory=pinned)
         self.stage_lens = torch.zeros(B, 1, dtype=torch.int32, pin_memory=pinned)
-        if self.host_inputs and self.stream is not None:
-            raise MegakernelError("block override HIN=1: a stream_kernel plan's Gluon workers would run before the "
-                                  "inputs are copied; HIN needs a plain plan")
         # HIN's slots; else a device stand-in the kernel never reads (a helper's site plan has no inputs)
         self.host_desc = (host_input_slots(plan, self.device) if self.host_inputs
-                          else torch.zeros(4, dtype=torch.int32, device=self.device))
+                          else torch.zeros(5, dtype=torch.int32, device=self.device))
 
     @property
     def host_inputs(self) -> bool:
@@ -640,13 +654,15 @@ class Megakernel(PlanRunner):
             reason, task, counter, seen, target = err[ERR_HEADER + ERR_PER_WORKER * w: ERR_HEADER + ERR_PER_WORKER * (w + 1)]
             if reason:
                 what = "timed out" if reason == 1 else "stopped"
-                label = self.plan.task_labels[task] if 0 <= task < self.plan.num_tasks else "?"
+                label = (self.plan.task_labels[task] if 0 <= task < self.plan.num_tasks
+                         else "before its first task" if task == -1 else "?")
                 if reason == HELPER_TIMEOUT.value:
                     lines.append(f"worker {w} timed out at task {task} ({label}): the helper did not answer call "
                                  f"{target} within {self.config.helper_timeout_s} s (last answer: call {seen})")
                     continue
                 counter_label = (self.plan.counter_labels[counter] if 0 <= counter < self.plan.num_counters
-                                 else "the stall test counter")
+                                 else "the stall test counter" if counter == self.plan.num_counters
+                                 else "the step's inputs, copied from the host by worker 0 (HIN)")
                 lines.append(f"worker {w} {what} at task {task} ({label}) waiting for counter {counter} "
                              f"({counter_label}) to reach {target}, saw {seen}")
         lines.sort(key=lambda s: "stopped" in s)
@@ -662,6 +678,7 @@ class Megakernel(PlanRunner):
         c = torch.from_numpy(self.expected * self.epoch).to(torch.int32)
         view = self.counters[: self.plan.num_counters * COUNTER_STRIDE].view(-1, COUNTER_STRIDE)
         view[:, 0] = c.to(self.device)
+        self.counters[(self.plan.num_counters + 1) * COUNTER_STRIDE] = self.epoch  # HIN's inputs, one a step
         self.err.zero_()
 
     def inject_stall(self, task: int) -> callable:

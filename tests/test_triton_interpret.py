@@ -224,8 +224,9 @@ def test_two_steps_reuse_counters_without_reset():
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
 def test_workers_read_the_inputs_from_the_stage_buffers(name):
-    """Launch variant HIN=1: no copy of the step's inputs into the plan's slots (the graph's two copy nodes); every
-    worker copies the stage buffers itself before its first task.  Over three workers and two steps of other
+    """Launch variant HIN=1: no copy of the step's inputs into the plan's slots (the graph's two copy nodes); worker 0
+    copies the stage buffers before its first task and releases the inputs counter, which the other workers acquire
+    before theirs (the interpreter runs program 0 first).  Over three workers and two steps of other
     tokens and cache lengths, the logits, caches and every int the step leaves (the input slots among them)
     equal the interpreter's: a worker that read a stale slot, or a step that kept the last step's inputs, shows."""
     cfg, plan, interp, mk = _pair(name, workers=3, scheduler="blocked", passes=0, blocks=dict(HIN=1))

@@ -256,16 +256,26 @@ def wait_task(word, t, counters, epoch, err, pid, MAX_WAITS: tl.constexpr, TIMEO
         if (c >= 0) & (ok == 1):
             target = epoch * tl.load(word + WORD_WAITS + 2 * i + 1)
             ptr = counters + c.to(tl.int64) * COUNTER_STRIDE
-            state = err + ERR_HEADER + pid * ERR_PER_WORKER
-            seen = poll_counter(ptr, POLL)
-            start = tl.cast(0, tl.int32)  # scalars as tl.cast: these compile inside Gluon too
-            spins = 0
-            reason = 0
-            while (seen < target) & (reason == 0):
-                seen = poll_counter(ptr, POLL)
-                spins += 1
-                reason, start = past_bound(err, state, spins, start, TIMEOUT_NS, MAX_SPINS, USE_TIMER, 1)
-            if reason != 0:
-                ok = 0
-                record_stop(err, state, reason, t, c, seen, target, 1)
+            ok = wait_counter(ptr, target, err, pid, t, c, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL)
+    return ok
+
+
+@triton.jit
+def wait_counter(ptr, target, err, pid, t, c, TIMEOUT_NS: tl.constexpr, MAX_SPINS: tl.constexpr,
+                 USE_TIMER: tl.constexpr, POLL: tl.constexpr = 0):
+    """1 once counter c (at ptr) reaches target (acquire), 0 when this worker must stop: a timeout (recorded as
+    task t waiting on c) or another worker's failure."""
+    state = err + ERR_HEADER + pid * ERR_PER_WORKER
+    seen = poll_counter(ptr, POLL)
+    start = tl.cast(0, tl.int32)  # scalars as tl.cast: these compile inside Gluon too
+    spins = 0
+    reason = 0
+    while (seen < target) & (reason == 0):
+        seen = poll_counter(ptr, POLL)
+        spins += 1
+        reason, start = past_bound(err, state, spins, start, TIMEOUT_NS, MAX_SPINS, USE_TIMER, 1)
+    ok = 1
+    if reason != 0:
+        ok = 0
+        record_stop(err, state, reason, t, c, seen, target, 1)
     return ok
