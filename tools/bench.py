@@ -10,6 +10,11 @@ interpreter on the same step; and the floor = bytes the step must read (weights
 of the experts the step routes to, plus the cache) ÷ streaming read bandwidth
 measured here.  Prints a table, writes JSON (and, with
 --profile, a Perfetto trace and per-op table per model).
+
+Context: the step's token(s) follow ctx - 1 cached ones, so its attention covers ctx - 1 + T positions, and the
+plans are compiled for exactly that many (max_len; until session 28, ctx + T: one position more, which made
+llama-1b's attention splits 320 positions, three key blocks, instead of 256).  A plan variant `max_len=N` times
+a plan compiled for another max_len beside it (its own cache, the same weights).
 """
 
 from __future__ import annotations
@@ -119,11 +124,19 @@ def launch_config(spec: str) -> LaunchConfig:
     return cfg
 
 
+def step_max_len(ctx: int, T: int) -> int:
+    """The positions a step after ctx - 1 cached tokens attends to: what its plans are compiled for."""
+    return ctx - 1 + T
+
+
 def variant_plan(cfg, T: int, max_len: int, workers: int, spec: str):
     """(plan, launch config) of a plan variant: compile options (compile_options' keys), with the launch's
     (num_warps, num_stages, block sizes: upper-case keys) for that plan, e.g. workers=264,num_warps=4,KC=1024:
-    two workers per SM."""
+    two workers per SM; max_len=N compiles it for N cache positions instead."""
     items = [item for item in spec.split(",") if item]
+    for item in [i for i in items if i.startswith("max_len=")]:
+        items.remove(item)
+        max_len = int(item.partition("=")[2])
     launch = [item for item in items if item.partition("=")[0] in ("num_warps", "num_stages")
               or item.partition("=")[0].isupper()]
     opts, split = compile_options(",".join(i for i in items if i not in launch), workers)
@@ -136,7 +149,7 @@ def _precompile_job(job) -> str:
     name, T, ctx, workers, plan_spec, launch_spec, profile = job
     from megakernel.runtime import precompile
     t0 = time.perf_counter()
-    plan, config = variant_plan(preset(name), T, ctx + T, workers, plan_spec)
+    plan, config = variant_plan(preset(name), T, step_max_len(ctx, T), workers, plan_spec)
     if launch_spec:  # a launch variant of the default plan
         config = launch_config(launch_spec)
     config.profile = profile
@@ -180,7 +193,7 @@ def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path,
     t0 = time.perf_counter()
     weights = init_weights(cfg, seed=0, device="cuda", dtype=dtype)
     row["init_s"] = round(time.perf_counter() - t0, 1)
-    max_len = ctx + T
+    max_len = step_max_len(ctx, T)
     t0 = time.perf_counter()
     plan = compile_step(cfg, StepShape(T=T, B=1, max_len=max_len), CompileOptions(workers=workers))
     row["compile_s"] = round(time.perf_counter() - t0, 1)
@@ -267,12 +280,14 @@ def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path,
 
     def plan_variant(spec: str):
         vplan, config = variant_plan(cfg, T, max_len, workers, spec)
-        if weight_layout(vplan) == weight_layout(plan):
+        same_cache = vplan.shape["max_len"] == max_len
+        if weight_layout(vplan) == weight_layout(plan) and same_cache:
             return Megakernel(vplan, None, "cuda", share=mk.mem, config=config)
         # another choice of the rules that derive weights (norm_into_linear=0), or stream_kernel's row-aligned
-        # matrices, packs its own arena; same cache
+        # matrices, packs its own arena; another max_len its own cache, the same rows where both have them
         vk = Megakernel(vplan, weights, "cuda", dtype, config=config)
-        vk.cache().copy_(cache.data)
+        rows = min(max_len, vplan.shape["max_len"])
+        vk.cache()[..., :rows, :].copy_(cache.data[..., :rows, :])
         return vk
 
     row["variants"], row["plan_variants"] = [], []

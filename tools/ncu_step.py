@@ -39,7 +39,7 @@ def main() -> None:
     args = p.parse_args()
     cfg = preset(args.model)
     weights = init_weights(cfg, seed=0, device="cuda", dtype=torch.bfloat16)
-    plan = compile_step(cfg, StepShape(T=1, B=1, max_len=args.ctx + 1),
+    plan = compile_step(cfg, StepShape(T=1, B=1, max_len=args.ctx),  # as tools/bench.py
                         CompileOptions(workers=torch.cuda.get_device_properties(0).multi_processor_count))
     mk = Megakernel(plan, weights, "cuda", torch.bfloat16, config=launch_config(args.variant))
     gen = torch.Generator(device="cuda").manual_seed(1)

@@ -196,7 +196,7 @@ def main() -> None:
     args = p.parse_args()
     cfg, hop, fixed = preset(args.model), args.hop_us * 1e-6, args.overhead_us * 1e-6
     measured = load_trace(args.trace)
-    shape = StepShape(T=args.T, B=1, max_len=args.ctx + args.T)
+    shape = StepShape(T=args.T, B=1, max_len=args.ctx - 1 + args.T)  # as tools/bench.py compiles it
     opts, attn_split = compile_options(args.plan, args.workers)
     plan = compile_step(cfg, dataclasses.replace(shape, attn_split=attn_split), opts)
     missing = [label for label in plan.task_labels if label not in measured]
