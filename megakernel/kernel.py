@@ -41,13 +41,14 @@ def next_word_to_l1(word, t, end, WORDS: tl.constexpr, WPF: tl.constexpr):
 @triton.jit
 def host_inputs_to_device(HT, HL, HD, I, counters, epoch, err, pid, TIMEOUT_NS: tl.constexpr,
                           MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr):
-    """HIN (1 by default, where a plan has those inputs): the step's tokens and cache lengths copied from the host's pinned stage buffers
-    (HT, HL: mapped, read over the bus) into their plan slots in I (offsets and counts in HD), so a step is one
-    kernel and no copy nodes.  Worker 0 alone reads the host (the plans put EMBED first in its queue), then
-    releases the inputs counter (HD[4], a line past the plan's); every other worker acquires it before its
-    first task, bounded like a task's wait.  A first version had every worker read the host itself: 1.35 ms
-    a llama-1b step against 1.06 (docs/PERF.md session 28), as if the bus served those 264 reads one by one.
-    No task of a step writes an input slot (graph/memory.py keeps them).  1 when this worker may go on."""
+    """HIN (1 by default, where a plan has those inputs): the step's tokens and cache lengths copied from the
+    host's pinned stage buffers (HT, HL: mapped, read over the bus) into their plan slots in I (offsets and counts
+    in HD), so a step is one kernel and no copy nodes.  Worker 0 alone reads the host (the plans put EMBED first
+    in its queue), then releases the inputs counter (HD[4], a line past the plan's); every other worker acquires
+    it before its first task, bounded like a task's wait.  A first version had every worker read the host
+    itself: 1.35 ms a llama-1b step against 1.06 (docs/PERF.md session 28), as if the bus served those 264 reads
+    one by one.  No task of a step writes an input slot (graph/memory.py keeps them).  1 when this worker may go
+    on."""
     inputs = counters + tl.load(HD + 4).to(tl.int64) * COUNTER_STRIDE
     ok = 1
     if pid == 0:

@@ -304,7 +304,8 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
             raise MegakernelError(f"block override {flag}={blocks[flag]}: 0, or 1 ({what})")
     if blocks["HIN"] not in (0, 1):
         raise MegakernelError(f"block override HIN={blocks['HIN']}: 0 (inputs copied into the plan's slots by the "
-                              "graph's copy nodes) or 1 (every worker reads them from the pinned stage buffers)")
+                              "graph's copy nodes) or 1 (worker 0 copies them from the pinned stage buffers; the "
+                              "default)")
     if blocks["POLL"] not in (0, 1):
         raise MegakernelError(f"block override POLL={blocks['POLL']}: 0 (a scalar acquire atomic) or 1 (every "
                               "thread's ld.acquire.gpu)")
@@ -605,8 +606,8 @@ class Megakernel(PlanRunner):
         self.mem.io_view("in.cache_lens").copy_(self.stage_lens, non_blocking=True)
 
     def capture(self) -> None:
-        """Record input copies + the launch into a CUDA graph.  Compiling happens before (warmup
-        compiles without launching), and capture itself runs nothing: no step's state is touched."""
+        """Record the launch (with HIN=0, the input copies first) into a CUDA graph.  Compiling happens
+        before (warmup compiles without launching), and capture itself runs nothing: no step's state is touched."""
         self.compile()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
