@@ -175,16 +175,16 @@ def test_tiny_blocks_cover_every_tiny_plan_as_one_kernel():
     """conftest.TINY_BLOCKS (the GPU tests' shared block sizes) raises the sizes fitted to every tiny
     plan the tests build to one set, which the launch checks accept: one JIT compile per dtype."""
     import itertools
-    from megakernel.runtime import block_sizes, check_block_overrides, raised_to
+    from megakernel.runtime import LaunchConfig, launch_blocks, shared_blocks
     kernels = set()
-    for name, T, B, split in itertools.product(TINY_PRESETS, (1, 2, 3, 8), (1, 2, 3), (4, 8)):
-        cfg = preset(name)
-        shape = StepShape(T=T, B=B, max_len=64, mtp_passes=1 if cfg.num_nextn_predict_layers else 0, attn_split=split)
-        fitted = block_sizes([decode(w) for w in compile_step(cfg, shape, CompileOptions(workers=16)).words],
-                             torch.bfloat16)
-        blocks = raised_to(fitted, TINY_BLOCKS)
-        check_block_overrides(blocks, fitted)
-        kernels.add(tuple(sorted(blocks.items())))
+    with shared_blocks(TINY_BLOCKS):  # raised to them, then checked, as a launch of each plan would be
+        for name, T, B, split in itertools.product(TINY_PRESETS, (1, 2, 3, 8), (1, 2, 3), (4, 8)):
+            cfg = preset(name)
+            shape = StepShape(T=T, B=B, max_len=64, mtp_passes=1 if cfg.num_nextn_predict_layers else 0,
+                              attn_split=split)
+            plan = compile_step(cfg, shape, CompileOptions(workers=16))
+            blocks = launch_blocks([decode(w) for w in plan.words], torch.bfloat16, LaunchConfig(), plan)
+            kernels.add(tuple(sorted(blocks.items())))
     assert len(kernels) == 1
 
 
@@ -238,6 +238,23 @@ def test_workers_read_the_inputs_from_the_stage_buffers(name):
     for lens in (torch.tensor([0, 3]), torch.tensor([6, 2])):
         _compare(cfg, interp, mk, lens)
     assert mk.epoch == 2
+
+
+def test_a_worker_that_never_sees_the_step_inputs_is_a_watchdog_error():
+    """HIN: a worker whose inputs counter never reaches its step (its epoch pushed a step ahead, so it waits for
+    inputs worker 0 has not released) stops at its bound before its first task, the inputs counter named; after
+    the host's repair the next step equals the interpreter's."""
+    from megakernel.runtime import WatchdogError
+    cfg, plan, interp, mk = _pair("tiny-dense", workers=3, scheduler="blocked", passes=0)
+    assert mk.host_inputs
+    saved = mk.cache().clone()
+    mk.worker_epoch[2] += 1
+    with pytest.raises(WatchdogError, match=r"worker 2 timed out at task -1 \(before its first task\) waiting for "
+                                            r"counter \d+ \(the step's inputs, copied from the host by worker 0"):
+        mk.step(torch.zeros(2, 2, dtype=torch.long), torch.tensor([0, 0]))
+    mk.worker_epoch[2] -= 1
+    mk.cache().copy_(saved)  # what workers 0 and 1 wrote of the failed step
+    _compare(cfg, interp, mk, torch.tensor([1, 1]))
 
 
 def test_watchdog_reports_a_stalled_counter_and_recovers():

@@ -129,14 +129,21 @@ def step_max_len(ctx: int, T: int) -> int:
     return ctx - 1 + T
 
 
-def variant_plan(cfg, T: int, max_len: int, workers: int, spec: str):
-    """(plan, launch config) of a plan variant: compile options (compile_options' keys), with the launch's
-    (num_warps, num_stages, block sizes: upper-case keys) for that plan, e.g. workers=264,num_warps=4,KC=1024:
-    two workers per SM; max_len=N compiles it for N cache positions instead."""
+def pop_max_len(spec: str, max_len: int) -> tuple[str, int]:
+    """(spec without its max_len=N item, N or the given max_len): a plan variant's cache positions."""
     items = [item for item in spec.split(",") if item]
     for item in [i for i in items if i.startswith("max_len=")]:
         items.remove(item)
         max_len = int(item.partition("=")[2])
+    return ",".join(items), max_len
+
+
+def variant_plan(cfg, T: int, max_len: int, workers: int, spec: str):
+    """(plan, launch config) of a plan variant: compile options (compile_options' keys), with the launch's
+    (num_warps, num_stages, block sizes: upper-case keys) for that plan, e.g. workers=264,num_warps=4,KC=1024:
+    two workers per SM; max_len=N compiles it for N cache positions instead."""
+    spec, max_len = pop_max_len(spec, max_len)
+    items = [item for item in spec.split(",") if item]
     launch = [item for item in items if item.partition("=")[0] in ("num_warps", "num_stages")
               or item.partition("=")[0].isupper()]
     opts, split = compile_options(",".join(i for i in items if i not in launch), workers)

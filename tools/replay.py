@@ -41,6 +41,7 @@ from graph.isa import decode  # noqa: E402
 from graph.lower import StepShape  # noqa: E402
 from graph.schedule import SchedTask, critical_path, simulate  # noqa: E402
 from model import preset  # noqa: E402
+from tools.bench import pop_max_len, step_max_len  # noqa: E402
 
 
 def family(label: str) -> str:
@@ -196,8 +197,10 @@ def main() -> None:
     args = p.parse_args()
     cfg, hop, fixed = preset(args.model), args.hop_us * 1e-6, args.overhead_us * 1e-6
     measured = load_trace(args.trace)
-    shape = StepShape(T=args.T, B=1, max_len=args.ctx - 1 + args.T)  # as tools/bench.py compiles it
-    opts, attn_split = compile_options(args.plan, args.workers)
+    # as tools/bench.py compiles it (a plan variant's max_len=N too)
+    plan_spec, max_len = pop_max_len(args.plan, step_max_len(args.ctx, args.T))
+    shape = StepShape(T=args.T, B=1, max_len=max_len)
+    opts, attn_split = compile_options(plan_spec, args.workers)
     plan = compile_step(cfg, dataclasses.replace(shape, attn_split=attn_split), opts)
     missing = [label for label in plan.task_labels if label not in measured]
     if missing:
@@ -217,8 +220,9 @@ def main() -> None:
         rate[family(label)].append(max(s - fixed, 0.0) / max(1, task_work(w)))
     per_byte = {fam: statistics.median(v) for fam, v in rate.items()}
     for spec in args.variant:
-        opts, attn_split = compile_options(spec, args.workers)
-        vplan = compile_step(cfg, dataclasses.replace(shape, attn_split=attn_split), opts)
+        vspec, vmax_len = pop_max_len(spec, max_len)
+        opts, attn_split = compile_options(vspec, args.workers)
+        vplan = compile_step(cfg, dataclasses.replace(shape, max_len=vmax_len, attn_split=attn_split), opts)
         vparsed = structure(vplan)
         vsec = [fixed + per_byte[family(label)] * task_work(w) for w, label in zip(vparsed[0], vplan.task_labels)]
         out[spec] = report(f"predicted for {spec}", vplan, vsec, hop, parsed=vparsed)

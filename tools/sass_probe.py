@@ -2,7 +2,7 @@
 
     python tools/sass_probe.py kernel [--model dsv2-lite] [--lines] [KEY=V,...]...
         registers, spills, shared memory and 16-byte loads of the whole persistent kernel, with the block sizes
-        runtime.block_sizes() fits to the model's T=1 plan, then once per variant (block overrides);
+        runtime.launch_blocks() fits to the model's T=1 plan, then once per variant (block overrides);
         --lines adds instructions, spill loads/stores and barriers per source file and the worst lines
     python tools/sass_probe.py stream [--lines] [KEY=V,...]...
         the weight stream alone (ops/linear.stream_chunks, bf16 weights): its hot loop's instructions
@@ -210,8 +210,8 @@ def probe_kernel(model: str, variants: list[str], lines: bool = False) -> None:
         blocks = parse_variant(spec)
         num_warps = blocks.pop("num_warps", 8)  # a launch option, not a constant of the kernel
         config = LaunchConfig(blocks=blocks)  # the constants a Megakernel of this plan would launch with
-        const = kernel_constants(launch_blocks(tasks, torch.bfloat16, config), wait_bound_s(tasks, config), config,
-                                 on_cuda=True)
+        const = kernel_constants(launch_blocks(tasks, torch.bfloat16, config, plan), wait_bound_s(tasks, config),
+                                 config, on_cuda=True)
         info, sass = compile_sass(megakernel, pointers, [], const, num_warps)
         print(f"kernel {model} {spec or 'fitted'}: {info}")
         if lines:
