@@ -49,7 +49,8 @@ def host_inputs_to_device(HT, HL, HD, I, counters, epoch, err, pid, TIMEOUT_NS: 
     itself: 1.35 ms a llama-1b step against 1.06 (docs/PERF.md session 28), as if the bus served those 264 reads
     one by one.  No task of a step writes an input slot (graph/memory.py keeps them).  1 when this worker may go
     on."""
-    inputs = counters + tl.load(HD + 4).to(tl.int64) * COUNTER_STRIDE
+    c = tl.load(HD + 4)
+    inputs = counters + c.to(tl.int64) * COUNTER_STRIDE
     ok = 1
     if pid == 0:
         tok_off, n_tok, len_off, n_len = tl.load(HD), tl.load(HD + 1), tl.load(HD + 2), tl.load(HD + 3)
@@ -63,7 +64,7 @@ def host_inputs_to_device(HT, HL, HD, I, counters, epoch, err, pid, TIMEOUT_NS: 
         tl.debug_barrier()  # every thread's copies before the release
         tl.atomic_add(inputs, 1, sem="release", scope="gpu")
     else:
-        ok = wait_counter(inputs, epoch, err, pid, -1, tl.load(HD + 4), TIMEOUT_NS, MAX_SPINS, USE_TIMER)
+        ok = wait_counter(inputs, epoch, err, pid, -1, c, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
     return ok
 
 

@@ -458,6 +458,16 @@ def host_inputs_refusal(plan: Plan) -> str | None:
     return None
 
 
+def stall_counter(plan: Plan) -> int:
+    """The line past the plan's counters that nobody signals: the stall test hook (inject_stall) waits on it."""
+    return plan.num_counters
+
+
+def inputs_counter(plan: Plan) -> int:
+    """The line after it: HIN's inputs counter, released by worker 0 once a step when the inputs are copied."""
+    return plan.num_counters + 1
+
+
 def host_input_slots(plan: Plan, device) -> torch.Tensor:
     """[tokens' offset in I, tokens, cache lengths' offset in I, sequences, the inputs counter] (int32): where
     HIN's copies land, and the counter worker 0 releases when they have."""
@@ -465,7 +475,7 @@ def host_input_slots(plan: Plan, device) -> torch.Tensor:
     if why is not None:
         raise MegakernelError(f"block override HIN=1: {why}")
     tok, lens = plan.io["in.tokens"], plan.io["in.cache_lens"]
-    return torch.tensor([tok.offset, tok.rows, lens.offset, lens.rows, plan.num_counters + 1], dtype=torch.int32,
+    return torch.tensor([tok.offset, tok.rows, lens.offset, lens.rows, inputs_counter(plan)], dtype=torch.int32,
                         device=device)
 
 
@@ -500,9 +510,8 @@ class Megakernel(PlanRunner):
         self.mem = mem if mem is not None else Memory(plan, weights, self.device, dtype, share)
         self.words = torch.from_numpy(np.ascontiguousarray(plan.words)).to(self.device)
         self.queue_ptr = torch.tensor(plan.queue_ptr, dtype=torch.int32, device=self.device)
-        # two lines past the plan's counters: one nobody signals (the stall test hook waits on it), and HIN's
-        # inputs counter (worker 0 releases it once a step, when it has copied the step's inputs)
-        self.counters = torch.zeros((plan.num_counters + 2) * COUNTER_STRIDE, dtype=torch.int32, device=self.device)
+        # the plan's counters, then stall_counter and inputs_counter
+        self.counters = torch.zeros((inputs_counter(plan) + 1) * COUNTER_STRIDE, dtype=torch.int32, device=self.device)
         self.worker_epoch = torch.zeros(plan.workers, dtype=torch.int32, device=self.device)
         self.err = torch.zeros(ERR_HEADER + ERR_PER_WORKER * plan.workers, dtype=torch.int32, device=self.device)
         self.prof = torch.zeros(max(1, plan.num_tasks) * 4 if self.config.profile else 4, dtype=torch.int64,
@@ -662,7 +671,7 @@ class Megakernel(PlanRunner):
                                  f"{target} within {self.config.helper_timeout_s} s (last answer: call {seen})")
                     continue
                 counter_label = (self.plan.counter_labels[counter] if 0 <= counter < self.plan.num_counters
-                                 else "the stall test counter" if counter == self.plan.num_counters
+                                 else "the stall test counter" if counter == stall_counter(self.plan)
                                  else "the step's inputs, copied from the host by worker 0 (HIN)")
                 lines.append(f"worker {w} {what} at task {task} ({label}) waiting for counter {counter} "
                              f"({counter_label}) to reach {target}, saw {seen}")
@@ -679,14 +688,14 @@ class Megakernel(PlanRunner):
         c = torch.from_numpy(self.expected * self.epoch).to(torch.int32)
         view = self.counters[: self.plan.num_counters * COUNTER_STRIDE].view(-1, COUNTER_STRIDE)
         view[:, 0] = c.to(self.device)
-        self.counters[(self.plan.num_counters + 1) * COUNTER_STRIDE] = self.epoch  # HIN's inputs, one a step
+        self.counters[inputs_counter(self.plan) * COUNTER_STRIDE] = self.epoch  # one a step
         self.err.zero_()
 
     def inject_stall(self, task: int) -> callable:
         """Test hook: make `task` wait on a counter nobody signals; returns a function that undoes it."""
         original = self.words[task].clone()
         slot = 3 + 2 * (MAX_WAITS - 1)
-        self.words[task, slot] = self.plan.num_counters
+        self.words[task, slot] = stall_counter(self.plan)
         self.words[task, slot + 1] = 1
 
         def undo():

@@ -46,6 +46,7 @@ from megakernel.ops.common import now_ns  # noqa: E402
 from megakernel.ops.fields import ATTENTION_SPLIT_LEN  # noqa: E402
 from megakernel.runtime import launch_blocks, LaunchConfig  # noqa: E402
 from model import init_weights, preset  # noqa: E402
+from tools.bench import step_max_len  # noqa: E402
 
 
 @triton.jit
@@ -191,7 +192,7 @@ def main():
     cfg = preset(args.model)
     workers = torch.cuda.get_device_properties(0).multi_processor_count
     opts, split = compile_options(args.plan, workers)
-    plan = compile_step(cfg, StepShape(T=1, B=1, max_len=args.ctx, attn_split=split), opts)  # as bench.py
+    plan = compile_step(cfg, StepShape(T=1, B=1, max_len=step_max_len(args.ctx, 1), attn_split=split), opts)
     mem = Memory(plan, init_weights(cfg, seed=0, device="cuda", dtype=torch.bfloat16), "cuda", torch.bfloat16)
     gen = torch.Generator(device="cuda").manual_seed(1)
     mem.bufs[Buf.A].normal_(generator=gen)  # the activations: q rows among them (never zeros, never NaN)

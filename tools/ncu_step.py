@@ -26,7 +26,7 @@ from graph.compile import CompileOptions, compile_step  # noqa: E402
 from graph.lower import StepShape  # noqa: E402
 from megakernel.runtime import Megakernel  # noqa: E402
 from model import init_weights, preset  # noqa: E402
-from tools.bench import launch_config  # noqa: E402
+from tools.bench import launch_config, step_max_len  # noqa: E402
 
 
 def main() -> None:
@@ -39,7 +39,7 @@ def main() -> None:
     args = p.parse_args()
     cfg = preset(args.model)
     weights = init_weights(cfg, seed=0, device="cuda", dtype=torch.bfloat16)
-    plan = compile_step(cfg, StepShape(T=1, B=1, max_len=args.ctx),  # as tools/bench.py
+    plan = compile_step(cfg, StepShape(T=1, B=1, max_len=step_max_len(args.ctx, 1)),
                         CompileOptions(workers=torch.cuda.get_device_properties(0).multi_processor_count))
     mk = Megakernel(plan, weights, "cuda", torch.bfloat16, config=launch_config(args.variant))
     gen = torch.Generator(device="cuda").manual_seed(1)
