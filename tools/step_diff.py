@@ -1,6 +1,7 @@
 """Which ops' outputs differ between steps that should be bit-identical (a nondeterminism bisect, GPU).
 
     python tools/step_diff.py [--model dsv2-lite] [--layers 2] [--stream-kernel] [--steps 16] [--launches 4]
+        [--set KEY=V ...]   # config fields overridden, e.g. moe_intermediate_size=1024
 
 One plan (T = B = 1, every tensor in its own region: reuse_memory off, so a region's last writer is its only
 writer), one token and one cache, stepped --steps times from the same cache: the first --launches as plain
@@ -44,9 +45,9 @@ def written_tasks_that_differ(plan, a: dict, b: dict) -> list[int]:
 
 
 def step_diff(model: str, layers: int | None, stream_kernel: bool, steps: int, launches: int,
-              max_len: int = 256, ctx: int = 200) -> dict:
+              max_len: int = 256, ctx: int = 200, overrides: dict | None = None) -> dict:
     from megakernel.runtime import Megakernel
-    cfg = preset(model)
+    cfg = preset(model).replace(**(overrides or {}))
     if layers:
         cfg = cfg.replace(num_hidden_layers=layers)
     workers = torch.cuda.get_device_properties(0).multi_processor_count
@@ -69,7 +70,7 @@ def step_diff(model: str, layers: int | None, stream_kernel: bool, steps: int, l
     ref_i = same.index(max(same))  # the most common result
     worker_of = {t: w for w in range(plan.workers) for t in plan.queue(w)}
     order = list(dict.fromkeys(op_of(label) for label in plan.task_labels))  # worker-major: read the chain by name
-    report = {"model": model, "layers": layers, "stream_kernel": stream_kernel, "steps": steps,
+    report = {"model": model, "overrides": overrides or {}, "layers": layers, "stream_kernel": stream_kernel, "steps": steps,
               "launches": launches, "differing_steps": {}}
     for i in range(steps):
         if not torch.equal(logits[i], logits[ref_i]):
@@ -88,11 +89,14 @@ def main() -> None:
     p.add_argument("--stream-kernel", action="store_true", help="compile with stream_kernel=1 (a Gluon LINEAR kernel)")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--launches", type=int, default=4, help="steps run as plain launches before the graph's replays")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=V",
+                   help="config fields to override (ints), e.g. moe_intermediate_size=1024")
     p.add_argument("--out", help="write the report as JSON here")
     a = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("step_diff needs a GPU: it looks for nondeterminism in the compiled kernel")
-    report = step_diff(a.model, a.layers or None, a.stream_kernel, a.steps, a.launches)
+    overrides = {k: int(v) for k, v in (kv.split("=", 1) for kv in a.set)}
+    report = step_diff(a.model, a.layers or None, a.stream_kernel, a.steps, a.launches, overrides=overrides)
     n = len(report["differing_steps"])
     print(f"{a.model} layers={a.layers} stream_kernel={int(a.stream_kernel)}: {n} of {a.steps} steps differ from "
           "the most common result")
