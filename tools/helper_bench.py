@@ -32,7 +32,7 @@ from helper_card.migration import BiasSkew, CallAwarePolicy, MigrationPolicy, wi
 from helper_card.setup import HelperOptions, moe_layers  # noqa: E402
 from megakernel.engine import make_engine  # noqa: E402
 from model import init_weights, preset  # noqa: E402
-from tools.bench import rel_err  # noqa: E402
+from tools.bench import rel_err, step_max_len  # noqa: E402
 
 
 class GcClock:
@@ -237,7 +237,8 @@ def main() -> None:
     rows = []
 
     def engine(opts):
-        return make_engine(cfg, weights, "megakernel", 1, args.ctx + 1, device, dtype, workers=workers, helper=opts)
+        return make_engine(cfg, weights, "megakernel", 1, step_max_len(args.ctx, 1), device, dtype, workers=workers,
+                           helper=opts)
 
     base = run(engine(None), cfg, args)
     rows.append({"helper": "none", "fraction": 0.0, "migrate": "off", "step_ms_median": base["step_ms_median"]})

@@ -34,7 +34,7 @@ from model import init_weights  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.presets import PRESETS  # noqa: E402
 from model.stats import step_bytes  # noqa: E402
-from tools.bench import launch_config, read_bandwidth, time_ms  # noqa: E402
+from tools.bench import launch_config, read_bandwidth, step_max_len, time_ms  # noqa: E402
 
 
 def stream_config(kind: str, layers: int, width: int) -> ModelConfig:
@@ -65,7 +65,8 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     bw = read_bandwidth()
     ctx = 16
-    plan = compile_step(cfg, StepShape(T=1, B=1, max_len=ctx + 1), CompileOptions(workers=props.multi_processor_count))
+    plan = compile_step(cfg, StepShape(T=1, B=1, max_len=step_max_len(ctx, 1)),
+                        CompileOptions(workers=props.multi_processor_count))
     weights = init_weights(cfg, seed=0, device="cuda", dtype=torch.bfloat16)
     base = Megakernel(plan, weights, "cuda", torch.bfloat16)
     del weights
