@@ -122,11 +122,10 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
     end = tl.load(queue_ptr + pid + 1)
     epoch = tl.load(worker_epoch + pid) + 1
     tl.store(worker_epoch + pid, epoch)
+    ok = 1
     if HIN:
         ok = host_inputs_to_device(HT, HL, HD, I, counters, epoch, err, pid, TIMEOUT_NS, MAX_SPINS, USE_TIMER)
-        ok = ok & (tl.atomic_add(err, 0, sem="acquire", scope="gpu") == 0).to(tl.int32)
-    else:
-        ok = (tl.atomic_add(err, 0, sem="acquire", scope="gpu") == 0).to(tl.int32)
+    ok = ok & (tl.atomic_add(err, 0, sem="acquire", scope="gpu") == 0).to(tl.int32)
     t = start
     while (t < end) & (ok == 1):
         word = words + t.to(tl.int64) * WORDS

@@ -406,12 +406,11 @@ def wait_bound_s(tasks: list[Decoded], config: LaunchConfig) -> float:
     return config.timeout_s + (config.helper_timeout_s if helper else 0.0)
 
 
-def launch_blocks(tasks: list[Decoded], dtype: torch.dtype, config: LaunchConfig, plan: Plan | None = None) -> dict:
-    """The block sizes a plan's kernel compiles with: fitted to its tasks (and, given the plan, HIN to its
-    inputs), raised to SHARED_BLOCKS, then the config's overrides (checked)."""
+def launch_blocks(tasks: list[Decoded], dtype: torch.dtype, config: LaunchConfig, plan: Plan) -> dict:
+    """The block sizes a plan's kernel compiles with: fitted to its tasks (the plan's words, decoded) and HIN to
+    its inputs, raised to SHARED_BLOCKS, then the config's overrides (checked)."""
     fitted = block_sizes(tasks, dtype)
-    if plan is not None:
-        fitted["HIN"] = int(host_inputs_refusal(plan) is None)
+    fitted["HIN"] = int(host_inputs_refusal(plan) is None)
     blocks = {**raised_to(fitted, SHARED_BLOCKS), **(config.blocks or {})}
     check_block_overrides(blocks, fitted, dtype.itemsize)
     return blocks
@@ -466,6 +465,9 @@ def stall_counter(plan: Plan) -> int:
 def inputs_counter(plan: Plan) -> int:
     """The line after it: HIN's inputs counter, released by worker 0 once a step when the inputs are copied."""
     return plan.num_counters + 1
+
+
+HOST_DESC_WORDS = 5  # host_input_slots' words, which the kernel's HIN prologue reads (HD)
 
 
 def host_input_slots(plan: Plan, device) -> torch.Tensor:
@@ -544,7 +546,7 @@ class Megakernel(PlanRunner):
         self.stage_lens = torch.zeros(B, 1, dtype=torch.int32, pin_memory=pinned)
         # HIN's slots; else a device stand-in the kernel never reads (a helper's site plan has no inputs)
         self.host_desc = (host_input_slots(plan, self.device) if self.host_inputs
-                          else torch.zeros(5, dtype=torch.int32, device=self.device))
+                          else torch.zeros(HOST_DESC_WORDS, dtype=torch.int32, device=self.device))
 
     @property
     def host_inputs(self) -> bool:

@@ -200,7 +200,7 @@ def main():
     mem.io_view("in.cache_lens").fill_(args.ctx - 1)
     words = torch.from_numpy(plan.words.copy()).cuda()
     tasks = [decode(w) for w in plan.words]
-    blocks = launch_blocks(tasks, torch.bfloat16, LaunchConfig())
+    blocks = launch_blocks(tasks, torch.bfloat16, LaunchConfig(), plan)
     layers = layer_tasks(plan)
     t0 = tasks[layers[0][0]]
     split_bytes = 2 * t0["split_len"] * t0["dim"] * 2  # keys and values, bf16
