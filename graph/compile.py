@@ -6,7 +6,6 @@ import dataclasses
 import functools
 import math
 import time
-import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,13 +24,6 @@ from .plan import IOSlot, Plan, WeightSlot
 from .schedule import SchedTask, blocked, critical_path, round_robin
 from .tiling import Tiler, TilingOptions
 from .verify import STREAM_OPCODES, stream_violation, verify_plan
-
-# A known bug of the opt-in stream kernel (megakernel/stream_kernel.py), found with tools/step_diff.py in session 29
-STREAM_MOE_WARNING = (
-    "stream_kernel=1 on a MoE model: on dsv2-lite the stream kernel's shared-expert down projection (K=2816) writes "
-    "other bits in one of its tasks in about 5% of graph replays and 20% of plain launches (the logits move ~0.5%), "
-    "a bug not yet found (docs/PERF.md session 29); dense models ran bit-exact.  Use the default plan")
-
 
 @dataclass
 class CompileOptions:
@@ -91,8 +83,6 @@ def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | N
         raise CompileError("workers must be >= 1")
     if opts.stream_kernel and opts.scheduler != "critical_path":
         raise CompileError(f"stream_kernel needs the critical_path scheduler, not {opts.scheduler}")
-    if opts.stream_kernel and cfg.n_routed_experts:
-        warnings.warn(STREAM_MOE_WARNING, RuntimeWarning, stacklevel=2)
     t0 = time.perf_counter()
     if shape.attn_split == 0:
         shape = dataclasses.replace(shape, attn_split=attention_split(cfg, shape, opts.workers))

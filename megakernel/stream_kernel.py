@@ -9,9 +9,9 @@ Llama-1B's GEMV chain the Gluon ring streams faster than any plain-Triton body (
 takes it into the engine without porting every other op body to Gluon's explicit layouts.  Measured (session 20):
 correct, but slower (llama-1b 1.27 against 1.13 ms): inside the megakernel the Triton LINEAR body already streams
 a large task at the ring's per-SM rate, and the Triton bodies at 4 warps beside a streaming CTA take 30-60% longer.
-So it is an opt-in plan option (`stream_kernel=1`), not the default.  Known bug (session 29, tools/step_diff.py): on
-dsv2-lite one shared-expert down task (K = 2816) writes other bits in ~5% of replays and ~20% of launches, whatever
-the ring's slots or box rows; dense plans ran bit-exact (docs/PERF.md).  Compiling a MoE stream plan warns.
+So it is an opt-in plan option (`stream_kernel=1`), not the default.  A consumer releases a ring slot a step
+after reading it (ops/linear_ring.tile_sums: released at once, the TMA sometimes refilled a slot under a warp's
+last loads; session 30).
 
 Per worker: a 1-warp producer walks the queue and streams each task's weight tiles into the shared-memory ring
 (ops/linear_ring.py), never waiting on a counter; the consumer warps wait for the task's inputs, sum the tiles,

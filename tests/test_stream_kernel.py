@@ -131,3 +131,14 @@ def test_stream_task_stall_is_a_watchdog_error_then_recovers():
     stream_task = plan.queue_ptr[mk.body_workers]  # the first stream worker's first task
     stall_is_a_watchdog_error_then_recovers(mk, stream_task, torch.ones(1, 1, dtype=torch.long, device="cuda"),
                                             torch.tensor([5], device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_stream_kernel_steps_are_bit_identical_on_dsv2_lite():
+    """The same step 96 times (64 launches, then graph replays): every op writes the same bits.  Before session 30's
+    fix (ring slots released a step late), ~5% of dsv2-lite's steps had one shared-expert down task differ: this
+    draw would have caught it with probability ~0.99 (tools/step_diff.py, docs/PERF.md sessions 29-30)."""
+    from tools.step_diff import step_diff
+    report = step_diff("dsv2-lite", 2, stream_kernel=True, steps=96, launches=64)
+    assert report["differing_steps"] == {}, report

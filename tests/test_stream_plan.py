@@ -3,7 +3,6 @@ queues 0..W-1 (every opcode but LINEAR) and a stream kernel on queues W..2W-1 (o
 LINEAR's weights at a multiple of its K in the W arena (the stream kernel's one TMA descriptor per K)."""
 
 import random
-import warnings
 
 import pytest
 import torch
@@ -163,13 +162,3 @@ def test_compile_refuses_what_the_stream_kernel_cannot_run(monkeypatch):
     with pytest.raises(CompileError, match=r"stream_kernel: LINEAR \S+ \(task \d+\): w2?\.off=\d+ is not a multiple "
                                            r"of K=128"):
         compile_step(cfg, SHAPE, CompileOptions(workers=4, stream_kernel=True))
-
-
-def test_stream_plans_of_moe_models_warn_of_the_known_bug():
-    """The stream kernel wrote other bits now and then on dsv2-lite's shared-expert down (docs/PERF.md session 29):
-    a MoE model's stream plan says so when compiled; a dense model's does not."""
-    with pytest.warns(RuntimeWarning, match="shared-expert down projection"):
-        compile_step(preset("tiny-moe"), SHAPE, CompileOptions(workers=4, stream_kernel=True))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        compile_step(preset("tiny-dense"), SHAPE, CompileOptions(workers=4, stream_kernel=True))

@@ -85,7 +85,12 @@ def tile_sums(ring, ready, empty, it, x_ptr, K, ntiles, SLOTS: gl.constexpr, SUB
             k = (c + j) * COLS + cols
             xs = gl.load(x_ptr + k, mask=k < K, other=0.0)
             acc += ring.index(s * SUB + j).load(tile_l).to(gl.float32) * xs[None, :]
-        mbarrier.arrive(empty.index(s), count=1)  # after a barrier: every consumer warp has read the slot
+        # release the slot read one step earlier, not this one: the barrier before the arrive orders the warps'
+        # shared-memory loads only against other generic accesses, so a warp's last loads of this slot could
+        # still be in flight when the producer's TMA refills it (session 30 caught one warp reading the next
+        # fill's tile this way).  A step later every warp has used those values, which it cannot do before
+        # they land.  The producer runs one slot less ahead.
+        mbarrier.arrive(empty.index((it + SLOTS - 1) % SLOTS), count=1, pred=it > 0)
         it += 1
     return gl.sum(acc, axis=1), it
 
