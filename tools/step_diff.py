@@ -8,8 +8,8 @@ writer), one token and one cache, stepped --steps times from the same cache: the
 launches, the rest as replays of one captured graph.  Each step's logits are compared with the most common
 result; for every step that differs, the ops whose tasks wrote other bits than that step's reference are
 listed (task counts per op, in plan order), so the first op in the dependency chain that differs is where the
-nondeterminism starts.  Session 29 found the stream kernel's one-in-eight wrong shared-expert down task this way
-(docs/PERF.md).
+nondeterminism starts.  Session 29 found the stream kernel's now-and-then wrong shared-expert down task this way
+(a ring slot refilled under a warp's last loads: fixed in session 30, docs/PERF.md).
 """
 
 from __future__ import annotations
