@@ -213,9 +213,15 @@ def footprint(task: Decoded) -> list[Access]:
         out += _flat(task, "st", 0, 2 * S + S * N * k, False) + _flat(task, "map", 0, f["E"], False)
         out += _acc(task, "out", 0, N * k, r0, r1, True,
                     exclusive=(task.signal, "slot", f["st.off"], f["out.off"], f["slot"], f["slot"] + 1))
+        if task.has("DOWN_T"):  # its slice's partial rows (it reads back only the `out` rows it wrote itself)
+            base = f["slice"] * N * k
+            out += _acc(task, "y", base, base + N * k, 0, K, True,
+                        exclusive=(task.signal, "slot", f["st.off"], f["y.off"], f["slot"], f["slot"] + 1))
     elif name == "MOE_COMBINE":
         r0, r1, H, k, c0, c1 = f["r0"], f["r1"], f["H"], f["topk"], f["c0"], f["c1"]
-        out += _acc(task, "y", r0 * k, r1 * k, c0, c1, False, ld=H) + _flat(task, "wts", r0 * k, r1 * k, False)
+        for s in range(max(1, f["ns"])):  # ns slices of partials (EXPERT_LINEAR[DOWN_T]), ys rows apart
+            out += _acc(task, "y", s * f["ys"] + r0 * k, s * f["ys"] + r1 * k, c0, c1, False, ld=H)
+        out += _flat(task, "wts", r0 * k, r1 * k, False)
         if task.has("SHARED"):
             out += _acc(task, "sh", r0, r1, c0, c1, False)
         if task.has("RES"):

@@ -27,6 +27,10 @@ Rules, applied in this order (each names what it merged in the report):
                  router alone folds it, exactly (LINEAR[NORM, PAIR] on W·diag(g)'s bf16 high and low
                  parts, since its sums rank experts), so the router starts one hop earlier, the norm runs
                  beside it (the route leaves it time), and every expert reads what the default plan's do.
+- expert_mlp (opt-in): EXPERT_LINEAR[SILU_MUL] and the down projection reading it -> EXPERT_LINEAR[SILU_MUL,
+                 DOWN_T]: each task's slice of intermediate rows also streams those rows of the down projection,
+                 packed transposed, into partial rows that MOE_COMBINE sums (one phase and hop fewer a MoE layer,
+                 and no down rows read in 2048-column chunks).  Not yet timed on a GPU.
 A tensor is absorbed only when the fused op is its sole reader and it is not
 an output.  The fused op takes the program position of the chain's last op.
 CompileOptions.fusion_rules names the rules a plan applies (DEFAULT_RULES unless told).  Those in
@@ -35,17 +39,21 @@ WEIGHT_RULES change the packed weights, so plans that differ in them cannot shar
 
 from __future__ import annotations
 
-from .ir import Graph, Op, Tensor, View
+from .ir import TRANSPOSED, Graph, Op, Tensor, View
+from .isa import Buf
 
 RULES = ("swiglu", "moe_epilogue", "residual_into_linear", "residual_norm", "rope_into_cache", "norm_into_cache",
-         "rope_into_attention", "route", "hc_coeff", "norm_into_linear", "norm_beside_experts")
-WEIGHT_RULES = ("norm_into_linear", "norm_beside_experts")  # rules that derive packed weights (W' = W diag(g))
+         "rope_into_attention", "route", "hc_coeff", "norm_into_linear", "norm_beside_experts", "expert_mlp")
+# rules that derive packed weights (W' = W diag(g); expert_mlp: the experts' down projections transposed)
+WEIGHT_RULES = ("norm_into_linear", "norm_beside_experts", "expert_mlp")
 # what a plan applies unless told.  norm_beside_experts stays opt-in: its first version (session 15: -2.8%,
 # -3.1% on dsv2-lite) rounded the router's W·diag(g) to bf16, which moved routing decisions (1.2% of tokens per
 # layer on random weights); its second (the router exact, the shared experts folded: -1.1%, session 16) still
 # moved one greedy token of tiny-moe's 64-step teacher-forced GPU test.  This one, where only the router folds
 # and every expert reads the norm's rows, has not run on a GPU
-DEFAULT_RULES = tuple(r for r in RULES if r != "norm_beside_experts")
+# expert_mlp is opt-in until it is timed on a GPU (docs/NOTES.md, session 30)
+DEFAULT_RULES = tuple(r for r in RULES if r not in ("norm_beside_experts", "expert_mlp"))
+EXPERT_SLICE_ROWS = 64  # expert_mlp: intermediate rows a task takes (fixed by the model: batch invariance)
 
 
 class _Ctx:
@@ -329,6 +337,61 @@ def _norm_into_linear(ctx: _Ctx, beside_experts: bool = False) -> str | None:
     return None
 
 
+def _transposed_downs(ctx: _Ctx, experts: str, I: int, H: int) -> str:
+    """The routed experts' tensor (row e = gate | up | down) with each down projection packed transposed, so a
+    task reads rows r0..r1 of it (one per intermediate row, H wide) as contiguous k-major rows."""
+    name = experts + TRANSPOSED
+    if name not in ctx.g.tensors:
+        src = ctx.g.tensors[experts]
+        parts = tuple((hf, rel, TRANSPOSED) if rel % (3 * I * H) >= 2 * I * H else (hf, rel) for hf, rel in src.parts)
+        ctx.g.add_tensor(Tensor(name, src.buf, src.rows, src.cols, role="weight", parts=parts))
+    return name
+
+
+def _expert_mlp(ctx: _Ctx) -> str | None:
+    """EXPERT_LINEAR[SILU_MUL] (gate|up) and the down projection that alone reads its rows -> one
+    EXPERT_LINEAR[SILU_MUL, DOWN_T]: a task takes EXPERT_SLICE_ROWS intermediate rows of its slot's expert, keeps
+    their SiLU·mul values (out, now its scratch), and streams the same rows of the down projection packed
+    transposed into a partial row per pair (y: slices x pairs x H); MOE_COMBINE sums the slices.  The gate|up ->
+    down hop and its phase go, and the down projection's rows are read as they are packed (K = 1408 rows no longer
+    stream in 2048-column chunks).  Not in helper plans (a map, or a HELPER_WAIT between down and combine)."""
+    for g in ctx.g.ops:
+        if g.opcode != "EXPERT_LINEAR" or "SILU_MUL" not in g.flags or "DOWN_T" in g.flags or "map" in g.reads:
+            continue
+        h = g.writes["out"].tensor
+        downs = ctx.cons.get(h, [])
+        if len(downs) != 1 or downs[0].opcode != "EXPERT_LINEAR" or downs[0].flags or "map" in downs[0].reads:
+            continue
+        d = downs[0]
+        combines = ctx.cons.get(d.writes["out"].tensor, [])
+        if (len(combines) != 1 or combines[0].opcode != "MOE_COMBINE" or combines[0].attrs.get("ns", 1) > 1
+                or d.reads["st"] != g.reads["st"] or d.reads["w"].tensor != g.reads["w"].tensor
+                or not _whole(ctx, d.reads["x"])):
+            continue
+        comb, I, H = combines[0], g.attrs["rows"], d.attrs["rows"]
+        if H != g.attrs["K"] or I % EXPERT_SLICE_ROWS % 8:
+            continue
+        experts = _transposed_downs(ctx, g.reads["w"].tensor, I, H)
+        pairs = g.attrs["N"] * g.attrs["topk"]
+        ns = -(-I // EXPERT_SLICE_ROWS)
+        name = base = g.label.rsplit(".", 1)[0] + ".down_partials"
+        while name in ctx.g.tensors:  # (an MTP layer lowered for several passes)
+            name = f"{base}#{sum(t.startswith(base) for t in ctx.g.tensors)}"
+        y = ctx.g.add_tensor(Tensor(name, Buf.A, ns * pairs, H))
+        reads = dict(g.reads)
+        reads.update(w=View(experts, g.reads["w"].col0), w2=View(experts, g.reads["w2"].col0),
+                     wd=View(experts, d.reads["w"].col0))
+        fused = _new(g, g.flags | {"DOWN_T"}, reads, {"out": g.writes["out"], "y": View(y)},
+                     attrs={**g.attrs, "slice_rows": EXPERT_SLICE_ROWS}, label=g.label.rsplit(".", 1)[0] + ".mlp")
+        ctx.replace([g, d], fused)
+        comb = next(op for op in ctx.g.ops if op.label == comb.label)
+        summed = _new(comb, comb.flags, {**comb.reads, "y": View(y)}, dict(comb.writes),
+                      attrs={**comb.attrs, "ns": ns, "ys": pairs})
+        ctx.replace([comb], summed)
+        return f"{g.label} + {d.label} -> EXPERT_LINEAR[SILU_MUL|DOWN_T] ({ns} slices), {comb.label} sums them"
+    return None
+
+
 def _merge_stages(ctx: _Ctx, opcode: str, stages: tuple[str, ...], label_suffix: str,
                   scratch: tuple[str, ...] = ()) -> str | None:
     """Merge an op running stage s with the op running the next stage on its private outputs.
@@ -382,6 +445,7 @@ def fuse(graph: Graph, rules: tuple[str, ...] = DEFAULT_RULES) -> dict:
         "hc_coeff": lambda c: _merge_stages(c, "HC_COEFF", ("MIX", "ACT", "SINK", "COLLAPSE"), ".coeff"),
         "norm_into_linear": _norm_into_linear,
         "norm_beside_experts": lambda c: _norm_into_linear(c, beside_experts=True),
+        "expert_mlp": _expert_mlp,
     }
     changes, per_rule = [], {}
     for rule in RULES:

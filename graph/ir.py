@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from .isa import Buf
 
+TRANSPOSED = "^T"  # a weight part packed transposed (fusion rule expert_mlp: down projections read k-major)
+
 
 @dataclass
 class Tensor:
@@ -20,7 +22,9 @@ class Tensor:
     rows: int
     cols: int
     role: str = "act"  # act | weight | const | input | output | cache | mailbox
-    parts: tuple[tuple[str, int], ...] = ()  # weights: (HF tensor name, element offset) packed into this tensor
+    # weights: (HF tensor name, element offset) packed into this tensor; a third entry derives the packed values:
+    # a norm weight's name (its columns scaled: norm_into_linear, with "hi" / "lo" a fourth), or TRANSPOSED
+    parts: tuple[tuple, ...] = ()
     data: tuple[float, ...] | None = None  # constants
     offset: int | None = None  # placement in its buffer, set by memory planning / weight layout
 

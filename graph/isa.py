@@ -140,10 +140,13 @@ _OPS = [
            ("SCORE", "TOPK", "SLOTS", "SIGMOID", "NOAUX", "GROUPED", "NORM")),
     # rows of expert slot_expert[slot]'s weights r0..r1 applied to the tokens routed to `slot`
     # with a map (helper plans): the weights sit in main slot map[expert] of a shared arena
-    Opcode("EXPERT_LINEAR", 12, _f("x* w+ w2+ w_es out* st+ N K r0 r1 slot S topk map+ E"),
-           ("GATHER", "SCATTER", "SILU_MUL")),
-    # out[r, c0:c1] = sum_j wts[r, j] · y[r·topk + j] (+ shared[r]) (+ res[r]), summed in a fixed order
-    Opcode("MOE_COMBINE", 13, _f("y+ wts+ sh* res* out* H topk r0 r1 c0 c1"), ("SHARED", "RES")),
+    # DOWN_T (with SILU_MUL; fusion rule expert_mlp): then also y[slice·N·topk + pair, :K] = sum over rows r0..r1 of
+    # out[pair, r] · wd[r, :K], wd the expert's down projection transposed (its row r at expert·w_es + r·K)
+    Opcode("EXPERT_LINEAR", 12, _f("x* w+ w2+ w_es out* st+ N K r0 r1 slot S topk map+ E wd+ y* slice"),
+           ("GATHER", "SCATTER", "SILU_MUL", "DOWN_T")),
+    # out[r, c0:c1] = sum_j wts[r, j] · y[r·topk + j] (+ shared[r]) (+ res[r]), summed in a fixed order; with ns > 1,
+    # y[r·topk + j] is itself the sum of ns slices' rows, ys rows apart (EXPERT_LINEAR[DOWN_T]'s partials), in order
+    Opcode("MOE_COMBINE", 13, _f("y+ wts+ sh* res* out* H topk r0 r1 c0 c1 ns ys"), ("SHARED", "RES")),
     # MIX: mix = rmsnorm(streams) @ fn.T; ACT: raw coefficients; SINK: Sinkhorn; COLLAPSE: sum_j pre_j stream_j
     Opcode("HC_COEFF", 14, _f("st* fn+ base+ scale+ mix+ craw+ coef+ out* n H iters eps hc_eps r0 r1"),
            ("MIX", "ACT", "SINK", "COLLAPSE")),

@@ -293,9 +293,12 @@ class Tiler:
         a = op.attrs
         K, rows = a["K"], a["rows"]
         nweights = 2 if "SILU_MUL" in op.flags else 1
-        per = self.weight_rows_per_task(K * self.wbytes * nweights, rows, copies=a["S"],
-                                        spread=spread or self.spread_of.get(op.id, 0))
-        return [Tile({"slot": slot, "r0": r0, "r1": r1}, (r1 - r0) * K * self.wbytes * nweights,
+        if "DOWN_T" in op.flags:  # slices fixed by the model (fusion rule expert_mlp): a pair's partials are summed
+            per, nweights = a["slice_rows"], 3  # in one order whatever the step's shape; gate, up and down rows
+        else:
+            per = self.weight_rows_per_task(K * self.wbytes * nweights, rows, copies=a["S"],
+                                            spread=spread or self.spread_of.get(op.id, 0))
+        return [Tile({"slot": slot, "r0": r0, "r1": r1, "slice": r0 // per}, (r1 - r0) * K * self.wbytes * nweights,
                      4 * a["N"] * (K + r1 - r0), 2 * a["N"] * K * (r1 - r0) * nweights)
                 for slot in range(a["S"]) for r0, r1 in _blocks(rows, per)]
 

@@ -116,7 +116,8 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                ALIGN: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr, ATT_KIND: tl.constexpr,
                ROWVEC: tl.constexpr, AHEAD: tl.constexpr, NARROW: tl.constexpr, ROUTE1: tl.constexpr, PFD: tl.constexpr,
                EF: tl.constexpr, WPF: tl.constexpr, APF: tl.constexpr, PFK: tl.constexpr, HILO: tl.constexpr,
-               HELPER_SIDE: tl.constexpr, ATT_ROPE: tl.constexpr, POLL: tl.constexpr, HIN: tl.constexpr):
+               HELPER_SIDE: tl.constexpr, ATT_ROPE: tl.constexpr, POLL: tl.constexpr, HIN: tl.constexpr,
+               KD: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
     end = tl.load(queue_ptr + pid + 1)
@@ -164,7 +165,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             next_word_to_l1(word, t, end, WORDS, WPF)
             if ok == 1:  # the other opcodes' bodies
                 if op == OP_EXPERT_LINEAR:
-                    moe.expert_body(word, W, A, I, BR, KC, ALIGN, TB, PF, DEPTH, ROWVEC, AHEAD, NARROW, PFD, EF)
+                    moe.expert_body(word, W, A, I, BR, KC, ALIGN, TB, PF, DEPTH, ROWVEC, AHEAD, NARROW, PFD, EF, KD)
                 elif op == OP_RMSNORM:
                     norm.body(word, W, A, I, C, BN)
                 elif op == OP_ATTENTION:
@@ -178,7 +179,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                 elif op == OP_ROPE_TABLE:
                     rope.table_body(word, WF, A, I, BH)
                 elif op == OP_MOE_COMBINE:
-                    moe.combine_body(word, A, BD, BK)
+                    moe.combine_body(word, A, BD, BK, KD)
                 elif op == OP_ROUTE:
                     moe.route_body(word, WF, A, I, BE, BP, ROUTE1)
                 elif op == OP_EMBED:

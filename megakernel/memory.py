@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from graph.ir import TRANSPOSED
 from graph.isa import Buf, Decoded
 from graph.plan import Plan
 from model.config import ModelConfig
@@ -54,10 +55,14 @@ class Memory:
         for slot in plan.weights:
             arena = self.bufs[slot.buf]
             for hf_name, rel, *scale in slot.parts:
+                transposed = scale == [TRANSPOSED]
+                scale = [] if transposed else scale
                 for name in (hf_name, *scale[:1]):
                     if name not in w:
                         raise KeyError(f"plan needs weight {name}, which the weights do not have")
                 src = w[hf_name]
+                if transposed:  # a down projection read k-major (fusion rule expert_mlp)
+                    src = src.t().contiguous()
                 if scale:  # a weight whose columns carry a norm's weight (fusion rule norm_into_linear)
                     src = scaled_part(src, w[scale[0]], scale[1] if len(scale) > 1 else "", arena.dtype)
                 src = src.reshape(-1)

@@ -42,7 +42,8 @@ OPERAND_BUFFERS = {
     "ATTENTION": {"q": Buf.A, "pe": Buf.A, "cache": Buf.C, "cl": Buf.I, "op": Buf.A, "lse": Buf.A},
     "ATTN_COMBINE": {"op": Buf.A, "lse": Buf.A, "out": Buf.A},
     "ROUTE": {"lg": Buf.A, "sc": Buf.A, "bias": Buf.WF, "ids": Buf.I, "wts": Buf.A, "st": Buf.I},
-    "EXPERT_LINEAR": {"x": Buf.A, "w": Buf.W, "w2": Buf.W, "out": Buf.A, "st": Buf.I, "map": Buf.I},
+    "EXPERT_LINEAR": {"x": Buf.A, "w": Buf.W, "w2": Buf.W, "out": Buf.A, "st": Buf.I, "map": Buf.I, "wd": Buf.W,
+                      "y": Buf.A},
     "MOE_COMBINE": {"y": Buf.A, "wts": Buf.A, "sh": Buf.A, "res": Buf.A, "out": Buf.A},
     "HC_COEFF": {"st": Buf.A, "fn": Buf.WF, "base": Buf.WF, "scale": Buf.WF, "mix": Buf.A, "craw": Buf.A,
                  "coef": Buf.A, "out": Buf.A},
@@ -99,7 +100,7 @@ def check_operand_buffers(plan: Plan, tasks: list[Decoded]) -> None:
 # fields whose values the kernel may assume are multiples of ALIGN (vector loads need it)
 ALIGNED_FIELDS = {
     "LINEAR": ("K", "w.off", "w2.off", "x.off", "x.ld"),
-    "EXPERT_LINEAR": ("K", "w.off", "w2.off", "w_es", "x.off", "x.ld"),
+    "EXPERT_LINEAR": ("K", "w.off", "w2.off", "w_es", "x.off", "x.ld", "wd.off"),
     "HEAD_MATMUL": ("w.off", "w_hs", "w_ld", "x.ld", "x_hs", "x_col0", "x.off", "o0"),
     "ATTENTION": ("width", "cache.off", "dim", "q.off", "q.ld", "q_hs", "q_col0", "kv_hs", "v_col0", "rope_dim",
                   "pe.off", "pe.ld", "pe_hs", "pe_col0", "op.off"),
@@ -239,6 +240,8 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 HELPER_SIDE=int(any(t.op.name == "HELPER_RECV" for t in tasks)),
                 # LINEAR[PAIR] (norm_beside_experts' router, on exact scaled weights) compiled in (only where used)
                 HILO=int(any(t.op.name == "LINEAR" and t.has("PAIR") for t in tasks)),
+                # EXPERT_LINEAR[DOWN_T] (fusion rule expert_mlp) compiled in, for k-major down rows of up to KD columns
+                KD=max((_pow2(t["K"]) for t in tasks if t.op.name == "EXPERT_LINEAR" and t.has("DOWN_T")), default=0),
                 # attention compiled for the plan's one kind (MLA or GQA), else the flag read per task
                 ATT_KIND=att_kinds.pop() if len(att_kinds) == 1 else 0,
                 # ATTENTION[ROPE] (fusion rule rope_into_attention) compiled in (only where used)
@@ -335,6 +338,9 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
         why = bulk_prefetch_refusal(blocks["ALIGN"], weight_bytes)
         if blocks[key] and why:
             raise MegakernelError(f"block override {key}={blocks[key]}: {why}")
+    if blocks["KD"] != fitted["KD"]:
+        raise MegakernelError(f"block override KD={blocks['KD']}: the plan's EXPERT_LINEAR[DOWN_T] rows need "
+                              f"KD={fitted['KD']} (0: it has none)")
     if blocks["HILO"] < fitted["HILO"]:
         raise MegakernelError("block override HILO=0: this plan has LINEAR[PAIR] tasks (a router's weights as a high "
                               "and a low part), whose low part a kernel without HILO would not read")

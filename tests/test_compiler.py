@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graph.compile import CompileOptions, compile_step
-from graph.fusion import RULES
+from graph.fusion import DEFAULT_RULES
 from graph.isa import decode
 from graph.lower import StepShape
 from graph.plan import Plan
@@ -157,7 +157,7 @@ def test_a_moe_norm_stays_for_the_routed_experts_and_folds_into_the_router():
 
     cfg = preset("tiny-moe")
     plan = compile_step(cfg, StepShape(T=2, B=2, max_len=16, mtp_passes=1),
-                        CompileOptions(workers=4, fusion_rules=RULES))
+                        CompileOptions(workers=4, fusion_rules=DEFAULT_RULES + ("norm_beside_experts",)))
     fusion = next(p for p in plan.passes if p["pass"] == "fusion")
     moe_layers = [layer for layer in range(cfg.num_hidden_layers + 1) if layer >= cfg.first_k_dense_replace]
     assert fusion["per_rule"]["norm_beside_experts"] == len(moe_layers)
@@ -457,3 +457,30 @@ def test_compile_options_reads_each_kind_of_key_and_names_an_unknown_one():
     assert compile_options("", 132)[0].vocab_block == CompileOptions().vocab_block
     with pytest.raises(CompileError, match="'vocab_blok'"):
         compile_options("vocab_blok=1024", 132)
+
+
+def test_expert_mlp_slices_are_the_models_not_the_steps():
+    """Fusion rule expert_mlp (opt-in): dsv2-lite's routed gate|up and down become one EXPERT_LINEAR[SILU_MUL,
+    DOWN_T] over 64-row slices of each expert's 1408 intermediate rows, 22 slices x 6 slots = 132 tasks at T = 1
+    (one per worker), and MOE_COMBINE sums 22 slices of partials.  The slices do not depend on the step's shape,
+    so a pair's partials are summed in one order whatever T and B (batch invariance); the down projections are
+    packed transposed, as parts marked TRANSPOSED."""
+    from graph.fusion import EXPERT_SLICE_ROWS
+    from graph.ir import TRANSPOSED
+    cfg = _six("dsv2-lite")
+    slices = {}
+    for T, B in ((1, 1), (3, 2)):
+        plan = compile_step(cfg, StepShape(T=T, B=B, max_len=4096),
+                            CompileOptions(fusion_rules=DEFAULT_RULES + ("expert_mlp",)))
+        tasks = [(plan.task_labels[i], plan.task(i)) for i in range(plan.num_tasks)]
+        fused = [t for label, t in tasks if label.startswith("L5.moe.mlp[")]
+        assert fused and all(t.has("SILU_MUL") and t.has("DOWN_T") for t in fused)
+        assert not any(label.startswith("L5.moe.expert_down") for label, _ in tasks)
+        slices[T] = sorted({(t["slice"], t["r0"], t["r1"]) for t in fused})
+        if T == 1:
+            assert len(fused) == 132 == plan.workers
+        combine = next(t for label, t in tasks if label.startswith("L5.moe.combine["))
+        assert (combine["ns"], combine["ys"]) == (1408 // EXPERT_SLICE_ROWS, T * B * cfg.num_experts_per_tok)
+    assert slices[1] == slices[3] == [(s, 64 * s, 64 * s + 64) for s in range(22)]
+    experts = next(w for w in plan.weights if w.name == "L5.experts" + TRANSPOSED)
+    assert sum(len(p) == 3 and p[2] == TRANSPOSED for p in experts.parts) == cfg.n_routed_experts

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from graph.compile import CompileOptions, compile_step
-from graph.fusion import DEFAULT_RULES, RULES
+from graph.fusion import DEFAULT_RULES
 from graph.isa import Buf, decode
 from graph.lower import StepShape
 from graph.tiling import TilingOptions
@@ -123,7 +123,7 @@ def test_kernel_router_folds_its_norm_exactly(T, B, blocks):
     and a low part whose sums the kernel adds (HILO compiled in), in the token-group epilogue and in one
     token's row-vector one; the routing tables and logits equal the interpreter's.  The split is at bf16 in
     this fp32 arena too, so the low part is not zero: a kernel that dropped it would differ."""
-    cfg, plan, interp, mk = _pair("tiny-moe", T=T, B=B, blocks=blocks, rules=RULES)
+    cfg, plan, interp, mk = _pair("tiny-moe", T=T, B=B, blocks=blocks, rules=DEFAULT_RULES + ("norm_beside_experts",))
     pairs = [decode(w) for w in plan.words if decode(w).op.name == "LINEAR" and decode(w).has("PAIR")]
     assert mk.blocks["HILO"] == 1 and pairs
     lo = next(s for s in plan.weights if s.name.endswith("~lo"))
@@ -413,3 +413,17 @@ def test_greedy_argmax_takes_the_first_of_tied_maxima():
     got = mk.step(tokens, lens)
     assert mk.blocks["BD"] == 4 and torch.equal(got.logits[0, 0, tied], got.logits[0, 0, tied[:1]].expand(4))
     assert got.tokens.item() == 10
+
+
+@pytest.mark.parametrize("T,B,blocks", [(2, 2, None), (1, 1, dict(TB=1, ROWVEC=1))])
+def test_kernel_expert_mlp_sums_partials(T, B, blocks, monkeypatch):
+    """Fusion rule expert_mlp (opt-in): EXPERT_LINEAR[SILU_MUL, DOWN_T] tasks stream their slice's gate|up rows, then
+    the same rows of the down projection packed transposed into a partial row per pair; MOE_COMBINE adds the slices
+    (two here: 16-row slices of tiny-moe's 32).  Several pairs a slot (T = B = 2) and one token."""
+    import graph.fusion
+    monkeypatch.setattr(graph.fusion, "EXPERT_SLICE_ROWS", 16)
+    cfg, plan, interp, mk = _pair("tiny-moe", T=T, B=B, blocks=blocks, rules=DEFAULT_RULES + ("expert_mlp",))
+    fused = [decode(w) for w in plan.words if decode(w).op.name == "EXPERT_LINEAR"]
+    assert fused and all(t.has("DOWN_T") for t in fused) and {t["slice"] for t in fused} == {0, 1}
+    assert mk.blocks["KD"] == cfg.hidden_size
+    _compare(cfg, interp, mk, torch.tensor([3, 9][:B]))

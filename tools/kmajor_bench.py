@@ -7,14 +7,15 @@ a worker because today's LINEAR loop reads each row in 2048-column chunks, and a
 two phases.  An expert MLP task could instead take a slice of intermediate rows [r0, r1), stream their gate|up
 rows as now, then the same rows of the down projection packed transposed (W^T[r0:r1, :], rows of H = 2048, no
 waste) into an [H] partial that MOE_COMBINE sums.  Before building that, this times the k-major loop
-(`kmajor_rows`: out[:] = sum_r h[r] * W^T[r, :]) against today's LINEAR body (`ops/linear.stream_chunks`,
+(`ops/moe.kmajor_rows`, the body of fusion rule expert_mlp's EXPERT_LINEAR[DOWN_T]: out[:] = sum_r h[r] *
+W^T[r, :]) against today's LINEAR body (`ops/linear.stream_chunks`,
 out[r] = W[r, :] . x) on the same bytes: one program per SM, each streaming its own `rows` rows of 2048 bf16,
 matrices rotated past the L2.  Prints GB/s per SM for each, and each one's error against torch.
 
 The naive version is `reference_kmajor`; the loop asks for the next chunk of BR rows before it sums this one, as
-stream_chunks does, and each thread owns 8 output columns for every row: its sums never leave the thread (no
-shuffle, no cross-warp reduction), and a 32 KB chunk costs 8 16-byte weight loads a thread where stream_chunks
-spends 16 8-byte weight loads, 16 activation loads and a lane reduction.
+stream_chunks does, and each thread owns 8 output columns for every row: its sums never leave the thread until the
+end (no shuffle, no cross-warp reduction), and a 32 KB chunk costs 8 16-byte weight loads a thread where
+stream_chunks spends 16 8-byte weight loads, 16 activation loads and a lane reduction.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megakernel.ops import linear  # noqa: E402
+from megakernel.ops import linear, moe  # noqa: E402
 
 H = 2048  # dsv2-lite's and llama-1b's hidden size: a k-major row's length
 
@@ -41,43 +42,11 @@ def reference_kmajor(w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def kmajor_chunk(wp, rows, r1, HW: tl.constexpr, EF: tl.constexpr):
-    """Rows `rows` (clamped below r1: a row past it reads row r1 - 1 again, times h = 0) as [BR, HW] words of two
-    bf16 columns; 16 bytes a thread a row."""
-    cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, HW), 4), 4)
-    return tl.load(wp + tl.minimum(rows, r1 - 1)[:, None].to(tl.int64) * HW + cols[None, :],
-                   eviction_policy="evict_first" if EF else "")
-
-
-@triton.jit
-def kmajor_rows(w_ptr, h_ptr, r0, r1, H: tl.constexpr, BR: tl.constexpr, EF: tl.constexpr = 1):
-    """(even, odd) columns of sum_{r0 <= r < r1} h[r] * W[r, :] over bf16 rows of H, in fp32; BR rows a chunk, the
-    next chunk requested before this one is summed.  r0 and r1 - r0 are multiples of BR, and h holds r1 - r0
-    values.  Each thread keeps a sum per (row of the chunk, column) in its own registers (one fused multiply-add a
-    weight) and adds its BR rows once at the end: a fixed order, whatever the launch or the neighbours."""
-    HW: tl.constexpr = H // 2
-    wp = w_ptr.to(tl.pointer_type(tl.uint32))
-    br = tl.arange(0, BR)
-    w = kmajor_chunk(wp, r0 + br, r1, HW, EF)
-    acc_lo = tl.zeros((BR, HW), tl.float32)
-    acc_hi = tl.zeros((BR, HW), tl.float32)
-    for rb in range(r0, r1, BR):
-        w_next = kmajor_chunk(wp, rb + BR + br, r1, HW, EF)
-        hv = tl.load(h_ptr + tl.multiple_of(rb - r0, BR) + br)[:, None]
-        acc_lo += (w << 16).to(tl.float32, bitcast=True) * hv  # the even column: the word's low half
-        acc_hi += (w & 0xFFFF0000).to(tl.float32, bitcast=True) * hv
-        w = w_next
-    return tl.sum(acc_lo, axis=0), tl.sum(acc_hi, axis=0)
-
-
-@triton.jit
 def kmajor_kernel(w_ptr, h_ptr, out_ptr, R, H: tl.constexpr, BR: tl.constexpr):
     """Program p: out[p] = sum over its R rows (p·R ..) of h[r] * W[r, :]."""
     p = tl.program_id(0)
-    lo, hi = kmajor_rows(w_ptr + p.to(tl.int64) * R * H, h_ptr + p * R, 0, R, H, BR)
-    c = tl.arange(0, H // 2)
-    tl.store(out_ptr + p * H + 2 * c, lo)
-    tl.store(out_ptr + p * H + 2 * c + 1, hi)
+    c = tl.arange(0, H)
+    tl.store(out_ptr + p * H + c, moe.kmajor_rows(w_ptr + p.to(tl.int64) * R * H, h_ptr + p * R, R, H, H, BR, 8))
 
 
 @triton.jit

@@ -17,11 +17,12 @@ from .common import aligned, ffld, fld, has, off
 from .fields import (EXPERT_LINEAR_FLAGS, EXPERT_LINEAR_K, EXPERT_LINEAR_MAP_BUF, EXPERT_LINEAR_MAP_OFF, EXPERT_LINEAR_TOPK, EXPERT_LINEAR_N, EXPERT_LINEAR_OUT_LD,
                      EXPERT_LINEAR_OUT_OFF, EXPERT_LINEAR_R0, EXPERT_LINEAR_R1, EXPERT_LINEAR_S, EXPERT_LINEAR_SLOT,
                      EXPERT_LINEAR_ST_OFF, EXPERT_LINEAR_W2_OFF, EXPERT_LINEAR_W_ES, EXPERT_LINEAR_W_OFF,
-                     EXPERT_LINEAR_X_LD, EXPERT_LINEAR_X_OFF,
+                     EXPERT_LINEAR_SLICE, EXPERT_LINEAR_WD_OFF, EXPERT_LINEAR_X_LD, EXPERT_LINEAR_X_OFF,
+                     EXPERT_LINEAR_Y_LD, EXPERT_LINEAR_Y_OFF, FLAG_EXPERT_LINEAR_DOWN_T,
                      FLAG_EXPERT_LINEAR_GATHER, FLAG_EXPERT_LINEAR_SILU_MUL, FLAG_MOE_COMBINE_RES,
                      FLAG_MOE_COMBINE_SHARED, FLAG_ROUTE_GROUPED, FLAG_ROUTE_NOAUX, FLAG_ROUTE_NORM, FLAG_ROUTE_SCORE,
                      FLAG_ROUTE_SIGMOID, FLAG_ROUTE_SLOTS, FLAG_ROUTE_TOPK, MOE_COMBINE_FLAGS, MOE_COMBINE_H,
-                     MOE_COMBINE_TOPK, MOE_COMBINE_C0, MOE_COMBINE_C1, MOE_COMBINE_OUT_LD, MOE_COMBINE_OUT_OFF, MOE_COMBINE_R0, MOE_COMBINE_R1,
+                     MOE_COMBINE_TOPK, MOE_COMBINE_NS, MOE_COMBINE_YS, MOE_COMBINE_C0, MOE_COMBINE_C1, MOE_COMBINE_OUT_LD, MOE_COMBINE_OUT_OFF, MOE_COMBINE_R0, MOE_COMBINE_R1,
                      MOE_COMBINE_RES_LD, MOE_COMBINE_RES_OFF, MOE_COMBINE_SH_LD, MOE_COMBINE_SH_OFF,
                      MOE_COMBINE_WTS_OFF, MOE_COMBINE_Y_OFF, ROUTE_BIAS_OFF, ROUTE_E, ROUTE_FLAGS, ROUTE_IDS_OFF,
                      ROUTE_TOPK, ROUTE_LG_LD, ROUTE_LG_OFF, ROUTE_N, ROUTE_N_GROUP, ROUTE_S, ROUTE_SC_BUF, ROUTE_SC_OFF,
@@ -108,12 +109,20 @@ def reference_expert(task, mem) -> None:
     out = mem.bufs[task["out.buf"]]
     index = task["out.off"] + (pairs * task["out.ld"])[:, None] + torch.arange(r0, r1, device=mem.device)
     out[index] = y
+    if task.has("DOWN_T"):  # the slice's rows of the down projection, packed transposed: a partial row per pair
+        wd = mem.mat(task, "wd", r1 - r0, K, row0=r0, col0=base, ld=K).float()
+        P = task["N"] * task["topk"]
+        mem.bufs[task["y.buf"]][task["y.off"] + ((task["slice"] * P + pairs) * task["y.ld"])[:, None]
+                                + torch.arange(K, device=mem.device)] = out[index] @ wd
 
 
 def reference_combine(task, mem) -> None:
     r0, r1, H, k, c0, c1 = task["r0"], task["r1"], task["H"], task["topk"], task["c0"], task["c1"]
     C = c1 - c0
-    y = mem.mat(task, "y", (r1 - r0) * k, C, row0=r0 * k, col0=c0, ld=H).float().view(r1 - r0, k, C)
+    y = mem.mat(task, "y", (r1 - r0) * k, C, row0=r0 * k, col0=c0, ld=H).float()
+    for s in range(1, task["ns"]):  # the down projection's slices (EXPERT_LINEAR[DOWN_T]), added in order
+        y = y + mem.mat(task, "y", (r1 - r0) * k, C, row0=s * task["ys"] + r0 * k, col0=c0, ld=H).float()
+    y = y.view(r1 - r0, k, C)
     w = mem.flat(task, "wts", r0 * k, (r1 - r0) * k).view(r1 - r0, k, 1)
     out = torch.zeros(r1 - r0, C, device=mem.device)
     for j in range(k):  # fixed order: a token's sum never depends on its neighbours
@@ -280,8 +289,9 @@ def slot_table(ids, st, P, E, S, BE: tl.constexpr, BP: tl.constexpr):
 @triton.jit
 def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
                 PF: tl.constexpr, DEPTH: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr,
-                NARROW: tl.constexpr, PFD: tl.constexpr = 0, EF: tl.constexpr = 0):
-    """NARROW 1 (a launch variant): a slice that linear.narrow() picks streams 4·BR x KC/4 chunks."""
+                NARROW: tl.constexpr, PFD: tl.constexpr = 0, EF: tl.constexpr = 0, KD: tl.constexpr = 0):
+    """NARROW 1 (a launch variant): a slice that linear.narrow() picks streams 4·BR x KC/4 chunks.  KD > 0: the plan
+    has DOWN_T tasks (fusion rule expert_mlp), whose k-major down rows of up to KD columns are compiled in."""
     flags, S, slot = fld(word, EXPERT_LINEAR_FLAGS), fld(word, EXPERT_LINEAR_S), fld(word, EXPERT_LINEAR_SLOT)
     st = I + off(word, EXPERT_LINEAR_ST_OFF)
     expert = tl.load(st + slot, cache_modifier=".cg")
@@ -304,6 +314,77 @@ def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.con
         else:
             expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K, BR, KC, ALIGN, TB,
                           DEPTH, ROWVEC, AHEAD, PFD, EF)
+        if KD > 0:
+            if has(flags, FLAG_EXPERT_LINEAR_DOWN_T):
+                tl.debug_barrier()  # every thread's SiLU·mul stores before any thread reads them back
+                expert_down(word, W, A, st, S, slot, N, kk, count, base, r0, r1, K, KD, BR, ALIGN, EF)
+
+
+@triton.jit
+def kmajor_chunk(wp, rows, r1, cols, cmask, ld, EF: tl.constexpr):
+    """Rows `rows` (clamped below r1: a row past it reads row r1 - 1 again, times h = 0) of a k-major matrix with
+    row stride ld (in wp's elements), columns `cols`."""
+    return tl.load(wp + tl.minimum(rows, r1 - 1)[:, None].to(tl.int64) * ld + cols[None, :], mask=cmask[None, :],
+                   other=0, eviction_policy="evict_first" if EF else "")
+
+
+@triton.jit
+def kmajor_rows(w_ptr, h_ptr, r1, K, HB: tl.constexpr, BR: tl.constexpr, ALIGN: tl.constexpr, EF: tl.constexpr = 1):
+    """[HB] fp32: sum_{0 <= r < r1} h[r] · W[r, :K] (zeros past K) over rows of K (a down projection's slice packed
+    transposed: EXPERT_LINEAR[DOWN_T]), HB >= K a power of two; BR rows a chunk, the next chunk requested before
+    this one is summed.  bf16 rows load as words of two columns, 16 bytes a thread a row.  Each thread keeps a sum
+    per (row of the chunk, column) in its registers (one fused multiply-add a weight) and adds its BR rows once at
+    the end: a fixed order, whatever the neighbours or T.  K and w_ptr are multiples of ALIGN elements (16-byte
+    loads need the compiler to see it)."""
+    K = aligned(K, ALIGN)
+    PAIRS: tl.constexpr = (w_ptr.dtype.element_ty == tl.bfloat16) and (ALIGN % 2 == 0)
+    br = tl.arange(0, BR)
+    if PAIRS:
+        HW: tl.constexpr = HB // 2
+        VW: tl.constexpr = min(ALIGN // 2, 4)  # words a thread loads at once: 16 bytes where ALIGN allows
+        KW = (K // (2 * VW)) * VW  # a row's words, written so the compiler sees the multiple of VW
+        wp = w_ptr.to(tl.pointer_type(tl.uint32))
+        cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, HW), VW), VW)
+        cmask = cols < KW
+        w = kmajor_chunk(wp, br, r1, cols, cmask, KW, EF)
+        acc_lo = tl.zeros((BR, HW), tl.float32)
+        acc_hi = tl.zeros((BR, HW), tl.float32)
+        for rb in range(0, r1, BR):
+            w_next = kmajor_chunk(wp, rb + BR + br, r1, cols, cmask, KW, EF)
+            hv = tl.load(h_ptr + rb + br, mask=rb + br < r1, other=0.0)[:, None]
+            acc_lo += (w << 16).to(tl.float32, bitcast=True) * hv  # the even column: the word's low half
+            acc_hi += (w & 0xFFFF0000).to(tl.float32, bitcast=True) * hv
+            w = w_next
+        return tl.reshape(tl.join(tl.sum(acc_lo, axis=0), tl.sum(acc_hi, axis=0)), (HB,))
+    else:
+        cols = tl.arange(0, HB)
+        cmask = cols < K
+        w = kmajor_chunk(w_ptr, br, r1, cols, cmask, K, EF)
+        acc = tl.zeros((BR, HB), tl.float32)
+        for rb in range(0, r1, BR):
+            w_next = kmajor_chunk(w_ptr, rb + BR + br, r1, cols, cmask, K, EF)
+            hv = tl.load(h_ptr + rb + br, mask=rb + br < r1, other=0.0)[:, None]
+            acc += w.to(tl.float32) * hv
+            w = w_next
+        return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def expert_down(word, W, A, st, S, slot, N, kk, count, base, r0, r1, K, KD: tl.constexpr, BR: tl.constexpr,
+                ALIGN: tl.constexpr, EF: tl.constexpr):
+    """EXPERT_LINEAR[DOWN_T]'s second half: for each pair of the slot, its slice's SiLU·mul values (the task's own
+    `out` rows r0..r1, stored before a CTA barrier) times rows r0..r1 of the expert's transposed down projection,
+    into the pair's partial row of this slice."""
+    wd = aligned_base(W, word, EXPERT_LINEAR_WD_OFF, ALIGN) + base + r0.to(tl.int64) * aligned(K, ALIGN)
+    pairs = st + 2 * S + slot * (N * kk)
+    o_ptr, o_ld = A + off(word, EXPERT_LINEAR_OUT_OFF), fld(word, EXPERT_LINEAR_OUT_LD)
+    y_ptr, y_ld = A + off(word, EXPERT_LINEAR_Y_OFF), fld(word, EXPERT_LINEAR_Y_LD)
+    row0 = fld(word, EXPERT_LINEAR_SLICE) * N * kk
+    c = tl.arange(0, KD)
+    for n in range(count):
+        pair = tl.load(pairs + n, cache_modifier=".cg")
+        y = kmajor_rows(wd, o_ptr + pair * o_ld + r0, r1 - r0, K, KD, BR, ALIGN, EF)
+        tl.store(y_ptr + (row0 + pair).to(tl.int64) * y_ld + c, y, mask=c < K)
 
 
 @triton.jit
@@ -322,7 +403,7 @@ def expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two,
 
 
 @triton.jit
-def combine_body(word, A, BD: tl.constexpr, BK: tl.constexpr):
+def combine_body(word, A, BD: tl.constexpr, BK: tl.constexpr, KD: tl.constexpr = 0):
     """out = sum_j wts[j] y[j] (+ shared) (+ residual): the k expert rows are requested together,
     [BK, BD] at a time (one memory round trip, not k), and summed in a fixed tree order."""
     flags, H, k = fld(word, MOE_COMBINE_FLAGS), fld(word, MOE_COMBINE_H), fld(word, MOE_COMBINE_TOPK)
@@ -339,6 +420,11 @@ def combine_body(word, A, BD: tl.constexpr, BK: tl.constexpr):
             m = c < c1
             rows = tl.load(y + (r * k + j)[:, None].to(tl.int64) * H + c[None, :], mask=(j < k)[:, None] & m[None, :],
                            other=0.0, cache_modifier=".cg")
+            if KD > 0:  # the plan has EXPERT_LINEAR[DOWN_T]: y holds ns slices of partials, added in order
+                ns, ys = fld(word, MOE_COMBINE_NS), fld(word, MOE_COMBINE_YS)
+                for sl in range(1, ns):
+                        rows += tl.load(y + (sl * ys + r * k + j)[:, None].to(tl.int64) * H + c[None, :],
+                                    mask=(j < k)[:, None] & m[None, :], other=0.0, cache_modifier=".cg")
             acc = tl.sum(w[:, None] * rows, axis=0)  # fixed order: a token's sum never depends on its neighbours
             if has(flags, FLAG_MOE_COMBINE_SHARED):
                 acc += tl.load(sh + r * sh_ld + c, mask=m, other=0.0, cache_modifier=".cg")
