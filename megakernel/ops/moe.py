@@ -405,7 +405,8 @@ def expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two,
 @triton.jit
 def combine_body(word, A, BD: tl.constexpr, BK: tl.constexpr, KD: tl.constexpr = 0):
     """out = sum_j wts[j] y[j] (+ shared) (+ residual): the k expert rows are requested together,
-    [BK, BD] at a time (one memory round trip, not k), and summed in a fixed tree order."""
+    [BK, BD] at a time (one memory round trip, not k), and summed in a fixed tree order.  KD > 0: the plan has
+    EXPERT_LINEAR[DOWN_T] (combine_partials)."""
     flags, H, k = fld(word, MOE_COMBINE_FLAGS), fld(word, MOE_COMBINE_H), fld(word, MOE_COMBINE_TOPK)
     y, wts = A + off(word, MOE_COMBINE_Y_OFF), A + off(word, MOE_COMBINE_WTS_OFF)
     sh, sh_ld = A + off(word, MOE_COMBINE_SH_OFF), fld(word, MOE_COMBINE_SH_LD)
@@ -413,21 +414,52 @@ def combine_body(word, A, BD: tl.constexpr, BK: tl.constexpr, KD: tl.constexpr =
     o_ptr, o_ld = A + off(word, MOE_COMBINE_OUT_OFF), fld(word, MOE_COMBINE_OUT_LD)
     c1 = fld(word, MOE_COMBINE_C1)
     j = tl.arange(0, BK)
+    ns = 1
+    if KD > 0:
+        ns = fld(word, MOE_COMBINE_NS)
     for r in range(fld(word, MOE_COMBINE_R0), fld(word, MOE_COMBINE_R1)):
         w = tl.load(wts + r * k + j, mask=j < k, other=0.0, cache_modifier=".cg")
-        for cb in range(fld(word, MOE_COMBINE_C0), c1, BD):
-            c = cb + tl.arange(0, BD)
-            m = c < c1
-            rows = tl.load(y + (r * k + j)[:, None].to(tl.int64) * H + c[None, :], mask=(j < k)[:, None] & m[None, :],
-                           other=0.0, cache_modifier=".cg")
-            if KD > 0:  # the plan has EXPERT_LINEAR[DOWN_T]: y holds ns slices of partials, added in order
-                ns, ys = fld(word, MOE_COMBINE_NS), fld(word, MOE_COMBINE_YS)
-                for sl in range(1, ns):
-                        rows += tl.load(y + (sl * ys + r * k + j)[:, None].to(tl.int64) * H + c[None, :],
-                                    mask=(j < k)[:, None] & m[None, :], other=0.0, cache_modifier=".cg")
-            acc = tl.sum(w[:, None] * rows, axis=0)  # fixed order: a token's sum never depends on its neighbours
-            if has(flags, FLAG_MOE_COMBINE_SHARED):
-                acc += tl.load(sh + r * sh_ld + c, mask=m, other=0.0, cache_modifier=".cg")
-            if has(flags, FLAG_MOE_COMBINE_RES):
-                acc += tl.load(res + r * res_ld + c, mask=m, other=0.0, cache_modifier=".cg")
-            tl.store(o_ptr + r * o_ld + c, acc, mask=m)
+        if ns > 1:  # (KD > 0 only)
+            combine_partials(y, fld(word, MOE_COMBINE_YS), ns, w, r, k, H, fld(word, MOE_COMBINE_C0), c1, flags, sh,
+                             sh_ld, res, res_ld, o_ptr, o_ld, BK)
+        else:
+            for cb in range(fld(word, MOE_COMBINE_C0), c1, BD):
+                c = cb + tl.arange(0, BD)
+                m = c < c1
+                rows = tl.load(y + (r * k + j)[:, None].to(tl.int64) * H + c[None, :],
+                               mask=(j < k)[:, None] & m[None, :], other=0.0, cache_modifier=".cg")
+                acc = tl.sum(w[:, None] * rows, axis=0)  # fixed order: a token's sum never depends on its neighbours
+                combine_store(acc, flags, sh, sh_ld, res, res_ld, o_ptr, o_ld, r, c, m)
+
+
+NSB = tl.constexpr(32)  # partial slices one combine load takes (expert_mlp: dsv2-lite's experts have 22)
+BDS = tl.constexpr(16)  # and columns: NSB x BK x BDS values, one memory round trip, not one a slice
+
+
+@triton.jit
+def combine_partials(y, ys, ns, w, r, k, H, c0, c1, flags, sh, sh_ld, res, res_ld, o_ptr, o_ld, BK: tl.constexpr):
+    """Token r's columns c0..c1 where y holds ns slices of partials (EXPERT_LINEAR[DOWN_T], ys rows apart): each
+    expert row summed over its slices in a fixed tree order, NSB slices x BK rows x BDS columns a load (tiling gives
+    such tasks BDS-column blocks), then weighted as combine_body does."""
+    j = tl.arange(0, BK)
+    s = tl.arange(0, NSB)
+    for cb in range(c0, c1, BDS):
+        c = cb + tl.arange(0, BDS)
+        m = c < c1
+        rows = tl.zeros((BK, BDS), tl.float32)
+        for s0 in range(0, ns, NSB):
+            at = ((s0 + s) * ys)[:, None, None] + (r * k + j)[None, :, None]
+            rows += tl.sum(tl.load(y + at.to(tl.int64) * H + c[None, None, :], other=0.0, cache_modifier=".cg",
+                                   mask=(s0 + s < ns)[:, None, None] & (j < k)[None, :, None] & m[None, None, :]),
+                           axis=0)
+        combine_store(tl.sum(w[:, None] * rows, axis=0), flags, sh, sh_ld, res, res_ld, o_ptr, o_ld, r, c, m)
+
+
+@triton.jit
+def combine_store(acc, flags, sh, sh_ld, res, res_ld, o_ptr, o_ld, r, c, m):
+    """Token r's combined columns c, plus the shared experts' row and the residual's (SHARED, RES), stored."""
+    if has(flags, FLAG_MOE_COMBINE_SHARED):
+        acc += tl.load(sh + r * sh_ld + c, mask=m, other=0.0, cache_modifier=".cg")
+    if has(flags, FLAG_MOE_COMBINE_RES):
+        acc += tl.load(res + r * res_ld + c, mask=m, other=0.0, cache_modifier=".cg")
+    tl.store(o_ptr + r * o_ld + c, acc, mask=m)
