@@ -5,7 +5,7 @@ leave the plain model's (beyond the near-tie margin the GPU test allows), draw b
 
 Each plan runs in the plan interpreter in bf16 (the megakernel's arithmetic, within fp32 rounding) beside the
 plain model in fp32 on the same bf16 weights, both consuming the plain model's tokens.  Plans: the default
-fusion rules and every rule (the opt-in norm_beside_experts too).  For a MoE model the check is a property of
+fusion rules and every rule (the opt-in norm_beside_experts and expert_mlp too).  For a MoE model the check is a property of
 the draw: top-k routing turns a ~1e-3 change into another expert set (docs/NOTES.md, session 16).
 """
 
