@@ -375,8 +375,10 @@ def _expert_mlp(ctx: _Ctx) -> str | None:
         pairs = g.attrs["N"] * g.attrs["topk"]
         ns = -(-I // EXPERT_SLICE_ROWS)
         name = base = g.label.rsplit(".", 1)[0] + ".down_partials"
+        copy = 0
         while name in ctx.g.tensors:  # (an MTP layer lowered for several passes)
-            name = f"{base}#{sum(t.startswith(base) for t in ctx.g.tensors)}"
+            copy += 1
+            name = f"{base}#{copy}"
         y = ctx.g.add_tensor(Tensor(name, Buf.A, ns * pairs, H))
         reads = dict(g.reads)
         reads.update(w=View(experts, g.reads["w"].col0), w2=View(experts, g.reads["w2"].col0),
@@ -384,7 +386,6 @@ def _expert_mlp(ctx: _Ctx) -> str | None:
         fused = _new(g, g.flags | {"DOWN_T"}, reads, {"out": g.writes["out"], "y": View(y)},
                      attrs={**g.attrs, "slice_rows": EXPERT_SLICE_ROWS}, label=g.label.rsplit(".", 1)[0] + ".mlp")
         ctx.replace([g, d], fused)
-        comb = next(op for op in ctx.g.ops if op.label == comb.label)
         summed = _new(comb, comb.flags, {**comb.reads, "y": View(y)}, dict(comb.writes),
                       attrs={**comb.attrs, "ns": ns, "ys": pairs})
         ctx.replace([comb], summed)

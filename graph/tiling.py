@@ -307,9 +307,9 @@ class Tiler:
         H, k = a["H"], a["topk"]
         rows = _blocks(a["rows"], self.opts.act_rows)
         cols = H  # with spread: column blocks so that the op makes up to `spread` tasks
-        if self.opts.spread:  # (16-column blocks where it sums slices of partials: expert_mlp, ops/moe.BDS)
-            cols = _spread_block(H, self.opts.spread // len(rows), 16 if a.get("ns", 1) > 1 else 32,
-                                 16 if a.get("ns", 1) > 1 else 256)
+        if self.opts.spread:  # 16-column blocks where it sums slices of partials (expert_mlp: ops/moe.BDS)
+            unit, preferred = (16, 16) if a.get("ns", 1) > 1 else (32, 256)
+            cols = _spread_block(H, self.opts.spread // len(rows), unit, preferred)
         return [Tile({"r0": r0, "r1": r1, "c0": c0, "c1": c1}, 0, 4 * (r1 - r0) * (c1 - c0) * (k + 3),
                      2 * (r1 - r0) * (c1 - c0) * k) for r0, r1 in rows for c0, c1 in _blocks(H, cols)]
 

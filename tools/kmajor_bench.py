@@ -32,6 +32,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megakernel.ops import linear, moe  # noqa: E402
+from tools.bench import time_ms  # noqa: E402
 
 H = 2048  # dsv2-lite's and llama-1b's hidden size: a k-major row's length
 
@@ -59,21 +60,6 @@ def rowmajor_kernel(W, A, I, R, K, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl
     w = linear.first_chunk(W, r0, r1, K, BR, KC, ALIGN, 1)
     linear.stream_chunks(A, K, I, 0, 1, A + K, 1, A, 0, no, W, W, no, r0, r1, K, w, False, 0.0,
                          BR, KC, ALIGN, 1, 1, 16, 2, 1, 0, 1)
-
-
-def time_ms(fn, iters: int) -> float:
-    """Median of `iters` CUDA-event timings after a warm-up."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def bench(rows: int, iters: int, BR: int = 8) -> dict:
