@@ -121,6 +121,9 @@ def footprint(task: Decoded) -> list[Access]:
         if task.has("RES"):
             out += _acc(task, "res", 0, N, r0, r1, False)
         out += _acc(task, "out", 0, N, r0, r1, True)
+        if task.has("DOWN_T"):  # the down projection's rows, k-major, into its slice's partial rows (it reads back
+            out += _acc(task, "wd", r0, r1, 0, K, False, ld=K)  # only the `out` columns it wrote itself)
+            out += _acc(task, "y", f["slice"] * N, f["slice"] * N + N, 0, K, True)
     elif name == "EWISE":
         r0, r1, c = f["r0"], f["r1"], f["cols"]
         out += _acc(task, "a", r0, r1, 0, c, False)
@@ -222,8 +225,9 @@ def footprint(task: Decoded) -> list[Access]:
         for s in range(max(1, f["ns"])):  # ns slices of partials (EXPERT_LINEAR[DOWN_T]), ys rows apart
             out += _acc(task, "y", s * f["ys"] + r0 * k, s * f["ys"] + r1 * k, c0, c1, False, ld=H)
         out += _flat(task, "wts", r0 * k, r1 * k, False)
-        if task.has("SHARED"):
-            out += _acc(task, "sh", r0, r1, c0, c1, False)
+        if task.has("SHARED"):  # nsh slices of partials (LINEAR[DOWN_T]), shs rows apart
+            for s in range(max(1, f["nsh"])):
+                out += _acc(task, "sh", s * f["shs"] + r0, s * f["shs"] + r1, c0, c1, False)
         if task.has("RES"):
             out += _acc(task, "res", r0, r1, c0, c1, False)
         out += _acc(task, "out", r0, r1, c0, c1, True)

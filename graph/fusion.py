@@ -30,7 +30,8 @@ Rules, applied in this order (each names what it merged in the report):
 - expert_mlp (opt-in): EXPERT_LINEAR[SILU_MUL] and the down projection reading it -> EXPERT_LINEAR[SILU_MUL,
                  DOWN_T]: each task's slice of intermediate rows also streams those rows of the down projection,
                  packed transposed, into partial rows that MOE_COMBINE sums (one phase and hop fewer a MoE layer,
-                 and no down rows read in 2048-column chunks).  Not yet timed on a GPU.
+                 and no down rows read in 2048-column chunks); then the shared experts beside them alike, as
+                 LINEAR[SILU_MUL, DOWN_T] (their tasks fill the route's wait).  Not yet timed on a GPU.
 A tensor is absorbed only when the fused op is its sole reader and it is not
 an output.  The fused op takes the program position of the chain's last op.
 CompileOptions.fusion_rules names the rules a plan applies (DEFAULT_RULES unless told).  Those in
@@ -54,6 +55,10 @@ WEIGHT_RULES = ("norm_into_linear", "norm_beside_experts", "expert_mlp")
 # expert_mlp is opt-in until it is timed on a GPU (docs/NOTES.md, session 30)
 DEFAULT_RULES = tuple(r for r in RULES if r not in ("norm_beside_experts", "expert_mlp"))
 EXPERT_SLICE_ROWS = 64  # expert_mlp: intermediate rows a task takes (fixed by the model: batch invariance)
+# and of the shared experts' MLP, smaller: its tasks run while the router and route decide the routed ones (~9 us
+# on dsv2-lite), so its 2816 rows make one short task a worker (118 of 288 KB), not 44 of 768 KB that would hold
+# a third of the workers well into the routed phase
+SHARED_SLICE_ROWS = 24
 
 
 class _Ctx:
@@ -337,6 +342,26 @@ def _norm_into_linear(ctx: _Ctx, beside_experts: bool = False) -> str | None:
     return None
 
 
+def _transposed(ctx: _Ctx, weight: str) -> str:
+    """A one-part weight (a down projection, H x I) packed transposed (I x H): its row r is intermediate row r's."""
+    name = weight + TRANSPOSED
+    if name not in ctx.g.tensors:
+        src = ctx.g.tensors[weight]
+        ctx.g.add_tensor(Tensor(name, src.buf, src.cols, src.rows, role="weight",
+                                parts=tuple((hf, rel, TRANSPOSED) for hf, rel in src.parts)))
+    return name
+
+
+def _partials(ctx: _Ctx, base: str, rows: int, cols: int) -> View:
+    """A fresh [rows, cols] fp32 tensor for an MLP's partial rows (named base, base#1, ... for an MTP layer lowered
+    for several passes)."""
+    name, copy = base, 0
+    while name in ctx.g.tensors:
+        copy += 1
+        name = f"{base}#{copy}"
+    return View(ctx.g.add_tensor(Tensor(name, Buf.A, rows, cols)))
+
+
 def _transposed_downs(ctx: _Ctx, experts: str, I: int, H: int) -> str:
     """The routed experts' tensor (row e = gate | up | down) with each down projection packed transposed, so a
     task reads rows r0..r1 of it (one per intermediate row, H wide) as contiguous k-major rows."""
@@ -374,22 +399,50 @@ def _expert_mlp(ctx: _Ctx) -> str | None:
         experts = _transposed_downs(ctx, g.reads["w"].tensor, I, H)
         pairs = g.attrs["N"] * g.attrs["topk"]
         ns = -(-I // EXPERT_SLICE_ROWS)
-        name = base = g.label.rsplit(".", 1)[0] + ".down_partials"
-        copy = 0
-        while name in ctx.g.tensors:  # (an MTP layer lowered for several passes)
-            copy += 1
-            name = f"{base}#{copy}"
-        y = ctx.g.add_tensor(Tensor(name, Buf.A, ns * pairs, H))
+        y = _partials(ctx, g.label.rsplit(".", 1)[0] + ".down_partials", ns * pairs, H)
         reads = dict(g.reads)
         reads.update(w=View(experts, g.reads["w"].col0), w2=View(experts, g.reads["w2"].col0),
                      wd=View(experts, d.reads["w"].col0))
-        fused = _new(g, g.flags | {"DOWN_T"}, reads, {"out": g.writes["out"], "y": View(y)},
+        fused = _new(g, g.flags | {"DOWN_T"}, reads, {"out": g.writes["out"], "y": y},
                      attrs={**g.attrs, "slice_rows": EXPERT_SLICE_ROWS}, label=g.label.rsplit(".", 1)[0] + ".mlp")
         ctx.replace([g, d], fused)
-        summed = _new(comb, comb.flags, {**comb.reads, "y": View(y)}, dict(comb.writes),
+        summed = _new(comb, comb.flags, {**comb.reads, "y": y}, dict(comb.writes),
                       attrs={**comb.attrs, "ns": ns, "ys": pairs})
         ctx.replace([comb], summed)
         return f"{g.label} + {d.label} -> EXPERT_LINEAR[SILU_MUL|DOWN_T] ({ns} slices), {comb.label} sums them"
+    return None
+
+
+def _shared_mlp(ctx: _Ctx) -> str | None:
+    """The shared experts beside fused routed ones (expert_mlp): LINEAR[SILU_MUL] (gate|up, NORM allowed) and the
+    plain LINEAR down that alone reads its rows, whose rows MOE_COMBINE[SHARED] alone adds -> LINEAR[SILU_MUL,
+    DOWN_T] over fixed slices of SHARED_SLICE_ROWS: each task keeps its slice's SiLU·mul values (out, now its
+    scratch) and streams the same rows of the down projection packed transposed into a partial row per token (sh:
+    slices x N x H) that MOE_COMBINE sums.  Its tasks need no gate|up -> down hop, so they fill the route's wait."""
+    for comb in ctx.g.ops:
+        if comb.opcode != "MOE_COMBINE" or "SHARED" not in comb.flags or "ns" not in comb.attrs \
+                or "nsh" in comb.attrs:
+            continue  # only beside routed experts this rule fused (helper plans keep both as they are), once
+        d = ctx.sole_producer(comb.reads["sh"], "LINEAR")
+        if d is None or d.flags or not ctx.private(d.writes["out"].tensor, comb):
+            continue
+        g = ctx.sole_producer(d.reads["x"], "LINEAR", "SILU_MUL")
+        if g is None or not g.flags <= {"SILU_MUL", "NORM"} or not ctx.private(g.writes["out"].tensor, d):
+            continue
+        I, H, N = g.attrs["rows"], g.attrs["K"], g.attrs["N"]
+        w = d.reads["w"]
+        if d.attrs["rows"] != H or d.attrs["K"] != I or I % SHARED_SLICE_ROWS % 8 or not _whole(ctx, w) \
+                or len(ctx.g.tensors[w.tensor].parts) != 1:
+            continue
+        nsh = -(-I // SHARED_SLICE_ROWS)
+        sh = _partials(ctx, g.label.rsplit(".", 1)[0] + ".down_partials", nsh * N, H)
+        fused = _new(g, g.flags | {"DOWN_T"}, {**g.reads, "wd": View(_transposed(ctx, w.tensor))},
+                     {"out": g.writes["out"], "y": sh}, attrs={**g.attrs, "slice_rows": SHARED_SLICE_ROWS},
+                     label=g.label.rsplit(".", 1)[0] + ".mlp")
+        ctx.replace([g, d], fused)
+        ctx.replace([comb], _new(comb, comb.flags, {**comb.reads, "sh": sh}, dict(comb.writes),
+                                 attrs={**comb.attrs, "nsh": nsh, "shs": N}))
+        return f"{g.label} + {d.label} -> LINEAR[SILU_MUL|DOWN_T] ({nsh} slices), {comb.label} sums them"
     return None
 
 
@@ -446,7 +499,7 @@ def fuse(graph: Graph, rules: tuple[str, ...] = DEFAULT_RULES) -> dict:
         "hc_coeff": lambda c: _merge_stages(c, "HC_COEFF", ("MIX", "ACT", "SINK", "COLLAPSE"), ".coeff"),
         "norm_into_linear": _norm_into_linear,
         "norm_beside_experts": lambda c: _norm_into_linear(c, beside_experts=True),
-        "expert_mlp": _expert_mlp,
+        "expert_mlp": lambda c: _expert_mlp(c) or _shared_mlp(c),  # the routed experts first: see _shared_mlp
     }
     changes, per_rule = [], {}
     for rule in RULES:

@@ -110,7 +110,10 @@ _OPS = [
     # out[:, r0:r1] = x[:N, :K] @ W[r0:r1].T (+ res with RES); SILU_MUL: silu(x@W.T) * (x@W2.T);
     # NORM: each x@W.T times rsqrt(mean(x[n]²) + eps), x's RMSNorm (its weight folded into W's columns);
     # PAIR: x@W.T + x@W2.T, W and W2 one matrix's bf16 high and low parts (a router's folded weights, kept exact)
-    Opcode("LINEAR", 3, _f("x* w+ w2+ res* out* N K r0 r1 eps"), ("SILU_MUL", "RES", "NORM", "PAIR")),
+    # DOWN_T (with SILU_MUL; fusion rule expert_mlp, shared experts): then also y[slice·N + n, :K] = sum over rows
+    # r0..r1 of out[n, r] · wd[r, :K], wd the down projection transposed (its row r at wd.off + r·K)
+    Opcode("LINEAR", 3, _f("x* w+ w2+ res* out* N K r0 r1 eps wd+ y* slice"),
+           ("SILU_MUL", "RES", "NORM", "PAIR", "DOWN_T")),
     # out = a + b | a * b | silu(a) | a, rows r0..r1, cols columns
     Opcode("EWISE", 4, _f("a* b* out* cols r0 r1"), ("ADD", "MUL", "SILU", "COPY")),
     # out[r] = [cos(pos·f) · scale, sin(pos·f) · scale], pos = cache_lens[r // T] + r % T + pos_offset
@@ -145,8 +148,9 @@ _OPS = [
     Opcode("EXPERT_LINEAR", 12, _f("x* w+ w2+ w_es out* st+ N K r0 r1 slot S topk map+ E wd+ y* slice"),
            ("GATHER", "SCATTER", "SILU_MUL", "DOWN_T")),
     # out[r, c0:c1] = sum_j wts[r, j] · y[r·topk + j] (+ shared[r]) (+ res[r]), summed in a fixed order; with ns > 1,
-    # y[r·topk + j] is itself the sum of ns slices' rows, ys rows apart (EXPERT_LINEAR[DOWN_T]'s partials), in order
-    Opcode("MOE_COMBINE", 13, _f("y+ wts+ sh* res* out* H topk r0 r1 c0 c1 ns ys"), ("SHARED", "RES")),
+    # y[r·topk + j] is itself the sum of ns slices' rows, ys rows apart (EXPERT_LINEAR[DOWN_T]'s partials), in order;
+    # with nsh > 1, shared[r] the sum of nsh slices' rows of sh, shs rows apart (LINEAR[DOWN_T]'s)
+    Opcode("MOE_COMBINE", 13, _f("y+ wts+ sh* res* out* H topk r0 r1 c0 c1 ns ys nsh shs"), ("SHARED", "RES")),
     # MIX: mix = rmsnorm(streams) @ fn.T; ACT: raw coefficients; SINK: Sinkhorn; COLLAPSE: sum_j pre_j stream_j
     Opcode("HC_COEFF", 14, _f("st* fn+ base+ scale+ mix+ craw+ coef+ out* n H iters eps hc_eps r0 r1"),
            ("MIX", "ACT", "SINK", "COLLAPSE")),

@@ -139,7 +139,7 @@ class Tiler:
 
     def streamed_bytes(self, op: Op) -> int:
         """The weight bytes a LINEAR or EXPERT_LINEAR op streams in a step (an expert op: every slot's rows)."""
-        two = 2 if op.flags & {"SILU_MUL", "PAIR"} else 1
+        two = 3 if "DOWN_T" in op.flags else 2 if op.flags & {"SILU_MUL", "PAIR"} else 1
         if op.opcode == "LINEAR":
             return self.weight_bytes(op, "w") * two
         a = op.attrs
@@ -209,12 +209,16 @@ class Tiler:
         a = op.attrs
         N, K, rows = a["N"], a["K"], a["rows"]
         nweights = 2 if op.flags & {"SILU_MUL", "PAIR"} else 1
-        # a router's weights as a high and a low part (PAIR) take half the rows per task, so its tasks stream
-        # what the one-part router's did (its 64 rows: 8 tasks of 8, not 4 of 16 with twice the bytes)
-        per = self.weight_rows_per_task(K * self.wbytes * nweights, rows,
-                                        align=max(1, self.opts.row_align // 2) if "PAIR" in op.flags else 0,
-                                        spread=spread or self.spread_of.get(op.id, 0))
-        return [Tile({"r0": r0, "r1": r1}, (r1 - r0) * K * self.wbytes * nweights, 4 * N * (K + 2 * (r1 - r0)),
+        if "DOWN_T" in op.flags:  # slices fixed by the model (fusion rule expert_mlp): a token's partials are summed
+            per, nweights = a["slice_rows"], 3  # in one order whatever the step's shape; gate, up and down rows
+        else:
+            # a router's weights as a high and a low part (PAIR) take half the rows per task, so its tasks stream
+            # what the one-part router's did (its 64 rows: 8 tasks of 8, not 4 of 16 with twice the bytes)
+            per = self.weight_rows_per_task(K * self.wbytes * nweights, rows,
+                                            align=max(1, self.opts.row_align // 2) if "PAIR" in op.flags else 0,
+                                            spread=spread or self.spread_of.get(op.id, 0))
+        return [Tile({"r0": r0, "r1": r1, **({"slice": r0 // per} if "DOWN_T" in op.flags else {})},
+                     (r1 - r0) * K * self.wbytes * nweights, 4 * N * (K + 2 * (r1 - r0)),
                      2 * N * K * (r1 - r0) * nweights) for r0, r1 in _blocks(rows, per)]
 
     def tile_ewise(self, op):
@@ -308,7 +312,7 @@ class Tiler:
         rows = _blocks(a["rows"], self.opts.act_rows)
         cols = H  # with spread: column blocks so that the op makes up to `spread` tasks
         if self.opts.spread:  # 16-column blocks where it sums slices of partials (expert_mlp: ops/moe.BDS)
-            unit, preferred = (16, 16) if a.get("ns", 1) > 1 else (32, 256)
+            unit, preferred = (16, 16) if a.get("ns", 1) > 1 or a.get("nsh", 1) > 1 else (32, 256)
             cols = _spread_block(H, self.opts.spread // len(rows), unit, preferred)
         return [Tile({"r0": r0, "r1": r1, "c0": c0, "c1": c1}, 0, 4 * (r1 - r0) * (c1 - c0) * (k + 3),
                      2 * (r1 - r0) * (c1 - c0) * k) for r0, r1 in rows for c0, c1 in _blocks(H, cols)]

@@ -462,13 +462,14 @@ def test_compile_options_reads_each_kind_of_key_and_names_an_unknown_one():
 def test_expert_mlp_slices_are_the_models_not_the_steps():
     """Fusion rule expert_mlp (opt-in): dsv2-lite's routed gate|up and down become one EXPERT_LINEAR[SILU_MUL,
     DOWN_T] over 64-row slices of each expert's 1408 intermediate rows, 22 slices x 6 slots = 132 tasks at T = 1
-    (one per worker), and MOE_COMBINE sums 22 slices of partials.  The slices do not depend on the step's shape,
-    so a pair's partials are summed in one order whatever T and B (batch invariance); the down projections are
-    packed transposed, as parts marked TRANSPOSED."""
-    from graph.fusion import EXPERT_SLICE_ROWS
+    (one per worker), and MOE_COMBINE sums 22 slices of partials; the shared experts' 2816 rows become one
+    LINEAR[SILU_MUL, DOWN_T] over 118 slices of 24 (the last of 8), whose partials MOE_COMBINE sums too.  The slices
+    do not depend on the step's shape, so a token's partials are summed in one order whatever T and B (batch
+    invariance); the down projections are packed transposed, as parts marked TRANSPOSED."""
+    from graph.fusion import EXPERT_SLICE_ROWS, SHARED_SLICE_ROWS
     from graph.ir import TRANSPOSED
     cfg = _six("dsv2-lite")
-    slices = {}
+    slices, shared = {}, {}
     for T, B in ((1, 1), (3, 2)):
         plan = compile_step(cfg, StepShape(T=T, B=B, max_len=4096),
                             CompileOptions(fusion_rules=DEFAULT_RULES + ("expert_mlp",)))
@@ -479,8 +480,16 @@ def test_expert_mlp_slices_are_the_models_not_the_steps():
         slices[T] = sorted({(t["slice"], t["r0"], t["r1"]) for t in fused})
         if T == 1:
             assert len(fused) == 132 == plan.workers
+        sh = [t for label, t in tasks if label.startswith("L5.moe.shared.mlp[")]
+        assert sh and all(t.op.name == "LINEAR" and t.has("SILU_MUL") and t.has("DOWN_T") for t in sh)
+        assert not any(label.startswith("L5.moe.shared.down") for label, _ in tasks)
+        shared[T] = sorted((t["slice"], t["r0"], t["r1"]) for t in sh)
         combine = next(t for label, t in tasks if label.startswith("L5.moe.combine["))
         assert (combine["ns"], combine["ys"]) == (1408 // EXPERT_SLICE_ROWS, T * B * cfg.num_experts_per_tok)
+        assert (combine["nsh"], combine["shs"]) == (len(sh), T * B)
     assert slices[1] == slices[3] == [(s, 64 * s, 64 * s + 64) for s in range(22)]
+    assert SHARED_SLICE_ROWS == 24 and shared[1] == shared[3] == [(s, 24 * s, min(24 * s + 24, 2816)) for s in range(118)]
     experts = next(w for w in plan.weights if w.name == "L5.experts" + TRANSPOSED)
     assert sum(len(p) == 3 and p[2] == TRANSPOSED for p in experts.parts) == cfg.n_routed_experts
+    down = next(w for w in plan.weights if w.name == "model.layers.5.mlp.shared_experts.down_proj.weight" + TRANSPOSED)
+    assert [tuple(p) for p in down.parts] == [("model.layers.5.mlp.shared_experts.down_proj.weight", 0, TRANSPOSED)]

@@ -419,11 +419,14 @@ def test_greedy_argmax_takes_the_first_of_tied_maxima():
 def test_kernel_expert_mlp_sums_partials(T, B, blocks, monkeypatch):
     """Fusion rule expert_mlp (opt-in): EXPERT_LINEAR[SILU_MUL, DOWN_T] tasks stream their slice's gate|up rows, then
     the same rows of the down projection packed transposed into a partial row per pair; MOE_COMBINE adds the slices
-    (two here: 16-row slices of tiny-moe's 32).  Several pairs a slot (T = B = 2) and one token."""
+    (two here: 16-row slices of tiny-moe's 32).  The shared expert alike, as LINEAR[SILU_MUL, DOWN_T] in slices of
+    24 and 8 rows.  Several pairs a slot (T = B = 2) and one token."""
     import graph.fusion
     monkeypatch.setattr(graph.fusion, "EXPERT_SLICE_ROWS", 16)
     cfg, plan, interp, mk = _pair("tiny-moe", T=T, B=B, blocks=blocks, rules=DEFAULT_RULES + ("expert_mlp",))
     fused = [decode(w) for w in plan.words if decode(w).op.name == "EXPERT_LINEAR"]
     assert fused and all(t.has("DOWN_T") for t in fused) and {t["slice"] for t in fused} == {0, 1}
+    shared = [decode(w) for w in plan.words if decode(w).op.name == "LINEAR" and decode(w).has("DOWN_T")]
+    assert shared and {(t["slice"], t["r0"], t["r1"]) for t in shared} == {(0, 0, 24), (1, 24, 32)}
     assert mk.blocks["KD"] == cfg.hidden_size
     _compare(cfg, interp, mk, torch.tensor([3, 9][:B]))

@@ -1,8 +1,9 @@
 """Offline SASS for sm_90 on a machine without a GPU: what a body executes, before spending device time.
 
-    python tools/sass_probe.py kernel [--model dsv2-lite] [--lines] [KEY=V,...]...
+    python tools/sass_probe.py kernel [--model dsv2-lite] [--plan KEY=V,...] [--lines] [KEY=V,...]...
         registers, spills, shared memory and 16-byte loads of the whole persistent kernel, with the block sizes
-        runtime.launch_blocks() fits to the model's T=1 plan, then once per variant (block overrides);
+        runtime.launch_blocks() fits to the model's T=1 plan (--plan: plan options as bench.py's --plan-variants
+        take them, e.g. expert_mlp=1), then once per variant (block overrides);
         --lines adds instructions, spill loads/stores and barriers per source file and the worst lines
     python tools/sass_probe.py stream [--lines] [KEY=V,...]...
         the weight stream alone (ops/linear.stream_chunks, bf16 weights): its hot loop's instructions
@@ -191,17 +192,18 @@ def print_spills(sass: str) -> None:
     print("    barriers by line: " + ", ".join(f"{w} {n}" for w, n in bars.most_common(12)))
 
 
-def probe_kernel(model: str, variants: list[str], lines: bool = False) -> None:
+def probe_kernel(model: str, variants: list[str], lines: bool = False, plan_spec: str = "") -> None:
     import torch
 
-    from graph.compile import CompileOptions, compile_step
+    from graph.compile import compile_options, compile_step
     from graph.isa import decode
     from graph.lower import StepShape
     from megakernel.kernel import megakernel
     from megakernel.runtime import LaunchConfig, kernel_constants, launch_blocks, wait_bound_s
     from model import preset
 
-    plan = compile_step(preset(model), StepShape(T=1, B=1, max_len=4096), CompileOptions(workers=132))
+    options, attn_split = compile_options(plan_spec, 132)
+    plan = compile_step(preset(model), StepShape(T=1, B=1, max_len=4096, attn_split=attn_split), options)
     tasks = [decode(w) for w in plan.words]
     pointers = {"words": "*i32", "queue_ptr": "*i32", "counters": "*i32", "worker_epoch": "*i32", "err": "*i32",
                 "prof": "*i64", "W": "*bf16", "WF": "*fp32", "A": "*fp32", "I": "*i32", "C": "*bf16", "HB": "*i32",
@@ -213,7 +215,7 @@ def probe_kernel(model: str, variants: list[str], lines: bool = False) -> None:
         const = kernel_constants(launch_blocks(tasks, torch.bfloat16, config, plan), wait_bound_s(tasks, config),
                                  config, on_cuda=True)
         info, sass = compile_sass(megakernel, pointers, [], const, num_warps)
-        print(f"kernel {model} {spec or 'fitted'}: {info}")
+        print(f"kernel {model}{' ' + plan_spec if plan_spec else ''} {spec or 'fitted'}: {info}")
         if lines:
             print_spills(sass)
 
@@ -223,6 +225,7 @@ def main() -> None:
     p.add_argument("what", choices=["kernel", "stream", "attention"])
     p.add_argument("variants", nargs="*", metavar="KEY=V,...")
     p.add_argument("--model", default="dsv2-lite")
+    p.add_argument("--plan", default="", metavar="KEY=V,...", help="plan options (kernel): e.g. expert_mlp=1")
     p.add_argument("--lines", action="store_true")
     args = p.parse_intermixed_args()  # options before or after the variants, as the usage lines write them
     if args.what == "stream":
@@ -230,7 +233,7 @@ def main() -> None:
     elif args.what == "attention":
         probe_attention(args.variants, args.lines)
     else:
-        probe_kernel(args.model, args.variants, args.lines)
+        probe_kernel(args.model, args.variants, args.lines, args.plan)
 
 
 if __name__ == "__main__":

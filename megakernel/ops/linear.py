@@ -1,6 +1,7 @@
 """LINEAR: a block of output columns of x @ W.T, with a fused SiLU·mul (gate/up) or residual epilogue,
 and optionally x's RMSNorm (NORM: the norm's weight is folded into W's columns, the task scales its
-sums by rsqrt(mean(x²) + eps)); PAIR: W is two matrices (a high and a low part) whose sums are added."""
+sums by rsqrt(mean(x²) + eps)); PAIR: W is two matrices (a high and a low part) whose sums are added;
+DOWN_T: the SiLU·mul rows then times the same rows of a down projection packed transposed (ops/kmajor.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import triton
 import triton.language as tl
 
 from .common import aligned, ffld, fld, has, off, prefetch_l2, silu
-from .fields import (FLAG_LINEAR_NORM, FLAG_LINEAR_PAIR, FLAG_LINEAR_RES, FLAG_LINEAR_SILU_MUL, LINEAR_EPS, LINEAR_FLAGS, LINEAR_K,
-                     LINEAR_N, LINEAR_OUT_LD, LINEAR_OUT_OFF, LINEAR_R0, LINEAR_R1, LINEAR_RES_LD, LINEAR_RES_OFF,
-                     LINEAR_W2_OFF, LINEAR_W_OFF, LINEAR_X_LD, LINEAR_X_OFF)
+from .fields import (FLAG_LINEAR_DOWN_T, FLAG_LINEAR_NORM, FLAG_LINEAR_PAIR, FLAG_LINEAR_RES, FLAG_LINEAR_SILU_MUL,
+                     LINEAR_EPS, LINEAR_FLAGS, LINEAR_K, LINEAR_N, LINEAR_OUT_LD, LINEAR_OUT_OFF, LINEAR_R0, LINEAR_R1,
+                     LINEAR_RES_LD, LINEAR_RES_OFF, LINEAR_SLICE, LINEAR_W2_OFF, LINEAR_W_OFF, LINEAR_WD_OFF,
+                     LINEAR_X_LD, LINEAR_X_OFF, LINEAR_Y_LD, LINEAR_Y_OFF)
+from .kmajor import down_partial
 
 
 def reference(task, mem) -> None:
@@ -27,7 +30,11 @@ def reference(task, mem) -> None:
         y = y + (x @ mem.mat(task, "w2", r1 - r0, K, row0=r0, ld=K).float().T) * r
     if task.has("RES"):
         y = y + mem.mat(task, "res", N, r1 - r0, col0=r0).float()
-    mem.mat(task, "out", N, r1 - r0, col0=r0).copy_(y)
+    out = mem.mat(task, "out", N, r1 - r0, col0=r0)
+    out.copy_(y)
+    if task.has("DOWN_T"):  # the slice's rows of the down projection, packed transposed: a partial row per token
+        wd = mem.mat(task, "wd", r1 - r0, K, row0=r0, ld=K).float()
+        mem.mat(task, "y", N, K, row0=task["slice"] * N).copy_(out.float() @ wd)
 
 
 # ---- GPU body ----------------------------------------------------------------------------
@@ -415,7 +422,9 @@ def pair_flag(flags, HILO: tl.constexpr):
 @triton.jit
 def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
          DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr, PFD: tl.constexpr = 0,
-         EF: tl.constexpr = 0, HILO: tl.constexpr = 0):
+         EF: tl.constexpr = 0, HILO: tl.constexpr = 0, KD: tl.constexpr = 0):
+    """KD > 0: the plan has DOWN_T tasks (fusion rule expert_mlp), whose k-major down rows of up to KD columns are
+    compiled in (down_rows)."""
     flags = fld(word, LINEAR_FLAGS)
     stream_chunks(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
                   A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
@@ -423,3 +432,21 @@ def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr,
                   aligned_base(W, word, LINEAR_W2_OFF, ALIGN), streams_two(flags, HILO), fld(word, LINEAR_R0),
                   fld(word, LINEAR_R1), fld(word, LINEAR_K), w, has(flags, FLAG_LINEAR_NORM), ffld(word, LINEAR_EPS),
                   BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, HILO, pair_flag(flags, HILO))
+    if KD > 0:
+        if has(flags, FLAG_LINEAR_DOWN_T):
+            tl.debug_barrier()  # every thread's SiLU·mul stores before any thread reads them back
+            down_rows(word, W, A, KD, BR, ALIGN, EF)
+
+
+@triton.jit
+def down_rows(word, W, A, KD: tl.constexpr, BR: tl.constexpr, ALIGN: tl.constexpr, EF: tl.constexpr):
+    """LINEAR[DOWN_T]'s second half: each token's SiLU·mul values of rows r0..r1 (the task's own `out` columns)
+    times the same rows of the transposed down projection, into the token's partial row of this slice."""
+    N, K, r0, r1 = fld(word, LINEAR_N), fld(word, LINEAR_K), fld(word, LINEAR_R0), fld(word, LINEAR_R1)
+    wd = aligned_base(W, word, LINEAR_WD_OFF, ALIGN) + r0.to(tl.int64) * aligned(K, ALIGN)
+    o_ptr, o_ld = A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD)
+    y_ptr, y_ld = A + off(word, LINEAR_Y_OFF), fld(word, LINEAR_Y_LD)
+    row0 = fld(word, LINEAR_SLICE) * N
+    for n in range(N):
+        down_partial(wd, o_ptr + n * o_ld + r0, r1 - r0, K, y_ptr + (row0 + n).to(tl.int64) * y_ld, KD, BR, ALIGN,
+                     EF)

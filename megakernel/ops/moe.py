@@ -14,19 +14,22 @@ import triton
 import triton.language as tl
 
 from .common import aligned, ffld, fld, has, off
-from .fields import (EXPERT_LINEAR_FLAGS, EXPERT_LINEAR_K, EXPERT_LINEAR_MAP_BUF, EXPERT_LINEAR_MAP_OFF, EXPERT_LINEAR_TOPK, EXPERT_LINEAR_N, EXPERT_LINEAR_OUT_LD,
-                     EXPERT_LINEAR_OUT_OFF, EXPERT_LINEAR_R0, EXPERT_LINEAR_R1, EXPERT_LINEAR_S, EXPERT_LINEAR_SLOT,
-                     EXPERT_LINEAR_ST_OFF, EXPERT_LINEAR_W2_OFF, EXPERT_LINEAR_W_ES, EXPERT_LINEAR_W_OFF,
-                     EXPERT_LINEAR_SLICE, EXPERT_LINEAR_WD_OFF, EXPERT_LINEAR_X_LD, EXPERT_LINEAR_X_OFF,
-                     EXPERT_LINEAR_Y_LD, EXPERT_LINEAR_Y_OFF, FLAG_EXPERT_LINEAR_DOWN_T,
-                     FLAG_EXPERT_LINEAR_GATHER, FLAG_EXPERT_LINEAR_SILU_MUL, FLAG_MOE_COMBINE_RES,
-                     FLAG_MOE_COMBINE_SHARED, FLAG_ROUTE_GROUPED, FLAG_ROUTE_NOAUX, FLAG_ROUTE_NORM, FLAG_ROUTE_SCORE,
-                     FLAG_ROUTE_SIGMOID, FLAG_ROUTE_SLOTS, FLAG_ROUTE_TOPK, MOE_COMBINE_FLAGS, MOE_COMBINE_H,
-                     MOE_COMBINE_TOPK, MOE_COMBINE_NS, MOE_COMBINE_YS, MOE_COMBINE_C0, MOE_COMBINE_C1, MOE_COMBINE_OUT_LD, MOE_COMBINE_OUT_OFF, MOE_COMBINE_R0, MOE_COMBINE_R1,
-                     MOE_COMBINE_RES_LD, MOE_COMBINE_RES_OFF, MOE_COMBINE_SH_LD, MOE_COMBINE_SH_OFF,
-                     MOE_COMBINE_WTS_OFF, MOE_COMBINE_Y_OFF, ROUTE_BIAS_OFF, ROUTE_E, ROUTE_FLAGS, ROUTE_IDS_OFF,
-                     ROUTE_TOPK, ROUTE_LG_LD, ROUTE_LG_OFF, ROUTE_N, ROUTE_N_GROUP, ROUTE_S, ROUTE_SC_BUF, ROUTE_SC_OFF,
-                     ROUTE_SCALE, ROUTE_ST_OFF, ROUTE_TOPK_GROUP, ROUTE_WTS_OFF)
+from .fields import (EXPERT_LINEAR_FLAGS, EXPERT_LINEAR_K, EXPERT_LINEAR_MAP_BUF, EXPERT_LINEAR_MAP_OFF,
+                     EXPERT_LINEAR_N, EXPERT_LINEAR_OUT_LD, EXPERT_LINEAR_OUT_OFF, EXPERT_LINEAR_R0, EXPERT_LINEAR_R1,
+                     EXPERT_LINEAR_S, EXPERT_LINEAR_SLICE, EXPERT_LINEAR_SLOT, EXPERT_LINEAR_ST_OFF,
+                     EXPERT_LINEAR_TOPK, EXPERT_LINEAR_W2_OFF, EXPERT_LINEAR_WD_OFF, EXPERT_LINEAR_W_ES,
+                     EXPERT_LINEAR_W_OFF, EXPERT_LINEAR_X_LD, EXPERT_LINEAR_X_OFF, EXPERT_LINEAR_Y_LD,
+                     EXPERT_LINEAR_Y_OFF, FLAG_EXPERT_LINEAR_DOWN_T, FLAG_EXPERT_LINEAR_GATHER,
+                     FLAG_EXPERT_LINEAR_SILU_MUL, FLAG_MOE_COMBINE_RES, FLAG_MOE_COMBINE_SHARED, FLAG_ROUTE_GROUPED,
+                     FLAG_ROUTE_NOAUX, FLAG_ROUTE_NORM, FLAG_ROUTE_SCORE, FLAG_ROUTE_SIGMOID, FLAG_ROUTE_SLOTS,
+                     FLAG_ROUTE_TOPK, MOE_COMBINE_C0, MOE_COMBINE_C1, MOE_COMBINE_FLAGS, MOE_COMBINE_H, MOE_COMBINE_NS,
+                     MOE_COMBINE_NSH, MOE_COMBINE_OUT_LD, MOE_COMBINE_OUT_OFF, MOE_COMBINE_R0, MOE_COMBINE_R1,
+                     MOE_COMBINE_RES_LD, MOE_COMBINE_RES_OFF, MOE_COMBINE_SHS, MOE_COMBINE_SH_LD, MOE_COMBINE_SH_OFF,
+                     MOE_COMBINE_TOPK, MOE_COMBINE_WTS_OFF, MOE_COMBINE_YS, MOE_COMBINE_Y_OFF, ROUTE_BIAS_OFF, ROUTE_E,
+                     ROUTE_FLAGS, ROUTE_IDS_OFF, ROUTE_LG_LD, ROUTE_LG_OFF, ROUTE_N, ROUTE_N_GROUP, ROUTE_S,
+                     ROUTE_SCALE, ROUTE_SC_BUF, ROUTE_SC_OFF, ROUTE_ST_OFF, ROUTE_TOPK, ROUTE_TOPK_GROUP,
+                     ROUTE_WTS_OFF)
+from .kmajor import down_partial
 from .linear import aligned_base, first_chunk, narrow, prefetch_rows, stream_chunks
 
 
@@ -128,7 +131,10 @@ def reference_combine(task, mem) -> None:
     for j in range(k):  # fixed order: a token's sum never depends on its neighbours
         out = out + w[:, j] * y[:, j]
     if task.has("SHARED"):
-        out = out + mem.mat(task, "sh", r1 - r0, C, row0=r0, col0=c0).float()
+        shared = mem.mat(task, "sh", r1 - r0, C, row0=r0, col0=c0).float()
+        for s in range(1, task["nsh"]):  # the shared experts' slices (LINEAR[DOWN_T]), added in order
+            shared = shared + mem.mat(task, "sh", r1 - r0, C, row0=s * task["shs"] + r0, col0=c0).float()
+        out = out + shared
     if task.has("RES"):
         out = out + mem.mat(task, "res", r1 - r0, C, row0=r0, col0=c0).float()
     mem.mat(task, "out", r1 - r0, C, row0=r0, col0=c0).copy_(out)
@@ -321,55 +327,6 @@ def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.con
 
 
 @triton.jit
-def kmajor_chunk(wp, rows, r1, cols, cmask, ld, EF: tl.constexpr):
-    """Rows `rows` (clamped below r1: a row past it reads row r1 - 1 again, times h = 0) of a k-major matrix with
-    row stride ld (in wp's elements), columns `cols`."""
-    return tl.load(wp + tl.minimum(rows, r1 - 1)[:, None].to(tl.int64) * ld + cols[None, :], mask=cmask[None, :],
-                   other=0, eviction_policy="evict_first" if EF else "")
-
-
-@triton.jit
-def kmajor_rows(w_ptr, h_ptr, r1, K, HB: tl.constexpr, BR: tl.constexpr, ALIGN: tl.constexpr, EF: tl.constexpr = 1):
-    """[HB] fp32: sum_{0 <= r < r1} h[r] · W[r, :K] (zeros past K) over rows of K (a down projection's slice packed
-    transposed: EXPERT_LINEAR[DOWN_T]), HB >= K a power of two; BR rows a chunk, the next chunk requested before
-    this one is summed.  bf16 rows load as words of two columns, 16 bytes a thread a row.  Each thread keeps a sum
-    per (row of the chunk, column) in its registers (one fused multiply-add a weight) and adds its BR rows once at
-    the end: a fixed order, whatever the neighbours or T.  K and w_ptr are multiples of ALIGN elements (16-byte
-    loads need the compiler to see it)."""
-    K = aligned(K, ALIGN)
-    PAIRS: tl.constexpr = (w_ptr.dtype.element_ty == tl.bfloat16) and (ALIGN % 2 == 0)
-    br = tl.arange(0, BR)
-    if PAIRS:
-        HW: tl.constexpr = HB // 2
-        VW: tl.constexpr = min(ALIGN // 2, 4)  # words a thread loads at once: 16 bytes where ALIGN allows
-        KW = (K // (2 * VW)) * VW  # a row's words, written so the compiler sees the multiple of VW
-        wp = w_ptr.to(tl.pointer_type(tl.uint32))
-        cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, HW), VW), VW)
-        cmask = cols < KW
-        w = kmajor_chunk(wp, br, r1, cols, cmask, KW, EF)
-        acc_lo = tl.zeros((BR, HW), tl.float32)
-        acc_hi = tl.zeros((BR, HW), tl.float32)
-        for rb in range(0, r1, BR):
-            w_next = kmajor_chunk(wp, rb + BR + br, r1, cols, cmask, KW, EF)
-            hv = tl.load(h_ptr + rb + br, mask=rb + br < r1, other=0.0)[:, None]
-            acc_lo += (w << 16).to(tl.float32, bitcast=True) * hv  # the even column: the word's low half
-            acc_hi += (w & 0xFFFF0000).to(tl.float32, bitcast=True) * hv
-            w = w_next
-        return tl.reshape(tl.join(tl.sum(acc_lo, axis=0), tl.sum(acc_hi, axis=0)), (HB,))
-    else:
-        cols = tl.arange(0, HB)
-        cmask = cols < K
-        w = kmajor_chunk(w_ptr, br, r1, cols, cmask, K, EF)
-        acc = tl.zeros((BR, HB), tl.float32)
-        for rb in range(0, r1, BR):
-            w_next = kmajor_chunk(w_ptr, rb + BR + br, r1, cols, cmask, K, EF)
-            hv = tl.load(h_ptr + rb + br, mask=rb + br < r1, other=0.0)[:, None]
-            acc += w.to(tl.float32) * hv
-            w = w_next
-        return tl.sum(acc, axis=0)
-
-
-@triton.jit
 def expert_down(word, W, A, st, S, slot, N, kk, count, base, r0, r1, K, KD: tl.constexpr, BR: tl.constexpr,
                 ALIGN: tl.constexpr, EF: tl.constexpr):
     """EXPERT_LINEAR[DOWN_T]'s second half: for each pair of the slot, its slice's SiLU·mul values (the task's own
@@ -380,11 +337,10 @@ def expert_down(word, W, A, st, S, slot, N, kk, count, base, r0, r1, K, KD: tl.c
     o_ptr, o_ld = A + off(word, EXPERT_LINEAR_OUT_OFF), fld(word, EXPERT_LINEAR_OUT_LD)
     y_ptr, y_ld = A + off(word, EXPERT_LINEAR_Y_OFF), fld(word, EXPERT_LINEAR_Y_LD)
     row0 = fld(word, EXPERT_LINEAR_SLICE) * N * kk
-    c = tl.arange(0, KD)
     for n in range(count):
         pair = tl.load(pairs + n, cache_modifier=".cg")
-        y = kmajor_rows(wd, o_ptr + pair * o_ld + r0, r1 - r0, K, KD, BR, ALIGN, EF)
-        tl.store(y_ptr + (row0 + pair).to(tl.int64) * y_ld + c, y, mask=c < K)
+        down_partial(wd, o_ptr + pair * o_ld + r0, r1 - r0, K, y_ptr + (row0 + pair).to(tl.int64) * y_ld, KD, BR,
+                     ALIGN, EF)
 
 
 @triton.jit
@@ -415,13 +371,15 @@ def combine_body(word, A, BD: tl.constexpr, BK: tl.constexpr, KD: tl.constexpr =
     c1 = fld(word, MOE_COMBINE_C1)
     j = tl.arange(0, BK)
     ns = 1
+    nsh = 1
     if KD > 0:
-        ns = fld(word, MOE_COMBINE_NS)
+        ns = tl.maximum(fld(word, MOE_COMBINE_NS), 1)
+        nsh = tl.maximum(fld(word, MOE_COMBINE_NSH), 1)
     for r in range(fld(word, MOE_COMBINE_R0), fld(word, MOE_COMBINE_R1)):
         w = tl.load(wts + r * k + j, mask=j < k, other=0.0, cache_modifier=".cg")
-        if ns > 1:  # (KD > 0 only)
+        if (ns > 1) | (nsh > 1):  # (KD > 0 only)
             combine_partials(y, fld(word, MOE_COMBINE_YS), ns, w, r, k, H, fld(word, MOE_COMBINE_C0), c1, flags, sh,
-                             sh_ld, res, res_ld, o_ptr, o_ld, BK)
+                             sh_ld, nsh, fld(word, MOE_COMBINE_SHS), res, res_ld, o_ptr, o_ld, BK)
         else:
             for cb in range(fld(word, MOE_COMBINE_C0), c1, BD):
                 c = cb + tl.arange(0, BD)
@@ -434,25 +392,34 @@ def combine_body(word, A, BD: tl.constexpr, BK: tl.constexpr, KD: tl.constexpr =
 
 NSB = tl.constexpr(32)  # partial slices one combine load takes (expert_mlp: dsv2-lite's experts have 22)
 BDS = tl.constexpr(16)  # and columns: NSB x BK x BDS values, one memory round trip, not one a slice
+NSH = tl.constexpr(128)  # shared-expert slices one load takes (dsv2-lite's shared MLP has 118)
 
 
 @triton.jit
-def combine_partials(y, ys, ns, w, r, k, H, c0, c1, flags, sh, sh_ld, res, res_ld, o_ptr, o_ld, BK: tl.constexpr):
-    """Token r's columns c0..c1 where y holds ns slices of partials (EXPERT_LINEAR[DOWN_T], ys rows apart): each
-    expert row summed over its slices in a fixed tree order, NSB slices x BK rows x BDS columns a load (tiling gives
-    such tasks BDS-column blocks), then weighted as combine_body does."""
+def combine_partials(y, ys, ns, w, r, k, H, c0, c1, flags, sh, sh_ld, nsh, shs, res, res_ld, o_ptr, o_ld,
+                     BK: tl.constexpr):
+    """Token r's columns c0..c1 where y holds ns slices of partials (EXPERT_LINEAR[DOWN_T], ys rows apart) and sh
+    nsh (LINEAR[DOWN_T], shs rows apart): each expert row summed over its slices in a fixed tree order, NSB slices x
+    BK rows x BDS columns a load (tiling gives such tasks BDS-column blocks), then weighted as combine_body does,
+    and the shared experts' slices added (requested first: the two loads' round trips overlap)."""
     j = tl.arange(0, BK)
     s = tl.arange(0, NSB)
     for cb in range(c0, c1, BDS):
         c = cb + tl.arange(0, BDS)
         m = c < c1
+        shared = tl.zeros((BDS,), tl.float32)
+        if has(flags, FLAG_MOE_COMBINE_SHARED):
+            for s0 in range(0, nsh, NSH):
+                sj = s0 + tl.arange(0, NSH)
+                shared += tl.sum(tl.load(sh + (sj * shs + r)[:, None].to(tl.int64) * sh_ld + c[None, :], other=0.0,
+                                         mask=(sj < nsh)[:, None] & m[None, :], cache_modifier=".cg"), axis=0)
         rows = tl.zeros((BK, BDS), tl.float32)
         for s0 in range(0, ns, NSB):
             at = ((s0 + s) * ys)[:, None, None] + (r * k + j)[None, :, None]
             rows += tl.sum(tl.load(y + at.to(tl.int64) * H + c[None, None, :], other=0.0, cache_modifier=".cg",
                                    mask=(s0 + s < ns)[:, None, None] & (j < k)[None, :, None] & m[None, None, :]),
                            axis=0)
-        combine_store(tl.sum(w[:, None] * rows, axis=0), flags, sh, sh_ld, res, res_ld, o_ptr, o_ld, r, c, m)
+        residual_store(tl.sum(w[:, None] * rows, axis=0) + shared, flags, res, res_ld, o_ptr, o_ld, r, c, m)
 
 
 @triton.jit
@@ -460,6 +427,12 @@ def combine_store(acc, flags, sh, sh_ld, res, res_ld, o_ptr, o_ld, r, c, m):
     """Token r's combined columns c, plus the shared experts' row and the residual's (SHARED, RES), stored."""
     if has(flags, FLAG_MOE_COMBINE_SHARED):
         acc += tl.load(sh + r * sh_ld + c, mask=m, other=0.0, cache_modifier=".cg")
+    residual_store(acc, flags, res, res_ld, o_ptr, o_ld, r, c, m)
+
+
+@triton.jit
+def residual_store(acc, flags, res, res_ld, o_ptr, o_ld, r, c, m):
+    """Token r's columns c plus the residual's (RES), stored."""
     if has(flags, FLAG_MOE_COMBINE_RES):
         acc += tl.load(res + r * res_ld + c, mask=m, other=0.0, cache_modifier=".cg")
     tl.store(o_ptr + r * o_ld + c, acc, mask=m)
