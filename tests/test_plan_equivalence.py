@@ -2,13 +2,17 @@
 
 import random
 
+import pytest
 import torch
 from hypothesis import given, note
 
-from graph.compile import compile_step
-from graph.strategies import plan_cases
+from graph.compile import CompileOptions, compile_step
+from graph.fusion import DEFAULT_RULES
+from graph.isa import decode
+from graph.lower import StepShape
+from graph.strategies import PlanCase, plan_cases
 from megakernel.interpreter import Interpreter
-from model import Cache, Reference, init_weights
+from model import Cache, Reference, init_weights, preset
 
 from .conftest import rel_err
 
@@ -36,6 +40,29 @@ def run_case(case):
 @given(plan_cases())
 def test_interpreter_equals_reference(case):
     note(f"{case.cfg}\n{case.shape}\n{case.options}\nlens={case.cache_lens} order={case.order}")
+    check_case(case)
+
+
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-mhc"])
+def test_expert_mlp_equals_reference(name, monkeypatch):
+    """Fusion rule expert_mlp (opt-in) with several slices of every MLP it fuses: the routed experts' 32 rows in
+    16-row slices, the shared ones' 32 (tiny-moe) and 64 (tiny-mhc, two shared experts) in slices of 24 and the
+    rest; six tokens in two sequences, an MTP pass, tasks run in a random order.  Hypothesis draws the rule too,
+    but rarely with more than one routed slice."""
+    import graph.fusion
+    monkeypatch.setattr(graph.fusion, "EXPERT_SLICE_ROWS", 16)
+    case = PlanCase(preset(name), StepShape(T=3, B=2, max_len=16, mtp_passes=1),
+                    CompileOptions(workers=8, fusion_rules=DEFAULT_RULES + ("expert_mlp",)), cache_lens=[4, 9],
+                    order="random", seed=5)
+    plan = check_case(case)
+    ops = {(decode(w).op.name, decode(w)["slice"]) for w in plan.words
+           if decode(w).op.name in ("LINEAR", "EXPERT_LINEAR") and decode(w).has("DOWN_T")}
+    shared_slices = -(-32 * case.cfg.n_shared_experts // 24)
+    assert ops == {("EXPERT_LINEAR", 0), ("EXPERT_LINEAR", 1)} | {("LINEAR", s) for s in range(shared_slices)}
+
+
+def check_case(case):
+    """The case's interpreted step equals the reference's (and its MTP passes, and the cache it wrote); its plan."""
     cfg, plan, interp, ref, cache, tokens, lens, got, want = run_case(case)
     assert rel_err(got.logits, want.logits) <= TOL
     assert rel_err(got.hidden, want.hidden) <= TOL
@@ -49,16 +76,12 @@ def test_interpreter_equals_reference(case):
         hidden, nxt = m.hidden, m.logits.argmax(-1)
     # every cache entry the step wrote, and none it should not have
     assert rel_err(interp.cache(), cache.data) <= TOL
+    return plan
 
 
 def test_non_finite_weights_are_refused_by_name():
     """The weight stream reads past a matrix into its neighbour, so a non-finite weight anywhere in
     the arena would reach another matrix's outputs: Memory refuses it, naming the tensor."""
-    import pytest
-
-    from graph.compile import CompileOptions
-    from graph.lower import StepShape
-    from model import preset
     cfg = preset("tiny-dense")
     plan = compile_step(cfg, StepShape(T=1, B=1, max_len=16), CompileOptions(workers=2))
     w = init_weights(cfg, seed=0)

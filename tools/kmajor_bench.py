@@ -7,8 +7,8 @@ a worker because today's LINEAR loop reads each row in 2048-column chunks, and a
 two phases.  An expert MLP task could instead take a slice of intermediate rows [r0, r1), stream their gate|up
 rows as now, then the same rows of the down projection packed transposed (W^T[r0:r1, :], rows of H = 2048, no
 waste) into an [H] partial that MOE_COMBINE sums.  Before building that, this times the k-major loop
-(`ops/kmajor.kmajor_rows`, the body of fusion rule expert_mlp's EXPERT_LINEAR[DOWN_T]: out[:] = sum_r h[r] *
-W^T[r, :]) against today's LINEAR body (`ops/linear.stream_chunks`,
+(`ops/kmajor.kmajor_rows`, the body of fusion rule expert_mlp's EXPERT_LINEAR[DOWN_T] and LINEAR[DOWN_T]:
+out[:] = sum_r h[r] * W^T[r, :]) against today's LINEAR body (`ops/linear.stream_chunks`,
 out[r] = W[r, :] . x) on the same bytes: one program per SM, each streaming its own `rows` rows of 2048 bf16,
 matrices rotated past the L2.  Prints GB/s per SM for each, and each one's error against torch.
 
@@ -47,7 +47,9 @@ def kmajor_kernel(w_ptr, h_ptr, out_ptr, R, H: tl.constexpr, BR: tl.constexpr):
     """Program p: out[p] = sum over its R rows (p·R ..) of h[r] * W[r, :]."""
     p = tl.program_id(0)
     c = tl.arange(0, H)
-    tl.store(out_ptr + p * H + c, kmajor.kmajor_rows(w_ptr + p.to(tl.int64) * R * H, h_ptr + p * R, R, H, H, BR, 8))
+    w_ptr += p.to(tl.int64) * R * H
+    w = kmajor.kmajor_first(w_ptr, R, H, H, BR, 8)
+    tl.store(out_ptr + p * H + c, kmajor.kmajor_rows(w_ptr, h_ptr + p * R, R, H, w, H, BR, 8))
 
 
 @triton.jit

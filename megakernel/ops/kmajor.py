@@ -24,40 +24,53 @@ def kmajor_chunk(wp, rows, r1, cols, cmask, ld, EF: tl.constexpr):
 
 
 @triton.jit
-def kmajor_rows(w_ptr, h_ptr, r1, K, HB: tl.constexpr, BR: tl.constexpr, ALIGN: tl.constexpr, EF: tl.constexpr = 1):
-    """[HB] fp32: sum_{0 <= r < r1} h[r] · W[r, :K] (zeros past K) over rows of K (a down projection's slice packed
-    transposed: EXPERT_LINEAR[DOWN_T]), HB >= K a power of two; BR rows a chunk, the next chunk requested before
-    this one is summed.  bf16 rows load as words of two columns, 16 bytes a thread a row.  Each thread keeps a sum
-    per (row of the chunk, column) in its registers (one fused multiply-add a weight) and adds its BR rows once at
-    the end: a fixed order, whatever the neighbours or T.  K and w_ptr are multiples of ALIGN elements (16-byte
-    loads need the compiler to see it)."""
+def kmajor_layout(w_ptr, K, HB: tl.constexpr, ALIGN: tl.constexpr):
+    """(pointer, columns, column mask, row stride) a chunk of rows of K loads with: bf16 rows as words of two
+    columns, 16 bytes a thread a row where ALIGN allows (K and w_ptr are multiples of ALIGN elements: 16-byte loads
+    need the compiler to see it); else HB columns of w_ptr's type."""
     K = aligned(K, ALIGN)
     PAIRS: tl.constexpr = (w_ptr.dtype.element_ty == tl.bfloat16) and (ALIGN % 2 == 0)
-    br = tl.arange(0, BR)
     if PAIRS:
-        HW: tl.constexpr = HB // 2
-        VW: tl.constexpr = min(ALIGN // 2, 4)  # words a thread loads at once: 16 bytes where ALIGN allows
+        VW: tl.constexpr = min(ALIGN // 2, 4)  # words a thread loads at once
         KW = (K // (2 * VW)) * VW  # a row's words, written so the compiler sees the multiple of VW
-        wp = w_ptr.to(tl.pointer_type(tl.uint32))
-        cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, HW), VW), VW)
-        cmask = cols < KW
-        w = kmajor_chunk(wp, br, r1, cols, cmask, KW, EF)
-        acc_lo = tl.zeros((BR, HW), tl.float32)
-        acc_hi = tl.zeros((BR, HW), tl.float32)
+        cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, HB // 2), VW), VW)
+        return w_ptr.to(tl.pointer_type(tl.uint32)), cols, cols < KW, KW
+    else:
+        cols = tl.arange(0, HB)
+        return w_ptr, cols, cols < K, K
+
+
+@triton.jit
+def kmajor_first(w_ptr, r1, K, HB: tl.constexpr, BR: tl.constexpr, ALIGN: tl.constexpr, EF: tl.constexpr = 1):
+    """The first chunk (rows 0..BR) kmajor_rows sums: weights never depend on activations, so a task requests it
+    before it waits for its h values (the CTA barrier after its gate|up stream)."""
+    wp, cols, cmask, ld = kmajor_layout(w_ptr, K, HB, ALIGN)
+    return kmajor_chunk(wp, tl.arange(0, BR), r1, cols, cmask, ld, EF)
+
+
+@triton.jit
+def kmajor_rows(w_ptr, h_ptr, r1, K, w, HB: tl.constexpr, BR: tl.constexpr, ALIGN: tl.constexpr,
+                EF: tl.constexpr = 1):
+    """[HB] fp32: sum_{0 <= r < r1} h[r] · W[r, :K] (zeros past K) over rows of K (a down projection's slice packed
+    transposed), HB >= K a power of two; BR rows a chunk (w: the first, from kmajor_first), the next chunk requested
+    before this one is summed.  Each thread keeps a sum per (row of the chunk, column) in its registers (one fused
+    multiply-add a weight) and adds its BR rows once at the end: a fixed order, whatever the neighbours or T."""
+    wp, cols, cmask, ld = kmajor_layout(w_ptr, K, HB, ALIGN)
+    br = tl.arange(0, BR)
+    if w.dtype == tl.uint32:  # bf16 pairs
+        acc_lo = tl.zeros((BR, HB // 2), tl.float32)
+        acc_hi = tl.zeros((BR, HB // 2), tl.float32)
         for rb in range(0, r1, BR):
-            w_next = kmajor_chunk(wp, rb + BR + br, r1, cols, cmask, KW, EF)
+            w_next = kmajor_chunk(wp, rb + BR + br, r1, cols, cmask, ld, EF)
             hv = tl.load(h_ptr + rb + br, mask=rb + br < r1, other=0.0)[:, None]
             acc_lo += (w << 16).to(tl.float32, bitcast=True) * hv  # the even column: the word's low half
             acc_hi += (w & 0xFFFF0000).to(tl.float32, bitcast=True) * hv
             w = w_next
         return tl.reshape(tl.join(tl.sum(acc_lo, axis=0), tl.sum(acc_hi, axis=0)), (HB,))
     else:
-        cols = tl.arange(0, HB)
-        cmask = cols < K
-        w = kmajor_chunk(w_ptr, br, r1, cols, cmask, K, EF)
         acc = tl.zeros((BR, HB), tl.float32)
         for rb in range(0, r1, BR):
-            w_next = kmajor_chunk(w_ptr, rb + BR + br, r1, cols, cmask, K, EF)
+            w_next = kmajor_chunk(wp, rb + BR + br, r1, cols, cmask, ld, EF)
             hv = tl.load(h_ptr + rb + br, mask=rb + br < r1, other=0.0)[:, None]
             acc += w.to(tl.float32) * hv
             w = w_next
@@ -65,8 +78,21 @@ def kmajor_rows(w_ptr, h_ptr, r1, K, HB: tl.constexpr, BR: tl.constexpr, ALIGN: 
 
 
 @triton.jit
-def down_partial(wd, h_ptr, rows, K, y_ptr, KD: tl.constexpr, BR: tl.constexpr, ALIGN: tl.constexpr,
-                 EF: tl.constexpr):
-    """y[:K] = sum over rows r < rows of h[r] · wd[r, :K] (wd: the slice's first k-major down row), stored."""
+def down_partials(wd, r1, K, h_ptr, h_ld, y_ptr, y_ld, y_row0, rows_ptr, count, KD: tl.constexpr, BR: tl.constexpr,
+                  ALIGN: tl.constexpr, EF: tl.constexpr, LISTED: tl.constexpr):
+    """The second half of a DOWN_T task, after its gate|up stream stored the slice's SiLU·mul values h: for each of
+    `count` rows n (LISTED: the rows rows_ptr[n], else n), y[y_row0 + n, :K] = sum over the slice's r1 rows r of
+    h[n, r] · wd[r, :K] (h_ptr: row 0's first value of the slice; wd: the slice's first k-major down row).  The
+    first chunk is requested before the CTA barrier that makes every thread's h stores visible to the others, so its
+    load overlaps the barrier; each later row requests its own when it starts."""
+    w = kmajor_first(wd, r1, K, KD, BR, ALIGN, EF)
+    tl.debug_barrier()  # every thread's SiLU·mul stores before any thread reads them back
     c = tl.arange(0, KD)
-    tl.store(y_ptr + c, kmajor_rows(wd, h_ptr, rows, K, KD, BR, ALIGN, EF), mask=c < K)
+    for n in range(count):
+        row = n
+        if LISTED:
+            row = tl.load(rows_ptr + n, cache_modifier=".cg")
+        if n > 0:
+            w = kmajor_first(wd, r1, K, KD, BR, ALIGN, EF)
+        y = kmajor_rows(wd, h_ptr + row * h_ld, r1, K, w, KD, BR, ALIGN, EF)
+        tl.store(y_ptr + (y_row0 + row).to(tl.int64) * y_ld + c, y, mask=c < K)

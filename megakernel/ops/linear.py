@@ -15,7 +15,7 @@ from .fields import (FLAG_LINEAR_DOWN_T, FLAG_LINEAR_NORM, FLAG_LINEAR_PAIR, FLA
                      LINEAR_EPS, LINEAR_FLAGS, LINEAR_K, LINEAR_N, LINEAR_OUT_LD, LINEAR_OUT_OFF, LINEAR_R0, LINEAR_R1,
                      LINEAR_RES_LD, LINEAR_RES_OFF, LINEAR_SLICE, LINEAR_W2_OFF, LINEAR_W_OFF, LINEAR_WD_OFF,
                      LINEAR_X_LD, LINEAR_X_OFF, LINEAR_Y_LD, LINEAR_Y_OFF)
-from .kmajor import down_partial
+from .kmajor import down_partials
 
 
 def reference(task, mem) -> None:
@@ -434,7 +434,6 @@ def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr,
                   BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, HILO, pair_flag(flags, HILO))
     if KD > 0:
         if has(flags, FLAG_LINEAR_DOWN_T):
-            tl.debug_barrier()  # every thread's SiLU·mul stores before any thread reads them back
             down_rows(word, W, A, KD, BR, ALIGN, EF)
 
 
@@ -444,9 +443,6 @@ def down_rows(word, W, A, KD: tl.constexpr, BR: tl.constexpr, ALIGN: tl.constexp
     times the same rows of the transposed down projection, into the token's partial row of this slice."""
     N, K, r0, r1 = fld(word, LINEAR_N), fld(word, LINEAR_K), fld(word, LINEAR_R0), fld(word, LINEAR_R1)
     wd = aligned_base(W, word, LINEAR_WD_OFF, ALIGN) + r0.to(tl.int64) * aligned(K, ALIGN)
-    o_ptr, o_ld = A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD)
-    y_ptr, y_ld = A + off(word, LINEAR_Y_OFF), fld(word, LINEAR_Y_LD)
-    row0 = fld(word, LINEAR_SLICE) * N
-    for n in range(N):
-        down_partial(wd, o_ptr + n * o_ld + r0, r1 - r0, K, y_ptr + (row0 + n).to(tl.int64) * y_ld, KD, BR, ALIGN,
-                     EF)
+    down_partials(wd, r1 - r0, K, A + off(word, LINEAR_OUT_OFF) + r0, fld(word, LINEAR_OUT_LD),
+                  A + off(word, LINEAR_Y_OFF), fld(word, LINEAR_Y_LD), fld(word, LINEAR_SLICE) * N, A, N, KD, BR,
+                  ALIGN, EF, False)

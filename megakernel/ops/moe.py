@@ -29,7 +29,7 @@ from .fields import (EXPERT_LINEAR_FLAGS, EXPERT_LINEAR_K, EXPERT_LINEAR_MAP_BUF
                      ROUTE_FLAGS, ROUTE_IDS_OFF, ROUTE_LG_LD, ROUTE_LG_OFF, ROUTE_N, ROUTE_N_GROUP, ROUTE_S,
                      ROUTE_SCALE, ROUTE_SC_BUF, ROUTE_SC_OFF, ROUTE_ST_OFF, ROUTE_TOPK, ROUTE_TOPK_GROUP,
                      ROUTE_WTS_OFF)
-from .kmajor import down_partial
+from .kmajor import down_partials
 from .linear import aligned_base, first_chunk, narrow, prefetch_rows, stream_chunks
 
 
@@ -322,7 +322,6 @@ def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.con
                           DEPTH, ROWVEC, AHEAD, PFD, EF)
         if KD > 0:
             if has(flags, FLAG_EXPERT_LINEAR_DOWN_T):
-                tl.debug_barrier()  # every thread's SiLU·mul stores before any thread reads them back
                 expert_down(word, W, A, st, S, slot, N, kk, count, base, r0, r1, K, KD, BR, ALIGN, EF)
 
 
@@ -330,17 +329,13 @@ def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.con
 def expert_down(word, W, A, st, S, slot, N, kk, count, base, r0, r1, K, KD: tl.constexpr, BR: tl.constexpr,
                 ALIGN: tl.constexpr, EF: tl.constexpr):
     """EXPERT_LINEAR[DOWN_T]'s second half: for each pair of the slot, its slice's SiLU·mul values (the task's own
-    `out` rows r0..r1, stored before a CTA barrier) times rows r0..r1 of the expert's transposed down projection,
-    into the pair's partial row of this slice."""
+    `out` rows r0..r1, just stored) times rows r0..r1 of the expert's transposed down projection, into the pair's
+    partial row of this slice (kmajor.down_partials)."""
     wd = aligned_base(W, word, EXPERT_LINEAR_WD_OFF, ALIGN) + base + r0.to(tl.int64) * aligned(K, ALIGN)
-    pairs = st + 2 * S + slot * (N * kk)
-    o_ptr, o_ld = A + off(word, EXPERT_LINEAR_OUT_OFF), fld(word, EXPERT_LINEAR_OUT_LD)
-    y_ptr, y_ld = A + off(word, EXPERT_LINEAR_Y_OFF), fld(word, EXPERT_LINEAR_Y_LD)
-    row0 = fld(word, EXPERT_LINEAR_SLICE) * N * kk
-    for n in range(count):
-        pair = tl.load(pairs + n, cache_modifier=".cg")
-        down_partial(wd, o_ptr + pair * o_ld + r0, r1 - r0, K, y_ptr + (row0 + pair).to(tl.int64) * y_ld, KD, BR,
-                     ALIGN, EF)
+    down_partials(wd, r1 - r0, K, A + off(word, EXPERT_LINEAR_OUT_OFF) + r0, fld(word, EXPERT_LINEAR_OUT_LD),
+                  A + off(word, EXPERT_LINEAR_Y_OFF), fld(word, EXPERT_LINEAR_Y_LD),
+                  fld(word, EXPERT_LINEAR_SLICE) * N * kk, st + 2 * S + slot * (N * kk), count, KD, BR, ALIGN, EF,
+                  True)
 
 
 @triton.jit
