@@ -32,6 +32,10 @@ Rules, applied in this order (each names what it merged in the report):
                  packed transposed, into partial rows that MOE_COMBINE sums (one phase and hop fewer a MoE layer,
                  and no down rows read in 2048-column chunks); then the shared experts beside them alike, as
                  LINEAR[SILU_MUL, DOWN_T] (their tasks fill the route's wait).  Not yet timed on a GPU.
+- dense_mlp (opt-in): a dense MLP's LINEAR[SILU_MUL] and its down LINEAR (RES allowed) -> LINEAR[SILU_MUL, DOWN_T]
+                 over fixed slices and a MOE_COMBINE with no routed experts (topk 0) that sums the slices' partial
+                 rows and the residual: one phase of the MLP's bytes in tasks of ~768 KB, then a short reduction,
+                 where gate|up and down were two phases of smaller tasks.  Not yet timed on a GPU.
 A tensor is absorbed only when the fused op is its sole reader and it is not
 an output.  The fused op takes the program position of the chain's last op.
 CompileOptions.fusion_rules names the rules a plan applies (DEFAULT_RULES unless told).  Those in
@@ -44,21 +48,25 @@ from .ir import TRANSPOSED, Graph, Op, Tensor, View
 from .isa import Buf
 
 RULES = ("swiglu", "moe_epilogue", "residual_into_linear", "residual_norm", "rope_into_cache", "norm_into_cache",
-         "rope_into_attention", "route", "hc_coeff", "norm_into_linear", "norm_beside_experts", "expert_mlp")
-# rules that derive packed weights (W' = W diag(g); expert_mlp: the experts' down projections transposed)
-WEIGHT_RULES = ("norm_into_linear", "norm_beside_experts", "expert_mlp")
+         "rope_into_attention", "route", "hc_coeff", "norm_into_linear", "norm_beside_experts", "expert_mlp",
+         "dense_mlp")
+# rules that derive packed weights (W' = W diag(g); expert_mlp, dense_mlp: down projections transposed)
+WEIGHT_RULES = ("norm_into_linear", "norm_beside_experts", "expert_mlp", "dense_mlp")
 # what a plan applies unless told.  norm_beside_experts stays opt-in: its first version (session 15: -2.8%,
 # -3.1% on dsv2-lite) rounded the router's W·diag(g) to bf16, which moved routing decisions (1.2% of tokens per
 # layer on random weights); its second (the router exact, the shared experts folded: -1.1%, session 16) still
 # moved one greedy token of tiny-moe's 64-step teacher-forced GPU test.  This one, where only the router folds
 # and every expert reads the norm's rows, has not run on a GPU
-# expert_mlp is opt-in until it is timed on a GPU (docs/NOTES.md, session 30)
-DEFAULT_RULES = tuple(r for r in RULES if r not in ("norm_beside_experts", "expert_mlp"))
+# expert_mlp and dense_mlp are opt-in until they are timed on a GPU (docs/NOTES.md, sessions 30-31)
+DEFAULT_RULES = tuple(r for r in RULES if r not in ("norm_beside_experts", "expert_mlp", "dense_mlp"))
 EXPERT_SLICE_ROWS = 64  # expert_mlp: intermediate rows a task takes (fixed by the model: batch invariance)
 # and of the shared experts' MLP, smaller: its tasks run while the router and route decide the routed ones (~9 us
 # on dsv2-lite), so its 2816 rows make one short task a worker (118 of 288 KB), not 44 of 768 KB that would hold
 # a third of the workers well into the routed phase
 SHARED_SLICE_ROWS = 24
+# dense_mlp: about this many slices of a dense MLP's intermediate rows (multiples of 8 rows, fixed by the model):
+# one a worker on a 132-SM H200 (llama-1b: 128 slices of 64 rows, 768 KB tasks)
+DENSE_SLICES = 128
 
 
 class _Ctx:
@@ -446,6 +454,42 @@ def _shared_mlp(ctx: _Ctx) -> str | None:
     return None
 
 
+def _dense_mlp(ctx: _Ctx) -> str | None:
+    """A dense MLP (not a MoE layer's shared experts: expert_mlp's): LINEAR[SILU_MUL] (gate|up, NORM allowed) and the
+    LINEAR down (RES allowed) that alone reads its rows -> LINEAR[SILU_MUL, DOWN_T] over fixed slices of ~I /
+    DENSE_SLICES rows, each task streaming its slice's gate|up rows and then the same rows of the down projection
+    packed transposed into a partial row per token, and a MOE_COMBINE[SHARED(, RES)] with topk 0 (a dense MLP is an
+    always-chosen expert: the shared experts' path) that sums the partials in a fixed order and adds the residual."""
+    for d in ctx.g.ops:
+        if d.opcode != "LINEAR" or not d.flags <= {"RES"} \
+                or any(op.opcode == "MOE_COMBINE" for op in ctx.cons.get(d.writes["out"].tensor, [])):
+            continue
+        g = ctx.sole_producer(d.reads["x"], "LINEAR", "SILU_MUL")
+        if g is None or not g.flags <= {"SILU_MUL", "NORM"} or not ctx.private(g.writes["out"].tensor, d):
+            continue
+        I, H, N = g.attrs["rows"], g.attrs["K"], g.attrs["N"]
+        w = d.reads["w"]
+        if d.attrs["rows"] != H or d.attrs["K"] != I or not _whole(ctx, w) or len(ctx.g.tensors[w.tensor].parts) != 1:
+            continue
+        rows = 8 * -(-I // (8 * DENSE_SLICES))
+        nsh = -(-I // rows)
+        base = g.label.rsplit(".", 1)[0]
+        sh = _partials(ctx, base + ".down_partials", nsh * N, H)
+        fused = _new(g, g.flags | {"DOWN_T"}, {**g.reads, "wd": View(_transposed(ctx, w.tensor))},
+                     {"out": g.writes["out"], "y": sh}, attrs={**g.attrs, "slice_rows": rows}, label=base)
+        reads, flags = {"sh": sh}, {"SHARED"}
+        if "RES" in d.flags:
+            reads["res"], flags = d.reads["res"], flags | {"RES"}
+        reduce = Op(-1, "MOE_COMBINE", frozenset(flags), {"H": H, "topk": 0, "rows": N, "nsh": nsh, "shs": N}, reads,
+                    dict(d.writes), base + ".reduce", d.layer)
+        ctx.replace([g, d], fused)
+        ctx.g.ops.insert(ctx.g.ops.index(fused) + 1, reduce)
+        reduce.fused_from = fused.fused_from
+        ctx.refresh()
+        return f"{g.label} + {d.label} -> LINEAR[SILU_MUL|DOWN_T] ({nsh} slices of {rows}) + MOE_COMBINE sum"
+    return None
+
+
 def _merge_stages(ctx: _Ctx, opcode: str, stages: tuple[str, ...], label_suffix: str,
                   scratch: tuple[str, ...] = ()) -> str | None:
     """Merge an op running stage s with the op running the next stage on its private outputs.
@@ -500,6 +544,7 @@ def fuse(graph: Graph, rules: tuple[str, ...] = DEFAULT_RULES) -> dict:
         "norm_into_linear": _norm_into_linear,
         "norm_beside_experts": lambda c: _norm_into_linear(c, beside_experts=True),
         "expert_mlp": lambda c: _expert_mlp(c) or _shared_mlp(c),  # the routed experts first: see _shared_mlp
+        "dense_mlp": _dense_mlp,
     }
     changes, per_rule = [], {}
     for rule in RULES:

@@ -149,7 +149,8 @@ _OPS = [
            ("GATHER", "SCATTER", "SILU_MUL", "DOWN_T")),
     # out[r, c0:c1] = sum_j wts[r, j] · y[r·topk + j] (+ shared[r]) (+ res[r]), summed in a fixed order; with ns > 1,
     # y[r·topk + j] is itself the sum of ns slices' rows, ys rows apart (EXPERT_LINEAR[DOWN_T]'s partials), in order;
-    # with nsh > 1, shared[r] the sum of nsh slices' rows of sh, shs rows apart (LINEAR[DOWN_T]'s)
+    # with nsh > 1, shared[r] the sum of nsh slices' rows of sh, shs rows apart (LINEAR[DOWN_T]'s); topk 0: no routed
+    # experts, a dense MLP's partials summed (fusion rule dense_mlp)
     Opcode("MOE_COMBINE", 13, _f("y+ wts+ sh* res* out* H topk r0 r1 c0 c1 ns ys nsh shs"), ("SHARED", "RES")),
     # MIX: mix = rmsnorm(streams) @ fn.T; ACT: raw coefficients; SINK: Sinkhorn; COLLAPSE: sum_j pre_j stream_j
     Opcode("HC_COEFF", 14, _f("st* fn+ base+ scale+ mix+ craw+ coef+ out* n H iters eps hc_eps r0 r1"),

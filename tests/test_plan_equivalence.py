@@ -61,6 +61,21 @@ def test_expert_mlp_equals_reference(name, monkeypatch):
     assert ops == {("EXPERT_LINEAR", 0), ("EXPERT_LINEAR", 1)} | {("LINEAR", s) for s in range(shared_slices)}
 
 
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
+def test_dense_mlp_equals_reference(name):
+    """Fusion rule dense_mlp (opt-in): every dense MLP (tiny-dense's layers and MTP layer, tiny-moe's first layer)
+    as LINEAR[SILU_MUL, DOWN_T] over slices of 8 rows and a MOE_COMBINE with topk 0 that sums them and adds the
+    residual; the MoE layers' shared experts are left to expert_mlp."""
+    case = PlanCase(preset(name), StepShape(T=3, B=2, max_len=16, mtp_passes=1),
+                    CompileOptions(workers=8, fusion_rules=DEFAULT_RULES + ("dense_mlp",)), cache_lens=[4, 9],
+                    order="random", seed=6)
+    plan = check_case(case)
+    tasks = [decode(w) for w in plan.words]
+    reduce = [t for t in tasks if t.op.name == "MOE_COMBINE" and t["topk"] == 0]
+    assert reduce and all(t["nsh"] == -(-case.cfg.intermediate_size // 8) and t.has("RES") for t in reduce)
+    assert not any(".mlp.down" in label for label in plan.task_labels)
+
+
 def check_case(case):
     """The case's interpreted step equals the reference's (and its MTP passes, and the cache it wrote); its plan."""
     cfg, plan, interp, ref, cache, tokens, lens, got, want = run_case(case)

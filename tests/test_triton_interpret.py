@@ -430,3 +430,14 @@ def test_kernel_expert_mlp_sums_partials(T, B, blocks, monkeypatch):
     assert shared and {(t["slice"], t["r0"], t["r1"]) for t in shared} == {(0, 0, 24), (1, 24, 32)}
     assert mk.blocks["KD"] == cfg.hidden_size
     _compare(cfg, interp, mk, torch.tensor([3, 9][:B]))
+
+
+@pytest.mark.parametrize("T,B,blocks", [(2, 2, None), (1, 1, dict(TB=1, ROWVEC=1))])
+def test_kernel_dense_mlp_sums_partials(T, B, blocks):
+    """Fusion rule dense_mlp (opt-in): tiny-dense's MLPs as LINEAR[SILU_MUL, DOWN_T] in 16 slices of 8 rows, whose
+    partial rows a MOE_COMBINE with no routed experts (topk 0) sums before adding the residual."""
+    cfg, plan, interp, mk = _pair("tiny-dense", T=T, B=B, blocks=blocks, rules=DEFAULT_RULES + ("dense_mlp",))
+    tasks = [decode(w) for w in plan.words]
+    assert {t["slice"] for t in tasks if t.op.name == "LINEAR" and t.has("DOWN_T")} == set(range(16))
+    assert any(t.op.name == "MOE_COMBINE" and t["topk"] == 0 and t["nsh"] == 16 for t in tasks)
+    _compare(cfg, interp, mk, torch.tensor([3, 9][:B]))

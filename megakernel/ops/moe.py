@@ -122,14 +122,15 @@ def reference_expert(task, mem) -> None:
 def reference_combine(task, mem) -> None:
     r0, r1, H, k, c0, c1 = task["r0"], task["r1"], task["H"], task["topk"], task["c0"], task["c1"]
     C = c1 - c0
-    y = mem.mat(task, "y", (r1 - r0) * k, C, row0=r0 * k, col0=c0, ld=H).float()
-    for s in range(1, task["ns"]):  # the down projection's slices (EXPERT_LINEAR[DOWN_T]), added in order
-        y = y + mem.mat(task, "y", (r1 - r0) * k, C, row0=s * task["ys"] + r0 * k, col0=c0, ld=H).float()
-    y = y.view(r1 - r0, k, C)
-    w = mem.flat(task, "wts", r0 * k, (r1 - r0) * k).view(r1 - r0, k, 1)
     out = torch.zeros(r1 - r0, C, device=mem.device)
-    for j in range(k):  # fixed order: a token's sum never depends on its neighbours
-        out = out + w[:, j] * y[:, j]
+    if k:  # (topk 0: a dense MLP's partials alone, fusion rule dense_mlp)
+        y = mem.mat(task, "y", (r1 - r0) * k, C, row0=r0 * k, col0=c0, ld=H).float()
+        for s in range(1, task["ns"]):  # the down projection's slices (EXPERT_LINEAR[DOWN_T]), added in order
+            y = y + mem.mat(task, "y", (r1 - r0) * k, C, row0=s * task["ys"] + r0 * k, col0=c0, ld=H).float()
+        y = y.view(r1 - r0, k, C)
+        w = mem.flat(task, "wts", r0 * k, (r1 - r0) * k).view(r1 - r0, k, 1)
+        for j in range(k):  # fixed order: a token's sum never depends on its neighbours
+            out = out + w[:, j] * y[:, j]
     if task.has("SHARED"):
         shared = mem.mat(task, "sh", r1 - r0, C, row0=r0, col0=c0).float()
         for s in range(1, task["nsh"]):  # the shared experts' slices (LINEAR[DOWN_T]), added in order
