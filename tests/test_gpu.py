@@ -17,6 +17,7 @@ BF16_TOL = 1e-2
 SEPARATE_ROPES = tuple(r for r in DEFAULT_RULES if r != "rope_into_attention")
 BESIDE_EXPERTS = DEFAULT_RULES + ("norm_beside_experts",)
 EXPERT_MLP = DEFAULT_RULES + ("expert_mlp",)
+DENSE_MLP = DEFAULT_RULES + ("dense_mlp",)
 
 
 def _setup(name, T=2, B=2, max_len=64, workers=16, passes=0, layers=None, seed=0, rules=DEFAULT_RULES):
@@ -55,9 +56,10 @@ def test_tiny_megakernel_equals_interpreter(name):
 
 
 @pytest.mark.parametrize("name,rules", [(n, r) for n in ("llama-1b", "dsv2-lite") for r in (DEFAULT_RULES, UNFOLDED)]
-                         + [("dsv2-lite", RULES), ("llama-1b", SEPARATE_ROPES)],  # other rule sets
+                         + [("dsv2-lite", RULES), ("llama-1b", SEPARATE_ROPES), ("llama-1b", DENSE_MLP)],
                          ids=["llama-1b-default", "llama-1b-norms_unfolded", "dsv2-lite-default",
-                              "dsv2-lite-norms_unfolded", "dsv2-lite-all_rules", "llama-1b-separate_ropes"])
+                              "dsv2-lite-norms_unfolded", "dsv2-lite-all_rules", "llama-1b-separate_ropes",
+                              "llama-1b-dense_mlp"])
 def test_large_megakernel_equals_interpreter(name, rules):
     from megakernel.interpreter import Interpreter
     cfg, w, plan, mk = _setup(name, T=1, B=1, max_len=256, workers=torch.cuda.get_device_properties(0).multi_processor_count,
@@ -158,9 +160,11 @@ TEACHER_CASES = ([(n, DEFAULT_RULES, 2, None) for n in TINY_PRESETS] + [("tiny-d
                                                                                     marks=NOT_YET)]
                  + [(n, r, 1, 4 if n == "dsv2-lite" else None) for n in ("llama-1b", "dsv2-lite")
                     for r in (DEFAULT_RULES, UNFOLDED)]
-                 + [("tiny-dense", SEPARATE_ROPES, 2, None), ("llama-1b", SEPARATE_ROPES, 1, None)])
+                 + [("tiny-dense", SEPARATE_ROPES, 2, None), ("llama-1b", SEPARATE_ROPES, 1, None)]
+                 # the opt-in MLP fusions, before either could become a default
+                 + [("llama-1b", DENSE_MLP, 1, None), ("dsv2-lite", EXPERT_MLP, 1, 4)])
 RULE_IDS = {DEFAULT_RULES: "default", UNFOLDED: "unfolded", RULES: "all_rules", SEPARATE_ROPES: "separate_ropes",
-            BESIDE_EXPERTS: "norm_beside_experts", EXPERT_MLP: "expert_mlp"}
+            BESIDE_EXPERTS: "norm_beside_experts", EXPERT_MLP: "expert_mlp", DENSE_MLP: "dense_mlp"}
 
 
 @pytest.mark.parametrize("name,rules,B,layers", TEACHER_CASES,
@@ -194,10 +198,12 @@ def test_teacher_forced_greedy_64_steps(name, rules, B, layers):
 
 @pytest.mark.parametrize("name,rules", [(n, DEFAULT_RULES) for n in TINY_PRESETS] + [("tiny-moe", UNFOLDED),
                                                                                       ("tiny-dense", SEPARATE_ROPES),
-                                                                                      ("tiny-moe", EXPERT_MLP)])
+                                                                                      ("tiny-moe", EXPERT_MLP),
+                                                                                      ("tiny-dense", DENSE_MLP)])
 def test_batch_invariance_and_run_to_run(name, rules, monkeypatch):
     """Sequence 0's logits are bit-identical alone, beside another sequence, and inside a longer step.  With
-    expert_mlp, tiny-moe's experts in two 16-row slices, so MOE_COMBINE adds partials."""
+    expert_mlp, tiny-moe's experts in two 16-row slices and its shared expert in slices of 24 and 8, so MOE_COMBINE
+    adds partials; with dense_mlp, tiny-dense's MLPs in 16 slices of 8 rows."""
     from megakernel.runtime import Megakernel
     import graph.fusion
     monkeypatch.setattr(graph.fusion, "EXPERT_SLICE_ROWS", 16)

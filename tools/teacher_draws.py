@@ -5,8 +5,8 @@ leave the plain model's (beyond the near-tie margin the GPU test allows), draw b
 
 Each plan runs in the plan interpreter in bf16 (the megakernel's arithmetic, within fp32 rounding) beside the
 plain model in fp32 on the same bf16 weights, both consuming the plain model's tokens.  Plans: the default
-fusion rules and every rule (the opt-in norm_beside_experts and expert_mlp too).  For a MoE model the check is a property of
-the draw: top-k routing turns a ~1e-3 change into another expert set (docs/NOTES.md, session 16).
+fusion rules and every rule (the opt-in norm_beside_experts, expert_mlp and dense_mlp too).  For a MoE model the
+check is a property of the draw: top-k routing turns a ~1e-3 change into another expert set (docs/NOTES.md, session 16).
 """
 
 from __future__ import annotations
@@ -50,13 +50,21 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=8)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--B", type=int, default=2)
+    p.add_argument("--sets", nargs="*", default=["all"], metavar="RULE,...",
+                   help="rule sets beside the default: 'all' (every rule), or opt-in rules added to the default ones "
+                        "(e.g. expert_mlp dense_mlp expert_mlp,dense_mlp)")
     args = p.parse_args()
     cfg = preset(args.model)
     max_len = args.steps + 16
     weights = init_weights(cfg, seed=0, device="cpu", dtype=torch.bfloat16)
-    names = ("default", "all_rules")
+    unknown = {r for spec in args.sets if spec != "all" for r in spec.split(",")} - set(RULES)
+    if unknown:
+        p.error(f"unknown rule(s) {sorted(unknown)}; rules are {', '.join(RULES)}")
+    sets = [RULES if spec == "all" else DEFAULT_RULES + tuple(r for r in spec.split(",") if r not in DEFAULT_RULES)
+            for spec in args.sets]
+    names = ["default"] + ["all_rules" if spec == "all" else spec for spec in args.sets]
     plans = [compile_step(cfg, StepShape(T=1, B=args.B, max_len=max_len), CompileOptions(workers=16, fusion_rules=r))
-             for r in (DEFAULT_RULES, RULES)]
+             for r in [DEFAULT_RULES, *sets]]
     totals = [[0, 0] for _ in plans]  # [draws missed, tokens missed]
     print(f"{'seed':>4}  " + "  ".join(f"{n + ' missed':>16} {'mean rel err':>12}" for n in names))
     for seed in range(args.seeds):
