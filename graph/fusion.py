@@ -421,70 +421,74 @@ def _expert_mlp(ctx: _Ctx) -> str | None:
     return None
 
 
+def _gate_up_of(ctx: _Ctx, d: Op) -> Op | None:
+    """The LINEAR[SILU_MUL] (NORM allowed) whose rows only the down projection d reads, where d's weight (H x I, one
+    part, read whole) can be packed transposed: the MLP a DOWN_T task can run whole."""
+    g = ctx.sole_producer(d.reads["x"], "LINEAR", "SILU_MUL")
+    if g is None or not g.flags <= {"SILU_MUL", "NORM"} or not ctx.private(g.writes["out"].tensor, d):
+        return None
+    w = d.reads["w"]
+    if d.attrs["rows"] != g.attrs["K"] or d.attrs["K"] != g.attrs["rows"] or not _whole(ctx, w) \
+            or len(ctx.g.tensors[w.tensor].parts) != 1:
+        return None
+    return g
+
+
+def _fuse_mlp(ctx: _Ctx, g: Op, d: Op, rows: int, label: str) -> tuple[Op, View, int]:
+    """g (gate|up) and d (down) -> one LINEAR[SILU_MUL, DOWN_T] over slices of `rows` intermediate rows: each task
+    keeps its slice's SiLU·mul values (out, now its scratch) and streams the same rows of the down projection packed
+    transposed into a partial row per token.  (The fused op; its partials, slices x N x H; the slice count.)"""
+    I, H, N = g.attrs["rows"], g.attrs["K"], g.attrs["N"]
+    slices = -(-I // rows)
+    partials = _partials(ctx, g.label.rsplit(".", 1)[0] + ".down_partials", slices * N, H)
+    fused = _new(g, g.flags | {"DOWN_T"}, {**g.reads, "wd": View(_transposed(ctx, d.reads["w"].tensor))},
+                 {"out": g.writes["out"], "y": partials}, attrs={**g.attrs, "slice_rows": rows}, label=label)
+    ctx.replace([g, d], fused)
+    return fused, partials, slices
+
+
 def _shared_mlp(ctx: _Ctx) -> str | None:
-    """The shared experts beside fused routed ones (expert_mlp): LINEAR[SILU_MUL] (gate|up, NORM allowed) and the
-    plain LINEAR down that alone reads its rows, whose rows MOE_COMBINE[SHARED] alone adds -> LINEAR[SILU_MUL,
-    DOWN_T] over fixed slices of SHARED_SLICE_ROWS: each task keeps its slice's SiLU·mul values (out, now its
-    scratch) and streams the same rows of the down projection packed transposed into a partial row per token (sh:
-    slices x N x H) that MOE_COMBINE sums.  Its tasks need no gate|up -> down hop, so they fill the route's wait."""
+    """The shared experts beside fused routed ones (expert_mlp): LINEAR[SILU_MUL] (gate|up) and the plain LINEAR down,
+    whose rows MOE_COMBINE[SHARED] alone adds -> LINEAR[SILU_MUL, DOWN_T] over fixed slices of SHARED_SLICE_ROWS
+    (_fuse_mlp), whose partials MOE_COMBINE sums.  Its tasks need no gate|up -> down hop, so they fill the route's
+    wait."""
     for comb in ctx.g.ops:
         if comb.opcode != "MOE_COMBINE" or "SHARED" not in comb.flags or "ns" not in comb.attrs \
                 or "nsh" in comb.attrs:
             continue  # only beside routed experts this rule fused (helper plans keep both as they are), once
         d = ctx.sole_producer(comb.reads["sh"], "LINEAR")
-        if d is None or d.flags or not ctx.private(d.writes["out"].tensor, comb):
+        g = None if d is None or d.flags or not ctx.private(d.writes["out"].tensor, comb) else _gate_up_of(ctx, d)
+        if g is None or g.attrs["rows"] % SHARED_SLICE_ROWS % 8:
             continue
-        g = ctx.sole_producer(d.reads["x"], "LINEAR", "SILU_MUL")
-        if g is None or not g.flags <= {"SILU_MUL", "NORM"} or not ctx.private(g.writes["out"].tensor, d):
-            continue
-        I, H, N = g.attrs["rows"], g.attrs["K"], g.attrs["N"]
-        w = d.reads["w"]
-        if d.attrs["rows"] != H or d.attrs["K"] != I or I % SHARED_SLICE_ROWS % 8 or not _whole(ctx, w) \
-                or len(ctx.g.tensors[w.tensor].parts) != 1:
-            continue
-        nsh = -(-I // SHARED_SLICE_ROWS)
-        sh = _partials(ctx, g.label.rsplit(".", 1)[0] + ".down_partials", nsh * N, H)
-        fused = _new(g, g.flags | {"DOWN_T"}, {**g.reads, "wd": View(_transposed(ctx, w.tensor))},
-                     {"out": g.writes["out"], "y": sh}, attrs={**g.attrs, "slice_rows": SHARED_SLICE_ROWS},
-                     label=g.label.rsplit(".", 1)[0] + ".mlp")
-        ctx.replace([g, d], fused)
+        _, sh, nsh = _fuse_mlp(ctx, g, d, SHARED_SLICE_ROWS, g.label.rsplit(".", 1)[0] + ".mlp")
         ctx.replace([comb], _new(comb, comb.flags, {**comb.reads, "sh": sh}, dict(comb.writes),
-                                 attrs={**comb.attrs, "nsh": nsh, "shs": N}))
+                                 attrs={**comb.attrs, "nsh": nsh, "shs": g.attrs["N"]}))
         return f"{g.label} + {d.label} -> LINEAR[SILU_MUL|DOWN_T] ({nsh} slices), {comb.label} sums them"
     return None
 
 
 def _dense_mlp(ctx: _Ctx) -> str | None:
-    """A dense MLP (not a MoE layer's shared experts: expert_mlp's): LINEAR[SILU_MUL] (gate|up, NORM allowed) and the
-    LINEAR down (RES allowed) that alone reads its rows -> LINEAR[SILU_MUL, DOWN_T] over fixed slices of ~I /
-    DENSE_SLICES rows, each task streaming its slice's gate|up rows and then the same rows of the down projection
-    packed transposed into a partial row per token, and a MOE_COMBINE[SHARED(, RES)] with topk 0 (a dense MLP is an
-    always-chosen expert: the shared experts' path) that sums the partials in a fixed order and adds the residual."""
+    """A dense MLP (not a MoE layer's shared experts: expert_mlp's): LINEAR[SILU_MUL] (gate|up) and the LINEAR down
+    (RES allowed) that alone reads its rows -> LINEAR[SILU_MUL, DOWN_T] over fixed slices of ~I / DENSE_SLICES rows
+    (_fuse_mlp), and a MOE_COMBINE[SHARED(, RES)] with topk 0 (a dense MLP is an always-chosen expert: the shared
+    experts' path) that sums the partials in a fixed order and adds the residual."""
     for d in ctx.g.ops:
         if d.opcode != "LINEAR" or not d.flags <= {"RES"} \
                 or any(op.opcode == "MOE_COMBINE" for op in ctx.cons.get(d.writes["out"].tensor, [])):
             continue
-        g = ctx.sole_producer(d.reads["x"], "LINEAR", "SILU_MUL")
-        if g is None or not g.flags <= {"SILU_MUL", "NORM"} or not ctx.private(g.writes["out"].tensor, d):
+        g = _gate_up_of(ctx, d)
+        if g is None:
             continue
         I, H, N = g.attrs["rows"], g.attrs["K"], g.attrs["N"]
-        w = d.reads["w"]
-        if d.attrs["rows"] != H or d.attrs["K"] != I or not _whole(ctx, w) or len(ctx.g.tensors[w.tensor].parts) != 1:
-            continue
-        rows = 8 * -(-I // (8 * DENSE_SLICES))
-        nsh = -(-I // rows)
         base = g.label.rsplit(".", 1)[0]
-        sh = _partials(ctx, base + ".down_partials", nsh * N, H)
-        fused = _new(g, g.flags | {"DOWN_T"}, {**g.reads, "wd": View(_transposed(ctx, w.tensor))},
-                     {"out": g.writes["out"], "y": sh}, attrs={**g.attrs, "slice_rows": rows}, label=base)
+        rows = 8 * -(-I // (8 * DENSE_SLICES))
+        fused, sh, nsh = _fuse_mlp(ctx, g, d, rows, base)
         reads, flags = {"sh": sh}, {"SHARED"}
         if "RES" in d.flags:
             reads["res"], flags = d.reads["res"], flags | {"RES"}
         reduce = Op(-1, "MOE_COMBINE", frozenset(flags), {"H": H, "topk": 0, "rows": N, "nsh": nsh, "shs": N}, reads,
-                    dict(d.writes), base + ".reduce", d.layer)
-        ctx.replace([g, d], fused)
-        ctx.g.ops.insert(ctx.g.ops.index(fused) + 1, reduce)
-        reduce.fused_from = fused.fused_from
+                    dict(d.writes), base + ".reduce", d.layer, fused_from=(g.label, d.label))
+        ctx.g.ops.insert(next(i for i, op in enumerate(ctx.g.ops) if op is fused) + 1, reduce)
         ctx.refresh()
         return f"{g.label} + {d.label} -> LINEAR[SILU_MUL|DOWN_T] ({nsh} slices of {rows}) + MOE_COMBINE sum"
     return None
