@@ -83,6 +83,10 @@ def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | N
         raise CompileError("workers must be >= 1")
     if opts.stream_kernel and opts.scheduler != "critical_path":
         raise CompileError(f"stream_kernel needs the critical_path scheduler, not {opts.scheduler}")
+    down_t = [r for r in ("expert_mlp", "dense_mlp") if r in opts.fusion_rules] if opts.fuse else []
+    if opts.stream_kernel and down_t:
+        raise CompileError(f"stream_kernel with fusion rule(s) {', '.join(down_t)}: they make LINEAR[DOWN_T] tasks, "
+                           "which the stream kernel's Gluon ring has no body for")
     t0 = time.perf_counter()
     if shape.attn_split == 0:
         shape = dataclasses.replace(shape, attn_split=attention_split(cfg, shape, opts.workers))

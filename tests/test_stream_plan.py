@@ -10,6 +10,7 @@ import torch
 import graph.compile
 import graph.verify
 from graph.compile import CompileError, CompileOptions, compile_options, compile_step
+from graph.fusion import DEFAULT_RULES
 from graph.isa import LAYOUTS, Buf, decode
 from graph.lower import StepShape
 from graph.memory import ALIGN
@@ -162,3 +163,7 @@ def test_compile_refuses_what_the_stream_kernel_cannot_run(monkeypatch):
     with pytest.raises(CompileError, match=r"stream_kernel: LINEAR \S+ \(task \d+\): w2?\.off=\d+ is not a multiple "
                                            r"of K=128"):
         compile_step(cfg, SHAPE, CompileOptions(workers=4, stream_kernel=True))
+    for rule in ("expert_mlp", "dense_mlp"):  # LINEAR[DOWN_T]: no body in the Gluon ring
+        with pytest.raises(CompileError, match=f"stream_kernel with fusion rule\\(s\\) {rule}: .*LINEAR\\[DOWN_T\\]"):
+            compile_step(cfg, SHAPE, CompileOptions(workers=4, stream_kernel=True,
+                                                    fusion_rules=DEFAULT_RULES + (rule,)))
