@@ -88,9 +88,9 @@ def linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS: tl.con
                 MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, BR: tl.constexpr, KC: tl.constexpr,
                 ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr,
                 AHEAD: tl.constexpr, PFD: tl.constexpr, EF: tl.constexpr, WORDS: tl.constexpr, WPF: tl.constexpr,
-                HILO: tl.constexpr, POLL: tl.constexpr, KD: tl.constexpr):
+                HILO: tl.constexpr, POLL: tl.constexpr, KD: tl.constexpr, BRD: tl.constexpr):
     """A LINEAR task: its first weights requested before the wait (weights never depend on activations),
-    then the body.  (ok, ready time)."""
+    then the body.  BRD: the k-major down rows' chunk (DOWN_T), BR whatever the stream's chunk.  (ok, ready time)."""
     w = linear.prefetch(word, W, BR, KC, ALIGN, EF)
     if PFD > 0:
         linear.prefetch_blocks(word, W, BR, ALIGN, PFD, HILO)
@@ -98,7 +98,7 @@ def linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS: tl.con
     t_ready = now_ns(USE_TIMER)
     next_word_to_l1(word, t, end, WORDS, WPF)
     if ok == 1:
-        linear.body(word, W, A, w, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, HILO, KD)
+        linear.body(word, W, A, w, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, HILO, KD, BRD)
     return ok, t_ready
 
 
@@ -144,11 +144,11 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             if NARROW and linear.needs_narrow(word, BR, KC):  # a launch variant: a copy with 4·BR x KC/4 chunks
                 ok, t_ready = linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
                                           MAX_SPINS, USE_TIMER, BR * 4, KC // 4, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD,
-                                          PFD, EF, WORDS, WPF, HILO, POLL, KD)
+                                          PFD, EF, WORDS, WPF, HILO, POLL, KD, BR)
             else:
                 ok, t_ready = linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
                                           MAX_SPINS, USE_TIMER, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF,
-                                          WORDS, WPF, HILO, POLL, KD)
+                                          WORDS, WPF, HILO, POLL, KD, BR)
         elif op == OP_HEAD_MATMUL:  # a copy per weight layout, so each vectorizes its loads
             if head_matmul.transposed(word):
                 ok, t_ready = head_matmul_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,

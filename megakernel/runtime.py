@@ -33,7 +33,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 OPERAND_BUFFERS = {
     "EMBED": {"tok": Buf.I, "table": Buf.W, "out": Buf.A},
     "RMSNORM": {"x": Buf.A, "d": Buf.A, "xo": Buf.A, "w": Buf.W, "out": Buf.A, "cache": Buf.C, "cl": Buf.I},
-    "LINEAR": {"x": Buf.A, "w": Buf.W, "w2": Buf.W, "res": Buf.A, "out": Buf.A},
+    "LINEAR": {"x": Buf.A, "w": Buf.W, "w2": Buf.W, "res": Buf.A, "out": Buf.A, "wd": Buf.W, "y": Buf.A},
     "EWISE": {"a": Buf.A, "b": Buf.A, "out": Buf.A},
     "ROPE_TABLE": {"cl": Buf.I, "f": Buf.WF, "out": Buf.A},
     "ROPE": {"x": Buf.A, "tab": Buf.A, "out": Buf.A, "cache": Buf.C, "cl": Buf.I},
@@ -99,7 +99,7 @@ def check_operand_buffers(plan: Plan, tasks: list[Decoded]) -> None:
 
 # fields whose values the kernel may assume are multiples of ALIGN (vector loads need it)
 ALIGNED_FIELDS = {
-    "LINEAR": ("K", "w.off", "w2.off", "x.off", "x.ld"),
+    "LINEAR": ("K", "w.off", "w2.off", "x.off", "x.ld", "wd.off"),
     "EXPERT_LINEAR": ("K", "w.off", "w2.off", "w_es", "x.off", "x.ld", "wd.off"),
     "HEAD_MATMUL": ("w.off", "w_hs", "w_ld", "x.ld", "x_hs", "x_col0", "x.off", "o0"),
     "ATTENTION": ("width", "cache.off", "dim", "q.off", "q.ld", "q_hs", "q_col0", "kv_hs", "v_col0", "rope_dim",
@@ -235,7 +235,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # inline PTX in the interpreter
                 EF=1, WPF=0 if INTERPRET else 1,
                 APF=2 * int(bulk_prefetch_refusal(align, dtype.itemsize) is None),
-                DOT_PREC="ieee" if dtype == torch.float32 else "bf16x2",
+                DOT_PREC="ieee" if dtype == torch.float32 else "fp32" if INTERPRET else "bf16x2",
                 # a persistent helper kernel's plan: HELPER_RECV / HELPER_SEND compiled in (only there)
                 HELPER_SIDE=int(any(t.op.name == "HELPER_RECV" for t in tasks)),
                 # LINEAR[PAIR] (norm_beside_experts' router, on exact scaled weights) compiled in (only where used)

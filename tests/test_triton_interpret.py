@@ -61,6 +61,36 @@ def test_kernel_equals_interpreter_one_worker(name):
     _compare(cfg, interp, mk, torch.tensor([0, 9]))
 
 
+BF16_CASES = [(n, DEFAULT_RULES) for n in TINY_PRESETS] + [("tiny-moe", DEFAULT_RULES + ("expert_mlp", "dense_mlp"))]
+
+
+@pytest.mark.parametrize("name,rules", BF16_CASES, ids=[f"{n}-{len(r)}_rules" for n, r in BF16_CASES])
+def test_kernel_equals_interpreter_in_bf16(name, rules, monkeypatch):
+    """bf16 weights and cache, the GPU's dtype: the bodies' bf16 paths (weights loaded as words of two columns and
+    split by shifts, the k-major down rows, the cache) against the interpreter in bf16, within the GPU tests'
+    tolerance.  Attention's tl.dot runs on fp32 operands here (DOT_PREC fp32: Triton 3.6's interpreter multiplies
+    bf16 bit patterns, triton-lang/triton#11584), so its bf16x2 split is the GPU's alone."""
+    import graph.fusion
+    from megakernel.runtime import LaunchConfig, Megakernel
+    monkeypatch.setattr(graph.fusion, "EXPERT_SLICE_ROWS", 16)
+    cfg = preset(name)
+    w = init_weights(cfg, seed=3, dtype=torch.bfloat16)
+    shape = StepShape(T=2, B=2, max_len=16, mtp_passes=1 if cfg.num_nextn_predict_layers else 0, attn_split=4)
+    plan = compile_step(cfg, shape, CompileOptions(workers=1, fusion_rules=rules))
+    interp = Interpreter(plan, w, "cpu", torch.bfloat16)
+    mk = Megakernel(plan, w, device="cpu", dtype=torch.bfloat16, config=LaunchConfig(max_spins=2000))
+    assert mk.blocks["DOT_PREC"] == "fp32" and mk.mem.bufs[Buf.W].dtype == torch.bfloat16
+    cache = torch.randn(interp.cache().shape, generator=torch.Generator().manual_seed(0))
+    interp.cache().copy_(cache)
+    mk.cache().copy_(cache)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 2), generator=torch.Generator().manual_seed(1))
+    lens = torch.tensor([3, 9])
+    want, got = interp.step(tokens, lens), mk.step(tokens, lens)
+    assert rel_err(got.logits, want.logits) <= 1e-2
+    for a, b in zip(got.mtp_logits, want.mtp_logits):
+        assert rel_err(a, b) <= 1e-2
+
+
 def test_kernel_latent_norm_into_a_bf16_cache_is_the_cache_write():
     """norm_into_cache in the model dtype: tiny-moe in bf16, its RMSNORM[CACHE] tasks round the norm's fp32 rows to
     the cache dtype once, as the unfused plan's CACHE_WRITE does: the kernel's caches and logits with the rule and

@@ -125,8 +125,12 @@ def silu(x):
 def mma(a, b, acc, DOT_PREC: tl.constexpr):
     """acc + a @ b with b in the weights' dtype.  DOT_PREC 'bf16x2': fp32 `a` is split into bf16
     high and low parts (two MMAs), so activations keep ~16 mantissa bits; 'bf16': `a` rounded to bf16, one MMA
-    (FlashAttention's policy: a launch variant, attention's only mma user on bf16 models); 'ieee': fp32 weights."""
-    if DOT_PREC == "bf16":
+    (FlashAttention's policy: a launch variant, attention's only mma user on bf16 models); 'ieee': fp32 weights;
+    'fp32': bf16 weights under Triton's CPU interpreter, whose tl.dot multiplies bf16 operands' bit patterns
+    (triton-lang/triton#11584: not supported), so both sides are converted to fp32 first."""
+    if DOT_PREC == "fp32":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif DOT_PREC == "bf16":
         return tl.dot(a.to(b.dtype), b, acc)
     elif DOT_PREC == "bf16x2":
         hi = a.to(b.dtype)

@@ -422,9 +422,10 @@ def pair_flag(flags, HILO: tl.constexpr):
 @triton.jit
 def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
          DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr, PFD: tl.constexpr = 0,
-         EF: tl.constexpr = 0, HILO: tl.constexpr = 0, KD: tl.constexpr = 0):
-    """KD > 0: the plan has DOWN_T tasks (fusion rule expert_mlp), whose k-major down rows of up to KD columns are
-    compiled in (down_rows)."""
+         EF: tl.constexpr = 0, HILO: tl.constexpr = 0, KD: tl.constexpr = 0, BRD: tl.constexpr = 8):
+    """KD > 0: the plan has DOWN_T tasks (fusion rules expert_mlp, dense_mlp), whose k-major down rows of up to KD
+    columns are compiled in (down_rows), BRD rows a chunk: the launch's BR, also where launch variant NARROW
+    streams this task's gate|up in 4·BR-row chunks (4·BR k-major rows spilled 3.7 KB, offline)."""
     flags = fld(word, LINEAR_FLAGS)
     stream_chunks(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
                   A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
@@ -434,7 +435,7 @@ def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr,
                   BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, HILO, pair_flag(flags, HILO))
     if KD > 0:
         if has(flags, FLAG_LINEAR_DOWN_T):
-            down_rows(word, W, A, KD, BR, ALIGN, EF)
+            down_rows(word, W, A, KD, BRD, ALIGN, EF)
 
 
 @triton.jit
