@@ -1,9 +1,9 @@
-"""The down projection of a fused MLP, read k-major (DOWN_T: fusion rule expert_mlp).
+"""The down projection of a fused MLP, read k-major (DOWN_T: fusion rules expert_mlp and dense_mlp).
 
 A task that has just computed its slice h = SiLU(x·Wg[r0:r1]ᵀ)·(x·Wu[r0:r1]ᵀ) of the intermediate rows multiplies
 it by the same rows of the down projection packed transposed (Wdᵀ[r0:r1, :], rows of the hidden size H), into a
 partial [H] row: out = sum_r h[r]·Wdᵀ[r, :].  The partials of a row's slices are summed by MOE_COMBINE.  Used by
-EXPERT_LINEAR[DOWN_T] (routed experts) and LINEAR[DOWN_T] (shared experts); its reference is theirs
+EXPERT_LINEAR[DOWN_T] (routed experts) and LINEAR[DOWN_T] (shared experts, dense MLPs); its reference is theirs
 (ops/moe.reference_expert, ops/linear.reference).
 """
 
