@@ -350,13 +350,20 @@ def _norm_into_linear(ctx: _Ctx, beside_experts: bool = False) -> str | None:
     return None
 
 
-def _transposed(ctx: _Ctx, weight: str) -> str:
-    """A one-part weight (a down projection, H x I) packed transposed (I x H): its row r is intermediate row r's."""
+def _transposed(ctx: _Ctx, weight: str, expert_mlp: tuple[int, int] | None = None) -> str:
+    """The weight with its down projections packed transposed, so a task reads rows r0..r1 of one (one per
+    intermediate row, H wide) as contiguous k-major rows: a one-part down projection (H x I, stored I x H), or with
+    expert_mlp = (I, H) the routed experts' tensor (row e = gate | up | down), only each expert's down block."""
     name = weight + TRANSPOSED
     if name not in ctx.g.tensors:
         src = ctx.g.tensors[weight]
-        ctx.g.add_tensor(Tensor(name, src.buf, src.cols, src.rows, role="weight",
-                                parts=tuple((hf, rel, TRANSPOSED) for hf, rel in src.parts)))
+        if expert_mlp is None:
+            rows, cols, downs = src.cols, src.rows, src.parts
+        else:
+            I, H = expert_mlp
+            rows, cols, downs = src.rows, src.cols, [p for p in src.parts if p[1] % (3 * I * H) >= 2 * I * H]
+        parts = tuple((hf, rel, TRANSPOSED) if (hf, rel) in downs else (hf, rel) for hf, rel in src.parts)
+        ctx.g.add_tensor(Tensor(name, src.buf, rows, cols, role="weight", parts=parts))
     return name
 
 
@@ -368,17 +375,6 @@ def _partials(ctx: _Ctx, base: str, rows: int, cols: int) -> View:
         copy += 1
         name = f"{base}#{copy}"
     return View(ctx.g.add_tensor(Tensor(name, Buf.A, rows, cols)))
-
-
-def _transposed_downs(ctx: _Ctx, experts: str, I: int, H: int) -> str:
-    """The routed experts' tensor (row e = gate | up | down) with each down projection packed transposed, so a
-    task reads rows r0..r1 of it (one per intermediate row, H wide) as contiguous k-major rows."""
-    name = experts + TRANSPOSED
-    if name not in ctx.g.tensors:
-        src = ctx.g.tensors[experts]
-        parts = tuple((hf, rel, TRANSPOSED) if rel % (3 * I * H) >= 2 * I * H else (hf, rel) for hf, rel in src.parts)
-        ctx.g.add_tensor(Tensor(name, src.buf, src.rows, src.cols, role="weight", parts=parts))
-    return name
 
 
 def _expert_mlp(ctx: _Ctx) -> str | None:
@@ -404,7 +400,7 @@ def _expert_mlp(ctx: _Ctx) -> str | None:
         comb, I, H = combines[0], g.attrs["rows"], d.attrs["rows"]
         if H != g.attrs["K"] or I % EXPERT_SLICE_ROWS % 8:
             continue
-        experts = _transposed_downs(ctx, g.reads["w"].tensor, I, H)
+        experts = _transposed(ctx, g.reads["w"].tensor, expert_mlp=(I, H))
         pairs = g.attrs["N"] * g.attrs["topk"]
         ns = -(-I // EXPERT_SLICE_ROWS)
         y = _partials(ctx, g.label.rsplit(".", 1)[0] + ".down_partials", ns * pairs, H)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from .isa import Buf
 
-TRANSPOSED = "^T"  # a weight part packed transposed (fusion rule expert_mlp: down projections read k-major)
+TRANSPOSED = "^T"  # a weight part packed transposed (fusion rules expert_mlp, dense_mlp: down projections read k-major)
 
 
 @dataclass

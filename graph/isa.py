@@ -110,8 +110,8 @@ _OPS = [
     # out[:, r0:r1] = x[:N, :K] @ W[r0:r1].T (+ res with RES); SILU_MUL: silu(x@W.T) * (x@W2.T);
     # NORM: each x@W.T times rsqrt(mean(x[n]²) + eps), x's RMSNorm (its weight folded into W's columns);
     # PAIR: x@W.T + x@W2.T, W and W2 one matrix's bf16 high and low parts (a router's folded weights, kept exact)
-    # DOWN_T (with SILU_MUL; fusion rule expert_mlp, shared experts): then also y[slice·N + n, :K] = sum over rows
-    # r0..r1 of out[n, r] · wd[r, :K], wd the down projection transposed (its row r at wd.off + r·K)
+    # DOWN_T (with SILU_MUL; fusion rules expert_mlp's shared experts, dense_mlp): then also y[slice·N + n, :K] =
+    # sum over rows r0..r1 of out[n, r] · wd[r, :K], wd the down projection transposed (its row r at wd.off + r·K)
     Opcode("LINEAR", 3, _f("x* w+ w2+ res* out* N K r0 r1 eps wd+ y* slice"),
            ("SILU_MUL", "RES", "NORM", "PAIR", "DOWN_T")),
     # out = a + b | a * b | silu(a) | a, rows r0..r1, cols columns

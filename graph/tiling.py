@@ -209,7 +209,7 @@ class Tiler:
         a = op.attrs
         N, K, rows = a["N"], a["K"], a["rows"]
         nweights = 2 if op.flags & {"SILU_MUL", "PAIR"} else 1
-        if "DOWN_T" in op.flags:  # slices fixed by the model (fusion rule expert_mlp): a token's partials are summed
+        if "DOWN_T" in op.flags:  # slices fixed by the model (expert_mlp, dense_mlp): a token's partials are summed
             per, nweights = a["slice_rows"], 3  # in one order whatever the step's shape; gate, up and down rows
         else:
             # a router's weights as a high and a low part (PAIR) take half the rows per task, so its tasks stream

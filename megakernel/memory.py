@@ -61,7 +61,7 @@ class Memory:
                     if name not in w:
                         raise KeyError(f"plan needs weight {name}, which the weights do not have")
                 src = w[hf_name]
-                if transposed:  # a down projection read k-major (fusion rule expert_mlp)
+                if transposed:  # a down projection read k-major (expert_mlp, dense_mlp)
                     src = src.t().contiguous()
                 if scale:  # a weight whose columns carry a norm's weight (fusion rule norm_into_linear)
                     src = scaled_part(src, w[scale[0]], scale[1] if len(scale) > 1 else "", arena.dtype)

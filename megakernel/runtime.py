@@ -240,8 +240,8 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 HELPER_SIDE=int(any(t.op.name == "HELPER_RECV" for t in tasks)),
                 # LINEAR[PAIR] (norm_beside_experts' router, on exact scaled weights) compiled in (only where used)
                 HILO=int(any(t.op.name == "LINEAR" and t.has("PAIR") for t in tasks)),
-                # EXPERT_LINEAR[DOWN_T] and LINEAR[DOWN_T] (fusion rule expert_mlp) compiled in, for k-major down rows
-                # of up to KD columns
+                # EXPERT_LINEAR[DOWN_T] and LINEAR[DOWN_T] (fusion rules expert_mlp, dense_mlp) compiled in, for
+                # k-major rows of up to KD columns
                 KD=max((_pow2(t["K"]) for t in tasks if t.op.name in ("EXPERT_LINEAR", "LINEAR") and t.has("DOWN_T")),
                        default=0),
                 # attention compiled for the plan's one kind (MLA or GQA), else the flag read per task
@@ -341,7 +341,7 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
         if blocks[key] and why:
             raise MegakernelError(f"block override {key}={blocks[key]}: {why}")
     if blocks["KD"] != fitted["KD"]:
-        raise MegakernelError(f"block override KD={blocks['KD']}: the plan's DOWN_T rows (fusion rule expert_mlp) "
+        raise MegakernelError(f"block override KD={blocks['KD']}: the plan's DOWN_T rows (expert_mlp, dense_mlp) "
                               f"need KD={fitted['KD']} (0: it has none)")
     if blocks["HILO"] < fitted["HILO"]:
         raise MegakernelError("block override HILO=0: this plan has LINEAR[PAIR] tasks (a router's weights as a high "
