@@ -169,11 +169,11 @@ def attention_split(cfg: ModelConfig, shape: StepShape, workers: int) -> int:
     """Cache positions per attention task when the shape leaves it open: enough splits that the
     step's attention tasks (sequences x head groups x splits) cover the workers, since attention
     sits on every layer's dependency chain (docs/PERF.md, session 2); a whole number of the kernel's
-    key blocks (32 positions for MLA's 512-wide latent rows, 64 for GQA: runtime.block_sizes' BJ).
+    key blocks (32 positions for MLA's 512-wide latent rows, 64 for GQA: launch.block_sizes' BJ).
     dsv2-lite at ctx 4096: 128 tasks of 32 positions (64 of 64 until session 15: -1.2%)."""
     groups = 1 if cfg.is_mla else cfg.num_key_value_heads
     splits = max(1, workers // (shape.B * groups))
-    block = 32 if cfg.is_mla and cfg.kv_lora_rank > 128 else 64  # runtime.block_sizes' BJ: 32 when dmax > 128
+    block = 32 if cfg.is_mla and cfg.kv_lora_rank > 128 else 64  # launch.block_sizes' BJ: 32 when dmax > 128
     return max(block, block * math.ceil(shape.max_len / splits / block))
 
 

@@ -33,7 +33,7 @@ from .ops.common import aligned, ffld, fld, now_ns, off, signal_done, wait_task
 from .ops.fields import (FLAG_LINEAR_NORM, FLAG_LINEAR_PAIR, FLAG_LINEAR_RES, FLAG_LINEAR_SILU_MUL, LINEAR_EPS,
                          LINEAR_FLAGS, LINEAR_K, LINEAR_OUT_OFF, LINEAR_R0, LINEAR_R1, LINEAR_RES_OFF, LINEAR_W2_OFF,
                          LINEAR_W_OFF, LINEAR_X_OFF)
-from .runtime import cta_registers, stream_workers
+from .launch import cta_registers, stream_workers
 from .ops.linear_ring import (MAX_K_CLASSES, TILE_COLS, TILE_ROWS, fill_slots, norm_scale, ntiles_of, ring_buffers,
                               tile_sums)
 

@@ -105,7 +105,7 @@ def stall_is_a_watchdog_error_then_recovers(mk, task: int, tokens, lens) -> None
 
 # Block sizes every tiny preset's plans (T <= 8, B <= 3, any attention split) fit within: GPU tests
 # build dozens of small plans, and each distinct set of block sizes is another JIT compile of the
-# megakernel (~30-40 s on an H200), so they run under megakernel.runtime.shared_blocks(TINY_BLOCKS):
+# megakernel (~30-40 s on an H200), so they run under megakernel.launch.shared_blocks(TINY_BLOCKS):
 # one compile per weight dtype.  tests/test_triton_interpret.py checks both that it covers the plans
 # and that the kernel built with it equals the interpreter.
 # the default fusion rules without the norm folds: every RMSNorm a task of its own (the A side of
@@ -118,7 +118,7 @@ TINY_BLOCKS = dict(ATT_KIND=0, ATT_ROPE=1, BM=32, DMAX=32, BIT=32, BP=128, BW=32
 def one_kernel_for_tiny_models(request):
     """GPU tests: tiny presets share one compiled kernel (TINY_BLOCKS); llama-1b and dsv2-lite keep the
     sizes fitted to them, as they are served."""
-    from megakernel.runtime import shared_blocks
+    from megakernel.launch import shared_blocks
     params = getattr(getattr(request.node, "callspec", None), "params", {})
     if params.get("name") in ("llama-1b", "dsv2-lite"):
         yield

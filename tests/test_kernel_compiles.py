@@ -91,7 +91,7 @@ assert "ld.acquire.gpu.global.b32" in k1.asm["ptx"]  # POLL=1's waits
 print("bulk", k1.asm["ptx"].count("cp.async.bulk.prefetch.L2.global"))
 """,
          "gqa": COMMON + ONE_TOKEN + r"""
-# the attention kind a GQA-only plan compiles (llama-1b's: runtime.block_sizes sets ATT_KIND=2), its head-line
+# the attention kind a GQA-only plan compiles (llama-1b's: launch.block_sizes sets ATT_KIND=2), its head-line
 # prefetch (APF=2) compiled in and MLA's bulk one out
 gqa = compile_megakernel(dict(one, ATT_KIND=2))
 assert gqa.asm["cubin"] and "prefetch.global.L2 " in gqa.asm["ptx"]

@@ -205,7 +205,7 @@ def test_tiny_blocks_cover_every_tiny_plan_as_one_kernel():
     """conftest.TINY_BLOCKS (the GPU tests' shared block sizes) raises the sizes fitted to every tiny
     plan the tests build to one set, which the launch checks accept: one JIT compile per dtype."""
     import itertools
-    from megakernel.runtime import LaunchConfig, launch_blocks, shared_blocks
+    from megakernel.launch import LaunchConfig, launch_blocks, shared_blocks
     kernels = set()
     with shared_blocks(TINY_BLOCKS):  # raised to them, then checked, as a launch of each plan would be
         for name, T, B, split in itertools.product(TINY_PRESETS, (1, 2, 3, 8), (1, 2, 3), (4, 8)):
@@ -220,7 +220,7 @@ def test_tiny_blocks_cover_every_tiny_plan_as_one_kernel():
 
 @pytest.mark.parametrize("name", TINY_PRESETS)
 def test_kernel_with_the_shared_tiny_blocks_equals_the_interpreter(name):
-    from megakernel.runtime import shared_blocks
+    from megakernel.launch import shared_blocks
     with shared_blocks(TINY_BLOCKS):
         cfg, plan, interp, mk = _pair(name, T=1, B=2)
     assert mk.blocks["TB"] == 16 and mk.blocks["ATT_KIND"] == 0
@@ -300,7 +300,8 @@ def test_watchdog_reports_a_stalled_counter_and_recovers():
 def test_odd_dimensions_fall_back_to_scalar_alignment():
     """Vector loads need sizes and offsets that are multiples of ALIGN; a plan with odd ones gets 1."""
     from graph.isa import decode
-    from megakernel.runtime import LaunchConfig, Megakernel, alignment
+    from megakernel.launch import alignment
+    from megakernel.runtime import LaunchConfig, Megakernel
 
     def plan_alignment(p):
         return alignment([decode(w) for w in p.words])
@@ -338,7 +339,7 @@ def test_slot_table_body_equals_the_reference_layout():
 
 
 def test_block_overrides_that_would_change_the_result_are_refused():
-    from megakernel.runtime import MegakernelError, block_sizes, check_block_overrides
+    from megakernel.launch import MegakernelError, block_sizes, check_block_overrides
     from graph.isa import decode
     cfg = preset("tiny-moe")
     plan = compile_step(cfg, StepShape(T=2, B=2, max_len=16), CompileOptions(workers=1))
@@ -374,7 +375,7 @@ def test_block_overrides_that_would_change_the_result_are_refused():
 def test_block_sizes_fit_the_step():
     """Tokens per weight chunk (TB) and attention query rows per block (BM) follow the step's shape:
     T=1 keeps the smallest kernel, GQA takes a task's T x heads rows in one block, MLA keeps 16."""
-    from megakernel.runtime import block_sizes
+    from megakernel.launch import block_sizes
 
     def fitted(name, T, B):
         # two layers at the preset's real width: llama-1b's layers are all alike, and dsv2-lite's are its dense
@@ -396,7 +397,7 @@ def test_route_with_many_experts_and_a_large_top_k_is_refused():
     """Past 64 experts ROUTE takes rounds of argmax into a 16-wide register row; a plan asking more
     is refused before launch, by task (64 experts rank them all: any k)."""
     from graph.isa import decode
-    from megakernel.runtime import MegakernelError, check_operand_buffers
+    from megakernel.launch import MegakernelError, check_operand_buffers
     for experts, k, refused in ((128, 17, True), (64, 17, False), (128, 16, False)):
         cfg = preset("tiny-mhc").replace(n_routed_experts=experts, num_experts_per_tok=k)
         plan = compile_step(cfg, StepShape(T=1, B=1, max_len=8), CompileOptions(workers=1))

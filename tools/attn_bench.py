@@ -44,7 +44,7 @@ from megakernel.memory import Memory  # noqa: E402
 from megakernel.ops import attention  # noqa: E402
 from megakernel.ops.common import now_ns  # noqa: E402
 from megakernel.ops.fields import ATTENTION_SPLIT_LEN  # noqa: E402
-from megakernel.runtime import launch_blocks, LaunchConfig  # noqa: E402
+from megakernel.launch import launch_blocks, LaunchConfig  # noqa: E402
 from model import init_weights, preset  # noqa: E402
 from tools.bench import step_max_len  # noqa: E402
 

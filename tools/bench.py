@@ -154,7 +154,7 @@ def variant_plan(cfg, T: int, max_len: int, workers: int, spec: str):
 def _precompile_job(job) -> str:
     """One kernel of a run into Triton's cache (a process of its own: Triton compiles holding the GIL)."""
     name, T, ctx, workers, plan_spec, launch_spec, profile = job
-    from megakernel.runtime import precompile
+    from megakernel.launch import precompile
     t0 = time.perf_counter()
     plan, config = variant_plan(preset(name), T, step_max_len(ctx, T), workers, plan_spec)
     if launch_spec:  # a launch variant of the default plan

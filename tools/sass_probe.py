@@ -2,7 +2,7 @@
 
     python tools/sass_probe.py kernel [--model dsv2-lite] [--plan KEY=V,...] [--lines] [KEY=V,...]...
         registers, spills, shared memory and 16-byte loads of the whole persistent kernel, with the block sizes
-        runtime.launch_blocks() fits to the model's T=1 plan (--plan: plan options as bench.py's --plan-variants
+        launch.launch_blocks() fits to the model's T=1 plan (--plan: plan options as bench.py's --plan-variants
         take them, e.g. expert_mlp=1), then once per variant (block overrides);
         --lines adds instructions, spill loads/stores and barriers per source file and the worst lines
     python tools/sass_probe.py stream [--lines] [KEY=V,...]...
@@ -199,7 +199,7 @@ def probe_kernel(model: str, variants: list[str], lines: bool = False, plan_spec
     from graph.isa import decode
     from graph.lower import StepShape
     from megakernel.kernel import megakernel
-    from megakernel.runtime import LaunchConfig, kernel_constants, launch_blocks, wait_bound_s
+    from megakernel.launch import LaunchConfig, kernel_constants, launch_blocks, wait_bound_s
     from model import preset
 
     options, attn_split = compile_options(plan_spec, 132)

@@ -169,7 +169,7 @@ def split_of(word, A, I, C, mla, ALIGN: tl.constexpr):
     split, split_len = fld(word, ATTENTION_SPLIT), fld(word, ATTENTION_SPLIT_LEN)
     dim, scale = aligned(fld(word, ATTENTION_DIM), ALIGN), ffld(word, ATTENTION_SCALE)
     rope_dim = aligned(fld(word, ATTENTION_ROPE_DIM), ALIGN)
-    # sizes and offsets the host checked are multiples of ALIGN (runtime.ALIGNED_FIELDS), written so the
+    # sizes and offsets the host checked are multiples of ALIGN (launch.ALIGNED_FIELDS), written so the
     # compiler sees it: the query rows load as 16-byte vectors, not 32 scalar loads per thread
     q_ptr, q_ld, q_hs, q_col0 = (A + aligned(off(word, ATTENTION_Q_OFF), ALIGN), aligned(fld(word, ATTENTION_Q_LD), ALIGN),
                                  aligned(fld(word, ATTENTION_Q_HS), ALIGN), aligned(fld(word, ATTENTION_Q_COL0), ALIGN))

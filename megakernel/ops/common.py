@@ -40,7 +40,7 @@ def has(flags, BIT: tl.constexpr):
 @triton.jit
 def aligned(v, ALIGN: tl.constexpr):
     """v, written so the compiler can prove it is a multiple of ALIGN (the host checked it is:
-    runtime.alignment); vector loads need that.  tl.multiple_of on a loaded value is lost when
+    launch.alignment); vector loads need that.  tl.multiple_of on a loaded value is lost when
     the load is merged with an identical one elsewhere."""
     return (v // ALIGN) * ALIGN
 
