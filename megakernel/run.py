@@ -68,8 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="draft source with --spec-k: mtp (the model's MTP layers), oracle (this engine's own "
                         "greedy output: all accepted), noisy:P (the oracle, each draft wrong with probability P)")
     p.add_argument("--temperature", type=float, default=0.0,
-                   help="with --spec-k: 0 = greedy (default); > 0 samples, with speculative rejection sampling "
-                        "that keeps the target distribution")
+                   help="0 = greedy (default); > 0 samples on the speculative decoder (--spec-k 0 unless given), "
+                        "with speculative rejection sampling that keeps the target distribution")
     p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling mass (default 1)")
     p.add_argument("--check", action="store_true",
                    help="run the reference on the same tokens and exit non-zero on a mismatch")
@@ -199,7 +199,7 @@ def measure_megakernel(engine, profile_path: str | None) -> dict:
 def run_speculative(args, name, cfg, weights, source, backend, device, dtype, options, result) -> dict:
     from .speculative import Drafts, SpeculativeDecoder
     if backend == "reference":
-        raise ValueError("--spec-k runs on the interpret or megakernel backend")
+        raise ValueError("--spec-k and sampling (--temperature > 0) run on the interpret or megakernel backend")
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt_len), generator=gen)
     room = args.prompt_len + args.steps + 2 * (args.spec_k + 1) + 8
@@ -251,6 +251,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.workers is None:
         args.workers = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
     cfg, path = resolve_config(name)
+    if args.ctx < 0:
+        raise ValueError(f"--ctx must be >= 0 (cache positions --describe counts), got {args.ctx}")
     result: dict = {"model": name, "describe": describe(cfg, context=args.ctx)}
     if args.describe:
         print_describe(name, result["describe"])
@@ -258,7 +260,14 @@ def run(args: argparse.Namespace) -> dict:
     for flag in ("steps", "prompt_len", "batch", "workers"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0 decodes greedily), got {args.temperature}")
+    if args.temperature > 0 and args.spec_k is None:
+        args.spec_k = 0  # sampling (and its on-device accept) is the speculative decoder's: with no drafts, k = 0
     max_len = args.prompt_len + args.steps
+    if max_len > cfg.max_position_embeddings:
+        raise ValueError(f"--prompt-len {args.prompt_len} + --steps {args.steps} = {max_len} positions, more than "
+                         f"{name}'s max_position_embeddings ({cfg.max_position_embeddings})")
     options = CompileOptions(workers=args.workers,
                              fusion_rules=tuple(r for r in DEFAULT_RULES if args.fuse_norms or r not in WEIGHT_RULES))
     if args.plan:

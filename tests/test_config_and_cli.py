@@ -160,6 +160,29 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert "unknown architecture 'Foo'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,says", [
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--prompt-len", "500", "--steps", "20"], "520 positions, more than tiny-moe's max_position_embeddings (512)"),
+    (["--describe", "--ctx", "-5"], "--ctx must be >= 0"),
+    (["--temperature", "0.7", "--backend", "reference"], "sampling (--temperature > 0) run on the interpret"),
+])
+def test_cli_refuses_out_of_range_options_by_name(argv, says, capsys):
+    assert main(argv) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_cli_samples_when_given_a_temperature(tmp_path):
+    """--temperature > 0 without --spec-k samples (on the speculative decoder with no drafts), not greedily."""
+    runs = []
+    for extra in ([], ["--temperature", "1.5", "--seed", "4"], ["--temperature", "1.5", "--seed", "4"]):
+        assert main(["--steps", "12", "--json", str(tmp_path / "r.json"), *extra]) == 0
+        r = json.loads((tmp_path / "r.json").read_text())
+        runs.append(r["tokens"])
+    greedy, sampled, again = runs
+    assert sampled == again and sampled != greedy  # seeded, and not the greedy continuation
+    assert r["spec_k"] == 0 and r["temperature"] == 1.5
+
+
 def test_module_entry_point_help():
     out = subprocess.run([sys.executable, "-m", "megakernel.run", "--help"], capture_output=True, text=True, check=True)
     assert "--describe" in out.stdout and "--model" in out.stdout
