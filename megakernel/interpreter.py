@@ -119,11 +119,23 @@ class Interpreter(PlanRunner):
 
 
 def check_step_inputs(plan: Plan, tokens: torch.Tensor, cache_lens: torch.Tensor) -> None:
-    """The step's tokens have the plan's shape, and every position it writes fits the cache."""
+    """The step's tokens have the plan's shape and are ids of its vocabulary (the kernel's EMBED would gather
+    another tensor's bytes), the cache lengths are one per sequence and not negative, and every position the step
+    writes fits the cache."""
     shape = plan.shape
     B, T, max_len = shape["B"], shape["T"], shape["max_len"]
     if tuple(tokens.shape) != (B, T):
         raise ValueError(f"tokens has shape {tuple(tokens.shape)}, the plan was compiled for ({B}, {T})")
+    if cache_lens.numel() != B:
+        raise ValueError(f"cache_lens has shape {tuple(cache_lens.shape)}: one length per sequence, the plan was "
+                         f"compiled for {B}")
+    vocab = plan.io["out.logits"].cols if "out.logits" in plan.io else None
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or vocab is not None and hi >= vocab:
+        raise ValueError(f"tokens hold ids {lo}..{hi}, outside the model's vocabulary 0..{vocab - 1}" if vocab else
+                         f"tokens hold a negative id ({lo})")
+    if int(cache_lens.min()) < 0:
+        raise ValueError(f"cache_lens holds a negative length ({int(cache_lens.min())})")
     # MTP passes write past the step; a speculative step's drafts reach cache_len + a + T - 1 < cache_len + 2T
     extra = T if shape.get("speculative") else shape["mtp_passes"]
     if int(cache_lens.max()) + T + extra > max_len:

@@ -105,3 +105,26 @@ def test_non_finite_weights_are_refused_by_name():
     w[name][3, 5] = float("inf")
     with pytest.raises(ValueError, match=r"mlp\.up_proj.*non-finite"):
         Interpreter(plan, w)
+
+
+def test_bad_step_inputs_are_refused_by_name():
+    """A token id outside the vocabulary would make the kernel's EMBED gather another tensor's bytes, and a
+    negative or missing cache length would put the step's writes outside its rows: refused before anything
+    runs, naming what was wrong, and the cache untouched."""
+    cfg = preset("tiny-dense")
+    plan = compile_step(cfg, StepShape(T=2, B=2, max_len=16), CompileOptions(workers=2))
+    interp = Interpreter(plan, init_weights(cfg, seed=0))
+    interp.cache().copy_(torch.randn(interp.cache().shape))
+    before = interp.cache().clone()
+    ok = torch.tensor([[1, 2], [3, 4]])
+    V = cfg.vocab_size
+    for tokens, lens, says in ((ok.T.reshape(1, 4), torch.tensor([3, 5]), r"shape \(1, 4\).*\(2, 2\)"),
+                               (torch.tensor([[1, V], [3, 4]]), torch.tensor([3, 5]), rf"ids 1..{V}.*0..{V - 1}"),
+                               (torch.tensor([[1, 2], [-1, 4]]), torch.tensor([3, 5]), rf"ids -1..4.*0..{V - 1}"),
+                               (ok, torch.tensor([3, -2]), r"negative length \(-2\)"),
+                               (ok, torch.tensor([3]), r"cache_lens has shape \(1,\).*compiled for 2"),
+                               (ok, torch.tensor([3, 15]), "exceeds the cache of 16 positions")):
+        with pytest.raises(ValueError, match=says):
+            interp.step(tokens, lens)
+    assert torch.equal(interp.cache(), before)
+    interp.step(ok, torch.tensor([3, 5]))  # and the same interpreter still runs a good step
