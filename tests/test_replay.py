@@ -3,7 +3,10 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 from graph.compile import CompileOptions, compile_step
+from graph.fusion import DEFAULT_RULES
 from graph.lower import StepShape
 from model import preset
 
@@ -50,7 +53,6 @@ def test_phases_measure_a_queued_op_late():
 def test_scale_multiplies_only_the_named_opcodes():
     """--scale LINEAR=0.5,ATTENTION=2: those tasks' times halved and doubled, every other task's kept; an opcode
     the plan lacks is refused by name."""
-    import pytest
     plan = compile_step(preset("tiny-dense"), StepShape(T=1, B=1, max_len=16), CompileOptions(workers=4))
     words = replay.structure(plan)[0]
     seconds = [1e-6 * (i + 1) for i in range(len(words))]
@@ -94,3 +96,37 @@ def test_report_relists_a_stream_plan_by_worker_class(monkeypatch):
     body = plan.workers - plan.options["stream_workers"]
     for q, queue in enumerate(seen["queues"]):
         assert all((words[i].op.name == "LINEAR") == (q >= body) for i in queue), q
+
+
+def test_a_variants_new_ops_borrow_their_opcodes_rate():
+    """--variant with a fusion rule (dense_mlp on tiny-dense): the fused ops the trace has no tasks of are timed at
+    the median rate of their opcode's measured tasks (LINEAR), or, with no task of their opcode measured
+    (MOE_COMBINE), at every task's median rate; each is named.  An expert task's work counts the weight rows it
+    streams, which its footprint leaves out (the expert is chosen at run time)."""
+    import statistics
+    cfg = preset("tiny-dense")
+    plan = compile_step(cfg, StepShape(T=1, B=1, max_len=16), CompileOptions(workers=4))
+    words = replay.structure(plan)[0]
+    fixed = 1e-6
+    by_opcode: dict = {}
+    per_byte = {}
+    for i, (w, label) in enumerate(zip(words, plan.task_labels)):  # LINEAR tasks 3 to 4 ns an element, others 1 to 2
+        rate = 1e-9 * ((3 if w.op.name == "LINEAR" else 1) + i / len(words))
+        by_opcode.setdefault(w.op.name, []).append(rate)
+        per_byte[replay.family(label)] = rate
+    fused = compile_step(cfg, StepShape(T=1, B=1, max_len=16),
+                         CompileOptions(workers=4, fusion_rules=DEFAULT_RULES + ("dense_mlp",)))
+    fwords = replay.structure(fused)[0]
+    seconds, borrowed = replay.variant_seconds(fwords, fused.task_labels, per_byte, by_opcode, fixed)
+    assert borrowed == {"mlp": "LINEAR", "mlp.reduce": "no MOE_COMBINE measured: every task's"}
+    everyone = statistics.median(r for v in by_opcode.values() for r in v)
+    linear = statistics.median(by_opcode["LINEAR"])
+    assert everyone != linear and "MOE_COMBINE" not in by_opcode
+    for w, label, s in zip(fwords, fused.task_labels, seconds):
+        fam = replay.family(label)
+        rate = linear if fam == "mlp" else everyone if fam == "mlp.reduce" else per_byte[fam]
+        assert s == pytest.approx(fixed + rate * replay.task_work(w))
+    moe = compile_step(preset("tiny-moe"), StepShape(T=1, B=1, max_len=16), CompileOptions(workers=4))
+    expert = next(w for w in replay.structure(moe)[0] if w.op.name == "EXPERT_LINEAR" and w.has("SILU_MUL"))
+    f = expert.fields
+    assert replay.task_work(expert) >= 2 * (f["r1"] - f["r0"]) * f["K"]

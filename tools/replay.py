@@ -11,10 +11,11 @@ trace came from, then:
    the measured step, the queue/dependency model explains the step;
 2. computes the critical path with unlimited workers and sums it by op: the ops that set
    the step time when the chain, not the queue placement, is the limit;
-3. with --variant (tiling options of graph.tiling.TilingOptions, or attn_split), compiles that
-   plan, gives each task a time from its op family's measured bandwidth (work from the task
-   word, plus a fixed per-task overhead), and replays it the same way: a
-   prediction to check on the GPU, not a measurement;
+3. with --variant (tiling options of graph.tiling.TilingOptions, attn_split, or fusion rules: expert_mlp=1),
+   compiles that plan, gives each task a time from its op family's measured bandwidth (work from the task
+   word, plus a fixed per-task overhead; a fused op the trace lacks takes its opcode's median rate, and
+   is named), and replays it the same way: a prediction to check on the GPU, not a measurement.  Compare it
+   with `--variant workers=132` (today's plan timed the same way), not with the measured replay;
 4. with --layer N, the measured phases of layer N, op by op: when its first task was ready, its
    median and last, how late the median was after the ops it waits on had ended (a queue that put
    another op's task first), its span and the most tasks one worker ran.  Session 17 found both of
@@ -59,7 +60,30 @@ def task_work(word) -> int:
         return (f["h1"] - f["h0"]) * f["in_dim"] * (f["o1"] - f["o0"])
     if word.op.name == "ATTN_COMBINE":
         return f["nsplits"] * (f["h1"] - f["h0"]) * f["dim"]
-    return sum((a.row1 - a.row0) * (a.col1 - a.col0) for a in footprint(word))
+    work = sum((a.row1 - a.row0) * (a.col1 - a.col0) for a in footprint(word))
+    if word.op.name == "EXPERT_LINEAR":  # its footprint leaves out the weights of the expert chosen at run time
+        rows = f["r1"] - f["r0"]
+        work += rows * f["K"] * (2 if word.has("SILU_MUL") else 1) + (rows * f["y.ld"] if word.has("DOWN_T") else 0)
+    return work
+
+
+def variant_seconds(words, labels, per_byte: dict, by_opcode: dict, fixed: float) -> tuple[list[float], dict]:
+    """A variant's task times: the fixed overhead plus its work at its op family's measured rate, or, for a family
+    the trace has no tasks of (a fusion rule's new op), at the median rate of the measured tasks of its opcode, or
+    where the trace has none of those either, of every measured task.  Returns the times and {family: whose rate}
+    of those borrowed rates."""
+    out, borrowed = [], {}
+    everything = statistics.median(r for rates in by_opcode.values() for r in rates)
+    for w, label in zip(words, labels):
+        fam = family(label)
+        if fam in per_byte:
+            rate = per_byte[fam]
+        elif w.op.name in by_opcode:
+            rate, borrowed[fam] = statistics.median(by_opcode[w.op.name]), w.op.name
+        else:
+            rate, borrowed[fam] = everything, f"no {w.op.name} measured: every task's"
+        out.append(fixed + rate * task_work(w))
+    return out, borrowed
 
 
 def load_trace(path: str) -> dict[str, float]:
@@ -216,16 +240,22 @@ def main() -> None:
                                       parsed=parsed)
     # per op family: seconds per byte beyond the fixed overhead, from the measured tasks
     rate: dict[str, list[float]] = defaultdict(list)
+    by_opcode: dict[str, list[float]] = defaultdict(list)
     for w, label, s in zip(parsed[0], plan.task_labels, seconds):
         rate[family(label)].append(max(s - fixed, 0.0) / max(1, task_work(w)))
+        by_opcode[w.op.name].append(rate[family(label)][-1])
     per_byte = {fam: statistics.median(v) for fam, v in rate.items()}
     for spec in args.variant:
         vspec, vmax_len = pop_max_len(spec, max_len)
         opts, attn_split = compile_options(vspec, args.workers)
         vplan = compile_step(cfg, dataclasses.replace(shape, max_len=vmax_len, attn_split=attn_split), opts)
         vparsed = structure(vplan)
-        vsec = [fixed + per_byte[family(label)] * task_work(w) for w, label in zip(vparsed[0], vplan.task_labels)]
+        vsec, borrowed = variant_seconds(vparsed[0], vplan.task_labels, per_byte, by_opcode, fixed)
         out[spec] = report(f"predicted for {spec}", vplan, vsec, hop, parsed=vparsed)
+        if borrowed:  # a fused op the measured plan did not have: its opcode's median rate stands in for its own
+            print("  ops the trace has no tasks of, timed at their opcode's median rate: "
+                  + ", ".join(f"{fam} ({op})" for fam, op in sorted(borrowed.items())))
+            out[spec]["borrowed_rates"] = borrowed
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
 
