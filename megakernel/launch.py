@@ -387,6 +387,17 @@ class LaunchConfig:
     profile: bool = False
     blocks: dict | None = None  # overrides of block_sizes()
 
+    def __post_init__(self):
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise MegakernelError(f"LaunchConfig.num_warps={self.num_warps}: a power of two from 1 to 16")
+        if self.num_stages < 1:
+            raise MegakernelError(f"LaunchConfig.num_stages={self.num_stages}: at least 1")
+        for name in ("timeout_s", "helper_timeout_s"):  # a bound of 0 would fail every wait that is not already met
+            if not getattr(self, name) > 0:
+                raise MegakernelError(f"LaunchConfig.{name}={getattr(self, name)}: a wait's bound must be > 0 seconds")
+        if self.max_spins < 1:
+            raise MegakernelError(f"LaunchConfig.max_spins={self.max_spins}: at least 1 poll before the error")
+
 
 # the plan's buffers the kernel takes after words, queue_ptr, counters, worker_epoch, err (int32) and prof (int64)
 KERNEL_BUFFERS = (Buf.W, Buf.WF, Buf.A, Buf.I, Buf.C, Buf.H)

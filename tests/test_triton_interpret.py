@@ -372,6 +372,17 @@ def test_block_overrides_that_would_change_the_result_are_refused():
         check_block_overrides({**fitted, "HELPER_SIDE": 0}, {**fitted, "HELPER_SIDE": 1})
 
 
+@pytest.mark.parametrize("field,value,says", [("num_warps", 3, "num_warps=3: a power of two"),
+                                              ("num_stages", 0, "num_stages=0: at least 1"),
+                                              ("timeout_s", 0.0, "timeout_s=0.0: a wait's bound must be > 0"),
+                                              ("helper_timeout_s", -1.0, "helper_timeout_s=-1.0"),
+                                              ("max_spins", 0, "max_spins=0: at least 1")])
+def test_launch_configs_that_cannot_run_are_refused_by_field(field, value, says):
+    from megakernel.launch import LaunchConfig, MegakernelError
+    with pytest.raises(MegakernelError, match=says):
+        LaunchConfig(**{field: value})
+
+
 def test_block_sizes_fit_the_step():
     """Tokens per weight chunk (TB) and attention query rows per block (BM) follow the step's shape:
     T=1 keeps the smallest kernel, GQA takes a task's T x heads rows in one block, MLA keeps 16."""
