@@ -466,7 +466,7 @@ def test_expert_mlp_slices_are_the_models_not_the_steps():
     LINEAR[SILU_MUL, DOWN_T] over 118 slices of 24 (the last of 8), whose partials MOE_COMBINE sums too.  The slices
     do not depend on the step's shape, so a token's partials are summed in one order whatever T and B (batch
     invariance); the down projections are packed transposed, as parts marked TRANSPOSED."""
-    from graph.fusion import EXPERT_SLICE_ROWS, SHARED_SLICE_ROWS
+    from graph.fusion_weights import EXPERT_SLICE_ROWS, SHARED_SLICE_ROWS
     from graph.ir import TRANSPOSED
     cfg = _six("dsv2-lite")
     slices, shared = {}, {}

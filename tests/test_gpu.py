@@ -205,8 +205,8 @@ def test_batch_invariance_and_run_to_run(name, rules, monkeypatch):
     expert_mlp, tiny-moe's experts in two 16-row slices and its shared expert in slices of 24 and 8, so MOE_COMBINE
     adds partials; with dense_mlp, tiny-dense's MLPs in 16 slices of 8 rows."""
     from megakernel.runtime import Megakernel
-    import graph.fusion
-    monkeypatch.setattr(graph.fusion, "EXPERT_SLICE_ROWS", 16)
+    import graph.fusion_weights
+    monkeypatch.setattr(graph.fusion_weights, "EXPERT_SLICE_ROWS", 16)
     cfg = preset(name)
     w = init_weights(cfg, seed=1, device="cuda", dtype=torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(3)

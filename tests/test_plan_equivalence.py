@@ -49,8 +49,8 @@ def test_expert_mlp_equals_reference(name, monkeypatch):
     16-row slices, the shared ones' 32 (tiny-moe) and 64 (tiny-mhc, two shared experts) in slices of 24 and the
     rest; six tokens in two sequences, an MTP pass, tasks run in a random order.  Hypothesis draws the rule too,
     but rarely with more than one routed slice."""
-    import graph.fusion
-    monkeypatch.setattr(graph.fusion, "EXPERT_SLICE_ROWS", 16)
+    import graph.fusion_weights
+    monkeypatch.setattr(graph.fusion_weights, "EXPERT_SLICE_ROWS", 16)
     case = PlanCase(preset(name), StepShape(T=3, B=2, max_len=16, mtp_passes=1),
                     CompileOptions(workers=8, fusion_rules=DEFAULT_RULES + ("expert_mlp",)), cache_lens=[4, 9],
                     order="random", seed=5)

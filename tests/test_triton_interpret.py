@@ -70,9 +70,9 @@ def test_kernel_equals_interpreter_in_bf16(name, rules, monkeypatch):
     split by shifts, the k-major down rows, the cache) against the interpreter in bf16, within the GPU tests'
     tolerance.  Attention's tl.dot runs on fp32 operands here (DOT_PREC fp32: Triton 3.6's interpreter multiplies
     bf16 bit patterns, triton-lang/triton#11584), so its bf16x2 split is the GPU's alone."""
-    import graph.fusion
+    import graph.fusion_weights
     from megakernel.runtime import LaunchConfig, Megakernel
-    monkeypatch.setattr(graph.fusion, "EXPERT_SLICE_ROWS", 16)
+    monkeypatch.setattr(graph.fusion_weights, "EXPERT_SLICE_ROWS", 16)
     cfg = preset(name)
     w = init_weights(cfg, seed=3, dtype=torch.bfloat16)
     shape = StepShape(T=2, B=2, max_len=16, mtp_passes=1 if cfg.num_nextn_predict_layers else 0, attn_split=4)
@@ -463,8 +463,8 @@ def test_kernel_expert_mlp_sums_partials(T, B, blocks, monkeypatch):
     the same rows of the down projection packed transposed into a partial row per pair; MOE_COMBINE adds the slices
     (two here: 16-row slices of tiny-moe's 32).  The shared expert alike, as LINEAR[SILU_MUL, DOWN_T] in slices of
     24 and 8 rows.  Several pairs a slot (T = B = 2) and one token."""
-    import graph.fusion
-    monkeypatch.setattr(graph.fusion, "EXPERT_SLICE_ROWS", 16)
+    import graph.fusion_weights
+    monkeypatch.setattr(graph.fusion_weights, "EXPERT_SLICE_ROWS", 16)
     cfg, plan, interp, mk = _pair("tiny-moe", T=T, B=B, blocks=blocks, rules=DEFAULT_RULES + ("expert_mlp",))
     fused = [decode(w) for w in plan.words if decode(w).op.name == "EXPERT_LINEAR"]
     assert fused and all(t.has("DOWN_T") for t in fused) and {t["slice"] for t in fused} == {0, 1}
