@@ -47,8 +47,8 @@ def host_inputs_to_device(HT, HL, HD, I, counters, epoch, err, pid, TIMEOUT_NS: 
     in its queue), then releases the inputs counter (HD[4], a line past the plan's); every other worker acquires
     it before its first task, bounded and polled like a task's wait (POLL).  A first version had every worker
     read the host itself: 1.35 ms a llama-1b step against 1.06 (docs/PERF.md session 28), as if the bus served
-    those 264 reads one by one.  No task of a step writes an input slot (graph/memory.py keeps them).  1 when this worker may go
-    on."""
+    those 264 reads one by one.  No task of a step writes an input slot (graph/memory.py keeps them).  1 when
+    this worker may go on."""
     c = tl.load(HD + 4)
     inputs = counters + c.to(tl.int64) * COUNTER_STRIDE
     ok = 1
