@@ -130,16 +130,18 @@ def check_step_inputs(plan: Plan, tokens: torch.Tensor, cache_lens: torch.Tensor
         raise ValueError(f"cache_lens has shape {tuple(cache_lens.shape)}: one length per sequence, the plan was "
                          f"compiled for {B}")
     vocab = plan.io["out.logits"].cols if "out.logits" in plan.io else None
-    lo, hi = int(tokens.min()), int(tokens.max())
+    # one read of the four bounds (a device sync where the inputs live on a GPU)
+    lo, hi, shortest, longest = torch.stack([tokens.min().long(), tokens.max().long(), cache_lens.min().long(),
+                                             cache_lens.max().long()]).tolist()
     if lo < 0 or vocab is not None and hi >= vocab:
         raise ValueError(f"tokens hold ids {lo}..{hi}, outside the model's vocabulary 0..{vocab - 1}" if vocab else
                          f"tokens hold a negative id ({lo})")
-    if int(cache_lens.min()) < 0:
-        raise ValueError(f"cache_lens holds a negative length ({int(cache_lens.min())})")
+    if shortest < 0:
+        raise ValueError(f"cache_lens holds a negative length ({shortest})")
     # MTP passes write past the step; a speculative step's drafts reach cache_len + a + T - 1 < cache_len + 2T
     extra = T if shape.get("speculative") else shape["mtp_passes"]
-    if int(cache_lens.max()) + T + extra > max_len:
-        raise ValueError(f"cache_lens up to {int(cache_lens.max())} + T={T} + {extra} drafting positions exceeds the "
+    if longest + T + extra > max_len:
+        raise ValueError(f"cache_lens up to {longest} + T={T} + {extra} drafting positions exceeds the "
                          f"cache of {max_len} positions")
 
 

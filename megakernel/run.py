@@ -25,6 +25,7 @@ from model.schema import DTYPES
 from model.stats import describe
 
 from .engine import make_engine
+from .launch import MegakernelError
 
 DEFAULT_CPU_MODEL = "tiny-moe"
 DEFAULT_GPU_MODEL = "dsv2-lite"
@@ -260,10 +261,16 @@ def run(args: argparse.Namespace) -> dict:
     for flag in ("steps", "prompt_len", "batch", "workers"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
-    if args.temperature < 0:
+    if not args.temperature >= 0:  # NaN too
         raise ValueError(f"--temperature must be >= 0 (0 decodes greedily), got {args.temperature}")
+    if not args.helper_timeout > 0:
+        raise ValueError(f"--helper-timeout must be > 0 seconds, got {args.helper_timeout}")
     if args.temperature > 0 and args.spec_k is None:
         args.spec_k = 0  # sampling (and its on-device accept) is the speculative decoder's: with no drafts, k = 0
+    if args.spec_k is not None:  # the speculative decoder has no reference beside it and no profiled step
+        for flag in ("check", "profile"):
+            if getattr(args, flag):
+                raise ValueError(f"--{flag} runs with the plain greedy decoder, not with --spec-k or --temperature > 0")
     max_len = args.prompt_len + args.steps
     if max_len > cfg.max_position_embeddings:
         raise ValueError(f"--prompt-len {args.prompt_len} + --steps {args.steps} = {max_len} positions, more than "
@@ -338,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         result = run(args)
-    except (ConfigError, CheckpointError, CacheOverflowError, ValueError, NotImplementedError) as e:
+    except (ConfigError, CheckpointError, CacheOverflowError, ValueError, NotImplementedError, MegakernelError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:

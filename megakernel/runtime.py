@@ -1,10 +1,11 @@
-"""Host side of the megakernel: buffers, checks before launch, CUDA-graph capture, the watchdog.
+"""Host side of the megakernel: buffers, CUDA-graph capture, the watchdog.
 
 One `Megakernel` runs one plan.  Before anything runs: the plan is verified, every
-operand must sit in the buffer its role expects, and the grid must fit on the
-device at once (workers <= SMs × co-resident programs per SM), else a clear error.
-The first launch (JIT compile) happens before capture; then a step is one graph
-replay: copy the step's tokens and cache lengths from pinned staging, launch.
+operand must sit in the buffer its role expects and the block sizes must fit the plan
+(megakernel/launch.py), and the grid must fit on the device at once (workers <= SMs ×
+co-resident programs per SM), else a clear error.  The first launch (JIT compile)
+happens before capture; then a step is one graph replay: copy the step's tokens and
+cache lengths from pinned staging, launch.
 """
 
 from __future__ import annotations

@@ -165,6 +165,10 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     (["--prompt-len", "500", "--steps", "20"], "520 positions, more than tiny-moe's max_position_embeddings (512)"),
     (["--describe", "--ctx", "-5"], "--ctx must be >= 0"),
     (["--temperature", "0.7", "--backend", "reference"], "sampling (--temperature > 0) run on the interpret"),
+    (["--temperature", "nan"], "--temperature must be >= 0"),
+    (["--temperature", "0.7", "--check"], "--check runs with the plain greedy decoder"),
+    (["--spec-k", "2", "--profile", "p.json"], "--profile runs with the plain greedy decoder"),
+    (["--helper", "cpu", "--helper-timeout", "0"], "--helper-timeout must be > 0 seconds"),
 ])
 def test_cli_refuses_out_of_range_options_by_name(argv, says, capsys):
     assert main(argv) == 2

@@ -111,17 +111,16 @@ def plain_pytorch(cfg, weights, tokens, lens, max_len, cache_data, kinds) -> dic
 
 def launch_config(spec: str) -> LaunchConfig:
     """'KEY=V,KEY=V': num_warps / num_stages set the launch, other keys override block_sizes()."""
-    cfg, blocks = LaunchConfig(), {}
+    launch, blocks = {}, {}
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
         if not value:
             raise ValueError(f"variant {spec!r}: {item!r} is not KEY=VALUE")
         if key in ("num_warps", "num_stages"):
-            setattr(cfg, key, int(value))
+            launch[key] = int(value)
         else:
             blocks[key] = value if key == "DOT_PREC" else int(value)  # DOT_PREC names a policy: bf16x2, bf16
-    cfg.blocks = blocks
-    return cfg
+    return LaunchConfig(**launch, blocks=blocks)  # which checks the launch's values
 
 
 def step_max_len(ctx: int, T: int) -> int:

@@ -73,7 +73,6 @@ def variant_seconds(words, labels, per_byte: dict, by_opcode: dict, fixed: float
     where the trace has none of those either, of every measured task.  Returns the times and {family: whose rate}
     of those borrowed rates."""
     out, borrowed = [], {}
-    everything = statistics.median(r for rates in by_opcode.values() for r in rates)
     for w, label in zip(words, labels):
         fam = family(label)
         if fam in per_byte:
@@ -81,7 +80,8 @@ def variant_seconds(words, labels, per_byte: dict, by_opcode: dict, fixed: float
         elif w.op.name in by_opcode:
             rate, borrowed[fam] = statistics.median(by_opcode[w.op.name]), w.op.name
         else:
-            rate, borrowed[fam] = everything, f"no {w.op.name} measured: every task's"
+            rate = statistics.median(r for rates in by_opcode.values() for r in rates)
+            borrowed[fam] = f"no {w.op.name} measured: every task's"
         out.append(fixed + rate * task_work(w))
     return out, borrowed
 
