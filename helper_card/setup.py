@@ -76,6 +76,8 @@ def capacity_for(cfg: ModelConfig, fraction: float) -> int:
 def make_helper(backend: str, cfg: ModelConfig, weights, opts: HelperOptions, device, dtype) -> "Helper":
     """The helper of an engine running on `backend` (interpret | megakernel), or a clear refusal."""
     device = torch.device(device)
+    if not opts.timeout_s > 0:  # a bound of 0 would fail every call not already answered
+        raise ValueError(f"--helper-timeout must be > 0 seconds, got {opts.timeout_s}")
     if backend == "megakernel" and opts.fallback:
         raise ValueError("--helper-fallback recomputes a late call on the main side between its call and its wait, "
                          "which a megakernel step (one graph replay) cannot: use --backend interpret")

@@ -129,13 +129,12 @@ def check_step_inputs(plan: Plan, tokens: torch.Tensor, cache_lens: torch.Tensor
     if cache_lens.numel() != B:
         raise ValueError(f"cache_lens has shape {tuple(cache_lens.shape)}: one length per sequence, the plan was "
                          f"compiled for {B}")
-    vocab = plan.io["out.logits"].cols if "out.logits" in plan.io else None
+    vocab = plan.config["vocab_size"]
     # one read of the four bounds (a device sync where the inputs live on a GPU)
     lo, hi, shortest, longest = torch.stack([tokens.min().long(), tokens.max().long(), cache_lens.min().long(),
                                              cache_lens.max().long()]).tolist()
-    if lo < 0 or vocab is not None and hi >= vocab:
-        raise ValueError(f"tokens hold ids {lo}..{hi}, outside the model's vocabulary 0..{vocab - 1}" if vocab else
-                         f"tokens hold a negative id ({lo})")
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"tokens hold ids {lo}..{hi}, outside the model's vocabulary 0..{vocab - 1}")
     if shortest < 0:
         raise ValueError(f"cache_lens holds a negative length ({shortest})")
     # MTP passes write past the step; a speculative step's drafts reach cache_len + a + T - 1 < cache_len + 2T

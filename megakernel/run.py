@@ -263,8 +263,6 @@ def run(args: argparse.Namespace) -> dict:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
     if not args.temperature >= 0:  # NaN too
         raise ValueError(f"--temperature must be >= 0 (0 decodes greedily), got {args.temperature}")
-    if not args.helper_timeout > 0:
-        raise ValueError(f"--helper-timeout must be > 0 seconds, got {args.helper_timeout}")
     if args.temperature > 0 and args.spec_k is None:
         args.spec_k = 0  # sampling (and its on-device accept) is the speculative decoder's: with no drafts, k = 0
     if args.spec_k is not None:  # the speculative decoder has no reference beside it and no profiled step
