@@ -192,7 +192,10 @@ def precompile_run(args, workers: int) -> None:
 
 
 def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path, profile: bool | str,
-                variants=(), baselines=("eager", "graph", "compile"), plan_variants=()) -> dict:
+                variants=(), baselines=("eager", "graph", "compile"), plan_variants=(), save=None) -> dict:
+    """One model and T: floors, baselines, the megakernel, then its variants.  save(row), if given, is called
+    whenever the row gains a measurement, so that a run cut by its time limit keeps what it measured."""
+    save = save or (lambda row: None)
     cfg = preset(name)
     row: dict = {"model": name, "T": T, "ctx": ctx}
     dtype = torch.bfloat16
@@ -250,6 +253,7 @@ def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path,
     print(f"{name} T={T}: megakernel {row['megakernel_ms']:.3f} ms ({row['x_floor']:.2f}x floor "
           f"{row['floor_ms']:.3f} ms), rel. error vs interpreter {row['rel_err_vs_interpreter']:.1e}, "
           f"bit-exact run to run {row['run_to_run_bitexact']}", flush=True)
+    save(row)
 
     def time_variant(row_key: str, spec: str, build) -> None:
         """Time the megakernel build() returns (sharing weights and cache) against the main one."""
@@ -271,6 +275,7 @@ def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path,
         except Exception as e:
             v["error"] = repr(e)[:300]
         row.setdefault(row_key + "s", []).append(v)
+        save(row)
         print(f"{name} T={T}: {row_key} {spec}: " + (f"{v['ms']:.3f} ms" if "ms" in v else v["error"][:80]), flush=True)
 
     def profiled(pk, file: str, into: dict | None = None) -> float:
@@ -296,15 +301,16 @@ def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path,
         vk.cache()[..., :rows, :].copy_(cache.data[..., :rows, :])
         return vk
 
+    if profile:  # the main plan's trace before any variant's
+        pk = Megakernel(plan, None, "cuda", share=mk.mem, config=LaunchConfig(profile=True))
+        row["profiled_step_us"] = profiled(pk, f"trace_{name}_T{T}.json", row)
+        del pk
+        save(row)
     row["variants"], row["plan_variants"] = [], []
     for spec in variants:  # launch options of the same plan
         time_variant("variant", spec, lambda: Megakernel(plan, None, "cuda", share=mk.mem, config=launch_config(spec)))
     for spec in plan_variants:  # other compile options, same weights and cache
         time_variant("plan_variant", spec, lambda: plan_variant(spec))
-
-    if profile:
-        pk = Megakernel(plan, None, "cuda", share=mk.mem, config=LaunchConfig(profile=True))
-        row["profiled_step_us"] = profiled(pk, f"trace_{name}_T{T}.json", row)
     return row
 
 
@@ -340,10 +346,12 @@ def main() -> None:
     print(f"{props.name}: streaming read {bw / 1e12:.2f} TB/s", flush=True)
     for name in args.models:
         for T in args.T:
+            def save(row: dict) -> None:  # bench.json with the rows so far and this one as it stands
+                (out / "bench.json").write_text(json.dumps({**result, "rows": result["rows"] + [row]}, indent=2))
             try:
                 profile = "variants" if args.profile and args.profile_variants else args.profile
                 row = bench_model(name, T, args.ctx, bw, workers, out, profile, args.variants, args.baselines,
-                                  args.plan_variants)
+                                  args.plan_variants, save)
             except Exception as e:  # keep going: one failure should not hide the other rows
                 traceback.print_exc()
                 row = {"model": name, "T": T, "error": repr(e)}
