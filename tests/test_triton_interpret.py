@@ -474,6 +474,20 @@ def test_kernel_expert_mlp_sums_partials(T, B, blocks, monkeypatch):
     _compare(cfg, interp, mk, torch.tensor([3, 9][:B]))
 
 
+def test_kernel_combine_takes_more_slices_than_one_load(monkeypatch):
+    """MOE_COMBINE over partials requests the first NSB expert slices and NSH shared slices with the residual, then
+    loops for the rest: loads one slice wide here (dsv2-lite's 22 and 118 slices fit one load), so the loops run."""
+    import graph.fusion_weights
+    from megakernel.ops import moe
+    monkeypatch.setattr(graph.fusion_weights, "EXPERT_SLICE_ROWS", 8)
+    monkeypatch.setattr(moe, "NSB", tl.constexpr(1))
+    monkeypatch.setattr(moe, "NSH", tl.constexpr(1))
+    cfg, plan, interp, mk = _pair("tiny-moe", T=2, B=2, rules=DEFAULT_RULES + ("expert_mlp",))
+    combine = [decode(w) for w in plan.words if decode(w).op.name == "MOE_COMBINE"]
+    assert combine and all(t["ns"] == 4 and t["nsh"] == 2 for t in combine)
+    _compare(cfg, interp, mk, torch.tensor([3, 9]))
+
+
 @pytest.mark.parametrize("T,B,blocks", [(2, 2, None), (1, 1, dict(TB=1, ROWVEC=1))])
 def test_kernel_dense_mlp_sums_partials(T, B, blocks):
     """Fusion rule dense_mlp (opt-in): tiny-dense's MLPs as LINEAR[SILU_MUL, DOWN_T] in 16 slices of 8 rows, whose
