@@ -437,6 +437,7 @@ def partial_rows(s0, s, ys, r, k, j, H, c):
 
 @triton.jit
 def partial_mask(s0, s, ns, j, k, m):
+    """partial_rows' valid entries: slices below ns, the token's k expert rows, columns m."""
     return (s0 + s < ns)[:, None, None] & (j < k)[None, :, None] & m[None, None, :]
 
 
