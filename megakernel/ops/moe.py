@@ -398,8 +398,8 @@ def combine_partials(y, ys, ns, w, r, k, H, c0, c1, flags, sh, sh_ld, nsh, shs, 
     nsh (LINEAR[DOWN_T], shs rows apart): each expert row summed over its slices in a fixed tree order, NSB slices x
     BK rows x BDS columns a load (tiling gives such tasks BDS-column blocks), then weighted as combine_body does,
     and the shared experts' slices and the residual added.  The first block of each and the residual are requested
-    before any sum (flags and counts are masks, not branches): one memory round trip where three were (session 33
-    measured this body at 5.9 us a task against the plain combine's 2.5)."""
+    before any sum (flags and counts mask the loads rather than branch around them): one memory round trip where
+    three were (session 33 measured this body at 5.9 us a task against the plain combine's 2.5)."""
     j = tl.arange(0, BK)
     s = tl.arange(0, NSB)
     sj = tl.arange(0, NSH)
@@ -407,21 +407,16 @@ def combine_partials(y, ys, ns, w, r, k, H, c0, c1, flags, sh, sh_ld, nsh, shs, 
     for cb in range(c0, c1, BDS):
         c = cb + tl.arange(0, BDS)
         m = c < c1
-        sh_first = tl.load(sh + (sj * shs + r)[:, None].to(tl.int64) * sh_ld + c[None, :], other=0.0,
-                           mask=use_sh & (sj < nsh)[:, None] & m[None, :], cache_modifier=".cg")
-        y_first = tl.load(y + partial_rows(0, s, ys, r, k, j, H, c), other=0.0, cache_modifier=".cg",
-                          mask=partial_mask(0, s, ns, j, k, m))
+        sh_first = shared_slices(sh, 0, sj, shs, nsh, r, sh_ld, c, m, use_sh)
+        y_first = expert_slices(y, 0, s, ys, ns, r, k, j, H, c, m)
         res_row = tl.load(res + r * res_ld + c, mask=m & has(flags, FLAG_MOE_COMBINE_RES), other=0.0,
                           cache_modifier=".cg")
         shared = tl.zeros((BDS,), tl.float32) + tl.sum(sh_first, axis=0)
         for s0 in range(NSH, nsh, NSH):  # (more slices than one load takes)
-            sj0 = s0 + sj
-            shared += tl.sum(tl.load(sh + (sj0 * shs + r)[:, None].to(tl.int64) * sh_ld + c[None, :], other=0.0,
-                                     mask=use_sh & (sj0 < nsh)[:, None] & m[None, :], cache_modifier=".cg"), axis=0)
+            shared += tl.sum(shared_slices(sh, s0, sj, shs, nsh, r, sh_ld, c, m, use_sh), axis=0)
         rows = tl.zeros((BK, BDS), tl.float32) + tl.sum(y_first, axis=0)
         for s0 in range(NSB, ns, NSB):
-            rows += tl.sum(tl.load(y + partial_rows(s0, s, ys, r, k, j, H, c), other=0.0, cache_modifier=".cg",
-                                   mask=partial_mask(s0, s, ns, j, k, m)), axis=0)
+            rows += tl.sum(expert_slices(y, s0, s, ys, ns, r, k, j, H, c, m), axis=0)
         acc = tl.sum(w[:, None] * rows, axis=0) + shared
         if has(flags, FLAG_MOE_COMBINE_RES):
             acc += res_row
@@ -429,16 +424,20 @@ def combine_partials(y, ys, ns, w, r, k, H, c0, c1, flags, sh, sh_ld, nsh, shs, 
 
 
 @triton.jit
-def partial_rows(s0, s, ys, r, k, j, H, c):
-    """Offsets of slices s0 + s of token r's expert rows j, columns c: [NSB, BK, BDS]."""
+def expert_slices(y, s0, s, ys, ns, r, k, j, H, c, m):
+    """Slices s0 + s (below ns) of token r's k expert rows j, columns c where m: [NSB, BK, BDS], 0 elsewhere."""
     at = ((s0 + s) * ys)[:, None, None] + (r * k + j)[None, :, None]
-    return at.to(tl.int64) * H + c[None, None, :]
+    return tl.load(y + at.to(tl.int64) * H + c[None, None, :], other=0.0, cache_modifier=".cg",
+                   mask=(s0 + s < ns)[:, None, None] & (j < k)[None, :, None] & m[None, None, :])
 
 
 @triton.jit
-def partial_mask(s0, s, ns, j, k, m):
-    """partial_rows' valid entries: slices below ns, the token's k expert rows, columns m."""
-    return (s0 + s < ns)[:, None, None] & (j < k)[None, :, None] & m[None, None, :]
+def shared_slices(sh, s0, sj, shs, nsh, r, sh_ld, c, m, use_sh):
+    """Slices s0 + sj (below nsh) of token r's shared-expert row, columns c where m: [NSH, BDS], 0 elsewhere
+    and without use_sh."""
+    at = (s0 + sj) * shs + r
+    return tl.load(sh + at[:, None].to(tl.int64) * sh_ld + c[None, :], other=0.0, cache_modifier=".cg",
+                   mask=use_sh & (s0 + sj < nsh)[:, None] & m[None, :])
 
 
 @triton.jit
@@ -446,12 +445,6 @@ def combine_store(acc, flags, sh, sh_ld, res, res_ld, o_ptr, o_ld, r, c, m):
     """Token r's combined columns c, plus the shared experts' row and the residual's (SHARED, RES), stored."""
     if has(flags, FLAG_MOE_COMBINE_SHARED):
         acc += tl.load(sh + r * sh_ld + c, mask=m, other=0.0, cache_modifier=".cg")
-    residual_store(acc, flags, res, res_ld, o_ptr, o_ld, r, c, m)
-
-
-@triton.jit
-def residual_store(acc, flags, res, res_ld, o_ptr, o_ld, r, c, m):
-    """Token r's columns c plus the residual's (RES), stored."""
     if has(flags, FLAG_MOE_COMBINE_RES):
         acc += tl.load(res + r * res_ld + c, mask=m, other=0.0, cache_modifier=".cg")
     tl.store(o_ptr + r * o_ld + c, acc, mask=m)
