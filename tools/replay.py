@@ -73,15 +73,18 @@ def variant_seconds(words, labels, per_byte: dict, by_opcode: dict, fixed: float
     where the trace has none of those either, of every measured task.  Returns the times and {family: whose rate}
     of those borrowed rates."""
     out, borrowed = [], {}
+    opcode_rate = {op: statistics.median(rates) for op, rates in by_opcode.items()}
+    every_rate = None
     for w, label in zip(words, labels):
         fam = family(label)
         if fam in per_byte:
             rate = per_byte[fam]
-        elif w.op.name in by_opcode:
-            rate, borrowed[fam] = statistics.median(by_opcode[w.op.name]), w.op.name
+        elif w.op.name in opcode_rate:
+            rate, borrowed[fam] = opcode_rate[w.op.name], w.op.name
         else:
-            rate = statistics.median(r for rates in by_opcode.values() for r in rates)
-            borrowed[fam] = f"no {w.op.name} measured: every task's"
+            if every_rate is None:
+                every_rate = statistics.median(r for rates in by_opcode.values() for r in rates)
+            rate, borrowed[fam] = every_rate, f"no {w.op.name} measured: every task's"
         out.append(fixed + rate * task_work(w))
     return out, borrowed
 
