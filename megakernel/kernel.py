@@ -103,6 +103,23 @@ def linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS: tl.con
 
 
 @triton.jit
+def expert_task(word, t, end, counters, epoch, err, pid, W, A, I, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr,
+                MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, BR: tl.constexpr, KC: tl.constexpr,
+                ALIGN: tl.constexpr, TB: tl.constexpr, PF: tl.constexpr, DEPTH: tl.constexpr, ROWVEC: tl.constexpr,
+                AHEAD: tl.constexpr, NARROW: tl.constexpr, PFD: tl.constexpr, EF: tl.constexpr, KD: tl.constexpr,
+                EPF: tl.constexpr, WORDS: tl.constexpr, WPF: tl.constexpr, POLL: tl.constexpr):
+    """An EXPERT_LINEAR task with EPF: the first weights of the expert its slot holds now requested before the
+    wait (a guess the body checks: moe.guess_first_chunk), then the body.  (ok, ready time)."""
+    guess, w = moe.guess_first_chunk(word, W, I, BR, KC, ALIGN, EF, EPF)
+    ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL)
+    t_ready = now_ns(USE_TIMER)
+    next_word_to_l1(word, t, end, WORDS, WPF)
+    if ok == 1:
+        moe.expert_body(word, W, A, I, BR, KC, ALIGN, TB, PF, DEPTH, ROWVEC, AHEAD, NARROW, PFD, EF, KD, EPF, guess, w)
+    return ok, t_ready
+
+
+@triton.jit
 def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I, C, HB, HT, HL, HD,
                WORDS: tl.constexpr, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr, MAX_SPINS: tl.constexpr,
                HELPER_NS: tl.constexpr,
@@ -117,7 +134,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                ROWVEC: tl.constexpr, AHEAD: tl.constexpr, NARROW: tl.constexpr, ROUTE1: tl.constexpr, PFD: tl.constexpr,
                EF: tl.constexpr, WPF: tl.constexpr, APF: tl.constexpr, PFK: tl.constexpr, HILO: tl.constexpr,
                HELPER_SIDE: tl.constexpr, ATT_ROPE: tl.constexpr, POLL: tl.constexpr, HIN: tl.constexpr,
-               KD: tl.constexpr):
+               KD: tl.constexpr, EPF: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
     end = tl.load(queue_ptr + pid + 1)
@@ -156,6 +173,10 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             else:
                 ok, t_ready = head_matmul_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
                                                MAX_SPINS, USE_TIMER, BI, BO, ALIGN, False, TB, WORDS, WPF, EF, POLL)
+        elif EPF and (op == OP_EXPERT_LINEAR):
+            ok, t_ready = expert_task(word, t, end, counters, epoch, err, pid, W, A, I, MAX_WAITS, TIMEOUT_NS,
+                                      MAX_SPINS, USE_TIMER, BR, KC, ALIGN, TB, PF, DEPTH, ROWVEC, AHEAD, NARROW, PFD,
+                                      EF, KD, EPF, WORDS, WPF, POLL)
         else:
             if APF:  # a split's cache rows asked of the L2 while it waits
                 if op == OP_ATTENTION:
@@ -164,7 +185,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             t_ready = now_ns(USE_TIMER)
             next_word_to_l1(word, t, end, WORDS, WPF)
             if ok == 1:  # the other opcodes' bodies
-                if op == OP_EXPERT_LINEAR:
+                if (EPF == 0) and (op == OP_EXPERT_LINEAR):
                     moe.expert_body(word, W, A, I, BR, KC, ALIGN, TB, PF, DEPTH, ROWVEC, AHEAD, NARROW, PFD, EF, KD)
                 elif op == OP_RMSNORM:
                     norm.body(word, W, A, I, C, BN)

@@ -245,7 +245,11 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # them to the others (kernel.host_inputs_to_device), so the graph is one kernel and no copy nodes: 1
                 # launch a step, not 3, at the same step time (docs/PERF.md session 28).  Fitted by launch_blocks
                 # from the plan: 1 where it has those inputs and no stream workers
-                HIN=0)
+                HIN=0,
+                # 1 (a launch variant, not measured in a step yet): an EXPERT_LINEAR task's first weight chunk requested
+                # before its wait, for the expert its slot holds then (a guess the body checks after the wait:
+                # moe.guess_first_chunk), as a LINEAR task's is; 2: guessed from the next slot (a test hook)
+                EPF=0)
 
 
 def bulk_prefetch_refusal(align: int, weight_bytes: int) -> str | None:
@@ -306,6 +310,10 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
                               "thread's ld.acquire.gpu)")
     if blocks["POLL"] and INTERPRET:
         raise MegakernelError("block override POLL=1: the Triton interpreter runs no inline PTX")
+    if blocks["EPF"] not in (0, 1, 2):
+        raise MegakernelError(f"block override EPF={blocks['EPF']}: 0, 1 (an expert task's first weights requested "
+                              "before its wait, for the expert its slot holds then) or 2 (guessed from the next slot: "
+                              "a test hook)")
     if blocks["APF"] not in (0, 1, 2):
         raise MegakernelError(f"block override APF={blocks['APF']}: 0, 1 (MLA attention's cache rows asked of the L2 "
                               "before the wait) or 2 (GQA's head lines too)")

@@ -99,11 +99,12 @@ def test_launch_variants_on_dsv2_lite():
     WPF, APF on): the paths they replaced (AHEAD=0: an expert tile's out row looked up at each row block's end;
     ROUTE1=0: the slot table from the ids read back; EF=0, WPF=0, APF=0, PFK=0: no cache hints or prefetches), the
     stream's deeper prefetches (PFD: L2 prefetch of the row blocks ahead; DEPTH=2: a second chunk in
-    registers) and EF=2 (per-head matmul weights and attention's cache rows evict-first too) give the same
-    logits bit for bit; NARROW (K = 1408 and 2816 slices in 4·BR x KC/4 chunks) sums each row's K in other
-    chunks, so within fp32 rounding of them."""
+    registers), EF=2 (per-head matmul weights and attention's cache rows evict-first too) and EPF (an expert
+    task's first chunk requested before its wait for the expert its slot held then; EPF=2 guesses from the next
+    slot, so every chunk is requested again) give the same logits bit for bit; NARROW (K = 1408 and 2816 slices
+    in 4·BR x KC/4 chunks) sums each row's K in other chunks, so within fp32 rounding of them."""
     exact = [dict(AHEAD=0, ROUTE1=0), dict(PFD=2), dict(DEPTH=2, PFD=1), dict(EF=0, WPF=0, APF=0, PFK=0), dict(EF=2),
-             dict(PFK=256)]
+             dict(PFK=256), dict(EPF=1), dict(EPF=2)]
     want, got = _variant_logits("dsv2-lite", 1, 256, [200], exact + [dict(NARROW=1)])
     for blocks, logits in got:
         assert torch.equal(logits, want) if blocks in exact else rel_err(logits, want) <= 1e-5, blocks

@@ -60,12 +60,17 @@ def _check_timeline(helper, calls, helper_gpu, hosted=True):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fraction", [0.5, 1.0])
-def test_megakernel_with_a_helper_equals_the_interpreter_with_one(device, fraction):
+@pytest.mark.parametrize("fraction,blocks", [(0.5, None), (1.0, None), (0.5, dict(EPF=1))],
+                         ids=["half", "all", "half-EPF"])
+def test_megakernel_with_a_helper_equals_the_interpreter_with_one(device, fraction, blocks):
+    """EPF=1 (launch variant): the main side's expert tasks read an expert map, so they guess no expert before
+    their wait and take the path a stale guess takes."""
+    from megakernel.runtime import LaunchConfig
     workers = 1 if device == "cpu" else 16
     opts = HelperOptions(kind="cpu", fraction=fraction, migrate=True, window=2, timeout_s=60 if INTERPRET else 2.0)
     default_switch = sys.getswitchinterval()
-    cfg, (h_interp, h_mk), interp, mk = _runners("tiny-moe", device, opts, workers)
+    config = LaunchConfig(max_spins=100_000, helper_timeout_s=opts.timeout_s, blocks=blocks)
+    cfg, (h_interp, h_mk), interp, mk = _runners("tiny-moe", device, opts, workers, config=config)
     if device == "cuda":
         mk.capture()
     gen = torch.Generator().manual_seed(1)

@@ -170,6 +170,20 @@ def test_kernel_one_token_route_from_registers():
     _compare(cfg, interp, mk, torch.tensor([5]))
 
 
+@pytest.mark.parametrize("T,B,epf,rules", [(2, 2, 1, DEFAULT_RULES), (2, 2, 2, DEFAULT_RULES), (1, 1, 2, DEFAULT_RULES),
+                                           (1, 1, 2, DEFAULT_RULES + ("expert_mlp",))])
+def test_kernel_expert_weights_guessed_before_the_wait(T, B, epf, rules):
+    """Launch variant EPF: an expert task requests its first weight chunk before its wait, for the expert its slot
+    holds then, and streams it only if the slot still holds that expert after the wait.  The interpreter runs the
+    route before the experts, so EPF=1 guesses right (or, for an empty slot, nothing); EPF=2 (a test hook) guesses
+    from the next slot, so the chunk is requested again after the wait, and the last slot reads the table's next
+    word (a count, not an expert id)."""
+    cfg, plan, interp, mk = _pair("tiny-moe", T=T, B=B, blocks=dict(EPF=epf, TB=1, ROWVEC=1) if T == 1 else
+                                  dict(EPF=epf), rules=rules)
+    assert mk.blocks["EPF"] == epf
+    _compare(cfg, interp, mk, torch.tensor([3, 9][:B]))
+
+
 def test_kernel_norms_as_tasks_of_their_own():
     """Without norm_into_linear every layer's norms are RMSNORM tasks (the plain body, and the A side
     of the fold)."""
@@ -361,7 +375,7 @@ def test_block_overrides_that_would_change_the_result_are_refused():
                ({"AHEAD": 2}, "AHEAD=2: 0, or 1"), ({"ROUTE1": 2}, "ROUTE1=2: 0, or 1"),
                ({"NARROW": 2}, "NARROW=2: 0, or 1"), ({"NARROW": 1, "KC": 16}, "NARROW=1 needs KC/4"),
                ({"POLL": 2}, "POLL=2: 0 .a scalar acquire atomic."),
-               ({"HIN": 2}, "HIN=2: 0 .inputs copied"),
+               ({"HIN": 2}, "HIN=2: 0 .inputs copied"), ({"EPF": 3}, "EPF=3: 0, 1 .an expert task's first"),
                ({"POLL": 1}, "POLL=1: the Triton interpreter runs no inline PTX")]
     for override, why in refused:
         with pytest.raises(MegakernelError, match=why):

@@ -14,12 +14,12 @@ import triton
 import triton.language as tl
 
 from .common import aligned, ffld, fld, has, off
-from .fields import (EXPERT_LINEAR_FLAGS, EXPERT_LINEAR_K, EXPERT_LINEAR_MAP_BUF, EXPERT_LINEAR_MAP_OFF,
-                     EXPERT_LINEAR_N, EXPERT_LINEAR_OUT_LD, EXPERT_LINEAR_OUT_OFF, EXPERT_LINEAR_R0, EXPERT_LINEAR_R1,
-                     EXPERT_LINEAR_S, EXPERT_LINEAR_SLICE, EXPERT_LINEAR_SLOT, EXPERT_LINEAR_ST_OFF,
-                     EXPERT_LINEAR_TOPK, EXPERT_LINEAR_W2_OFF, EXPERT_LINEAR_WD_OFF, EXPERT_LINEAR_W_ES,
-                     EXPERT_LINEAR_W_OFF, EXPERT_LINEAR_X_LD, EXPERT_LINEAR_X_OFF, EXPERT_LINEAR_Y_LD,
-                     EXPERT_LINEAR_Y_OFF, FLAG_EXPERT_LINEAR_DOWN_T, FLAG_EXPERT_LINEAR_GATHER,
+from .fields import (EXPERT_LINEAR_E, EXPERT_LINEAR_FLAGS, EXPERT_LINEAR_K, EXPERT_LINEAR_MAP_BUF,
+                     EXPERT_LINEAR_MAP_OFF, EXPERT_LINEAR_N, EXPERT_LINEAR_OUT_LD, EXPERT_LINEAR_OUT_OFF,
+                     EXPERT_LINEAR_R0, EXPERT_LINEAR_R1, EXPERT_LINEAR_S, EXPERT_LINEAR_SLICE, EXPERT_LINEAR_SLOT,
+                     EXPERT_LINEAR_ST_OFF, EXPERT_LINEAR_TOPK, EXPERT_LINEAR_W2_OFF, EXPERT_LINEAR_WD_OFF,
+                     EXPERT_LINEAR_W_ES, EXPERT_LINEAR_W_OFF, EXPERT_LINEAR_X_LD, EXPERT_LINEAR_X_OFF,
+                     EXPERT_LINEAR_Y_LD, EXPERT_LINEAR_Y_OFF, FLAG_EXPERT_LINEAR_DOWN_T, FLAG_EXPERT_LINEAR_GATHER,
                      FLAG_EXPERT_LINEAR_SILU_MUL, FLAG_MOE_COMBINE_RES, FLAG_MOE_COMBINE_SHARED, FLAG_ROUTE_GROUPED,
                      FLAG_ROUTE_NOAUX, FLAG_ROUTE_NORM, FLAG_ROUTE_SCORE, FLAG_ROUTE_SIGMOID, FLAG_ROUTE_SLOTS,
                      FLAG_ROUTE_TOPK, MOE_COMBINE_C0, MOE_COMBINE_C1, MOE_COMBINE_FLAGS, MOE_COMBINE_H, MOE_COMBINE_NS,
@@ -296,34 +296,81 @@ def slot_table(ids, st, P, E, S, BE: tl.constexpr, BP: tl.constexpr):
 @triton.jit
 def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
                 PF: tl.constexpr, DEPTH: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr,
-                NARROW: tl.constexpr, PFD: tl.constexpr = 0, EF: tl.constexpr = 0, KD: tl.constexpr = 0):
+                NARROW: tl.constexpr, PFD: tl.constexpr = 0, EF: tl.constexpr = 0, KD: tl.constexpr = 0,
+                EPF: tl.constexpr = 0, guess=-1, w_guess=0):
     """NARROW 1 (a launch variant): a slice that linear.narrow() picks streams 4·BR x KC/4 chunks.  KD > 0: the plan
-    has DOWN_T tasks (fusion rule expert_mlp), whose k-major down rows of up to KD columns are compiled in."""
+    has DOWN_T tasks (fusion rule expert_mlp), whose k-major down rows of up to KD columns are compiled in.
+    EPF > 0: w_guess is the first chunk of expert `guess`, requested before the wait (guess_first_chunk); the
+    stream takes it where the slot holds that expert.  After the wait the slot's expert and pair count are then
+    requested together: without a guess the first chunk's load overlapped the count's, with one the count is
+    what the stream waits for."""
     flags, S, slot = fld(word, EXPERT_LINEAR_FLAGS), fld(word, EXPERT_LINEAR_S), fld(word, EXPERT_LINEAR_SLOT)
     st = I + off(word, EXPERT_LINEAR_ST_OFF)
     expert = tl.load(st + slot, cache_modifier=".cg")
-    if expert >= 0:  # an empty slot does nothing (it still signals)
-        count = tl.load(st + S + slot, cache_modifier=".cg")
+    filled = expert >= 0
+    if EPF > 0:  # its pair count requested with it (the branch needs both, so the compiler cannot sink the count's
+        count = tl.load(st + S + slot, cache_modifier=".cg")  # load into it): the loop bound one round trip sooner
+        filled = filled & (count > 0)  # a slot with an expert has pairs: the same tasks run
+    if filled:  # an empty slot does nothing (it still signals)
+        if EPF == 0:
+            count = tl.load(st + S + slot, cache_modifier=".cg")
         N, K, kk = fld(word, EXPERT_LINEAR_N), fld(word, EXPERT_LINEAR_K), fld(word, EXPERT_LINEAR_TOPK)
         r0, r1 = fld(word, EXPERT_LINEAR_R0), fld(word, EXPERT_LINEAR_R1)
         two = has(flags, FLAG_EXPERT_LINEAR_SILU_MUL)
-        where = expert
-        if fld(word, EXPERT_LINEAR_MAP_BUF) >= 0:  # helper plans: the main slot holding the expert
-            where = tl.load(I + off(word, EXPERT_LINEAR_MAP_OFF) + expert, cache_modifier=".cg")
-        base = where.to(tl.int64) * aligned(fld(word, EXPERT_LINEAR_W_ES), ALIGN)
+        base = expert_base(word, I, expert, ALIGN)
         w_ptr = aligned_base(W, word, EXPERT_LINEAR_W_OFF, ALIGN) + base
         w2_ptr = aligned_base(W, word, EXPERT_LINEAR_W2_OFF, ALIGN) + base
         if PF > 0:  # the expert is known only now: its whole slice in flight at once
             prefetch_rows(w_ptr, w2_ptr, two, r0, r1, K, ALIGN)
         if NARROW and narrow(r1 - r0, K, BR, KC):
-            expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K, BR * 4, KC // 4,
-                          ALIGN, TB, DEPTH, ROWVEC, AHEAD, PFD, EF)
-        else:
-            expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K, BR, KC, ALIGN, TB,
+            expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K,
+                          first_chunk(w_ptr, r0, r1, K, BR * 4, KC // 4, ALIGN, EF), BR * 4, KC // 4, ALIGN, TB,
                           DEPTH, ROWVEC, AHEAD, PFD, EF)
+        else:
+            if EPF > 0:
+                if expert == guess:
+                    w = w_guess
+                else:  # the guess was stale (or none): the chunk requested now
+                    w = first_chunk(w_ptr, r0, r1, K, BR, KC, ALIGN, EF)
+            else:
+                w = first_chunk(w_ptr, r0, r1, K, BR, KC, ALIGN, EF)
+            expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K, w, BR, KC, ALIGN,
+                          TB, DEPTH, ROWVEC, AHEAD, PFD, EF)
         if KD > 0:
             if has(flags, FLAG_EXPERT_LINEAR_DOWN_T):
                 expert_down(word, W, A, st, S, slot, N, kk, count, base, r0, r1, K, KD, BR, ALIGN, EF)
+
+
+@triton.jit
+def expert_base(word, I, expert, ALIGN: tl.constexpr):
+    """Where an expert's rows start in each of its matrices (elements): its own block, or (helper plans) the block
+    of the main slot its map names."""
+    where = expert
+    if fld(word, EXPERT_LINEAR_MAP_BUF) >= 0:
+        where = tl.load(I + off(word, EXPERT_LINEAR_MAP_OFF) + expert, cache_modifier=".cg")
+    return where.to(tl.int64) * aligned(fld(word, EXPERT_LINEAR_W_ES), ALIGN)
+
+
+@triton.jit
+def guess_first_chunk(word, W, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, EF: tl.constexpr,
+                      EPF: tl.constexpr):
+    """EPF (a launch variant): (guess, its first weight chunk) for an EXPERT_LINEAR task, requested before the
+    dependency wait, as a LINEAR task's first chunk is, for the expert the task's slot holds now.  The route that
+    writes the slot table may not have run yet (the table then holds another step's or layer's experts): the body
+    compares the guess with the slot's expert after the wait and requests the chunk again where they differ, so a
+    stale guess costs one chunk of bandwidth, never a wrong sum.  Guessing reads the table without acquiring it:
+    any int may be there, so only an expert id below E is taken, and helper plans (an expert map) take none;
+    where there is no guess (-1) one row of expert 0 is read, 1/BR of a chunk.  EPF 2 guesses from the next slot
+    (a test hook: the stale guess's path, which the Triton interpreter, running the route first, never takes)."""
+    slot = fld(word, EXPERT_LINEAR_SLOT) + (1 if EPF == 2 else 0)
+    guess = tl.load(I + off(word, EXPERT_LINEAR_ST_OFF) + slot, cache_modifier=".cg")
+    usable = (guess >= 0) & (guess < fld(word, EXPERT_LINEAR_E)) & (fld(word, EXPERT_LINEAR_MAP_BUF) < 0)
+    guess = tl.where(usable, guess, -1)
+    r0 = fld(word, EXPERT_LINEAR_R0)
+    r1 = tl.where(usable, fld(word, EXPERT_LINEAR_R1), r0 + 1)
+    base = tl.maximum(guess, 0).to(tl.int64) * aligned(fld(word, EXPERT_LINEAR_W_ES), ALIGN)  # no map: see above
+    return guess, first_chunk(aligned_base(W, word, EXPERT_LINEAR_W_OFF, ALIGN) + base, r0, r1,
+                              fld(word, EXPERT_LINEAR_K), BR, KC, ALIGN, EF)
 
 
 @triton.jit
@@ -340,12 +387,11 @@ def expert_down(word, W, A, st, S, slot, N, kk, count, base, r0, r1, K, KD: tl.c
 
 
 @triton.jit
-def expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K, BR: tl.constexpr,
+def expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K, w, BR: tl.constexpr,
                   KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr, ROWVEC: tl.constexpr,
                   AHEAD: tl.constexpr, PFD: tl.constexpr = 0, EF: tl.constexpr = 0):
-    """An expert slice's weight stream in BR x KC chunks: the first chunk requested before the rest of the
-    address math."""
-    w = first_chunk(w_ptr, r0, r1, K, BR, KC, ALIGN, EF)
+    """An expert slice's weight stream in BR x KC chunks, w the first (requested by the caller before the rest of
+    the address math)."""
     pairs = st + 2 * S + slot * (N * kk)
     div = tl.where(has(flags, FLAG_EXPERT_LINEAR_GATHER), kk, 1)  # gate/up read token rows, down pair rows
     o_ptr, o_ld = A + off(word, EXPERT_LINEAR_OUT_OFF), fld(word, EXPERT_LINEAR_OUT_LD)
