@@ -64,6 +64,19 @@ def test_scale_multiplies_only_the_named_opcodes():
         replay.scaled_seconds(words, seconds, "ROUTE=2")
 
 
+def test_scale_in_microseconds_shifts_each_task_of_the_opcode():
+    """--scale LINEAR=-1.5us: each LINEAR task 1.5 us shorter (none below zero), the others kept; a value that is
+    neither a factor nor microseconds is refused by name."""
+    plan = compile_step(preset("tiny-dense"), StepShape(T=1, B=1, max_len=16), CompileOptions(workers=4))
+    words = replay.structure(plan)[0]
+    seconds = [1e-6 * (i % 3) for i in range(len(words))]
+    shifted = replay.scaled_seconds(words, seconds, "LINEAR=-1.5us")
+    assert any(w.op.name == "LINEAR" and s == 0.0 for w, s in zip(words, seconds))  # some would go below zero
+    assert shifted == [max(0.0, s - 1.5e-6) if w.op.name == "LINEAR" else s for w, s in zip(words, seconds)]
+    with pytest.raises(SystemExit, match="'fast'"):
+        replay.scaled_seconds(words, seconds, "LINEAR=fast")
+
+
 def tmp_trace(events: dict) -> str:
     """A Chrome trace as megakernel.profiler.task_trace writes it: an X event per task (ts = ready, dur), waits."""
     import json
