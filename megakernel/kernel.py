@@ -39,7 +39,7 @@ def next_word_to_l1(word, t, end, WORDS: tl.constexpr, WPF: tl.constexpr):
 
 
 @triton.jit
-def host_inputs_to_device(HT, HL, HD, I, counters, epoch, err, pid, TIMEOUT_NS: tl.constexpr,
+def host_inputs_to_device(HT, HL, HD, I, words, counters, epoch, err, pid, TIMEOUT_NS: tl.constexpr,
                           MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, POLL: tl.constexpr):
     """HIN (1 by default, where a plan has those inputs): the step's tokens and cache lengths copied from the
     host's pinned stage buffers (HT, HL: mapped, read over the bus) into their plan slots in I (offsets and counts
@@ -48,7 +48,8 @@ def host_inputs_to_device(HT, HL, HD, I, counters, epoch, err, pid, TIMEOUT_NS: 
     it before its first task, bounded and polled like a task's wait (POLL).  A first version had every worker
     read the host itself: 1.35 ms a llama-1b step against 1.06 (docs/PERF.md session 28), as if the bus served
     those 264 reads one by one.  No task of a step writes an input slot (graph/memory.py keeps them).  1 when
-    this worker may go on."""
+    this worker may go on.  words: the plan's first task word (POLL 2's wait asks the L1 for a word; any that
+    never changes will do)."""
     c = tl.load(HD + 4)
     inputs = counters + c.to(tl.int64) * COUNTER_STRIDE
     ok = 1
@@ -64,7 +65,7 @@ def host_inputs_to_device(HT, HL, HD, I, counters, epoch, err, pid, TIMEOUT_NS: 
         tl.debug_barrier()  # every thread's copies before the release
         tl.atomic_add(inputs, 1, sem="release", scope="gpu")
     else:
-        ok = wait_counter(inputs, epoch, err, pid, -1, c, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL)
+        ok = wait_counter(inputs, epoch, err, pid, -1, c, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL, words)
     return ok
 
 
@@ -142,7 +143,8 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
     tl.store(worker_epoch + pid, epoch)
     ok = 1
     if HIN:
-        ok = host_inputs_to_device(HT, HL, HD, I, counters, epoch, err, pid, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL)
+        ok = host_inputs_to_device(HT, HL, HD, I, words, counters, epoch, err, pid, TIMEOUT_NS, MAX_SPINS, USE_TIMER,
+                                   POLL)
     ok = ok & (tl.atomic_add(err, 0, sem="acquire", scope="gpu") == 0).to(tl.int32)
     t = start
     while (t < end) & (ok == 1):

@@ -121,16 +121,18 @@ def test_gqa_cache_prefetch_on_llama_1b():
         assert torch.equal(logits, want), blocks
 
 
-def test_acquire_load_polls_give_the_same_bits():
-    """Launch variant POLL=1 (every dependency wait polls with each thread's ld.acquire.gpu, not one thread's
-    acquire atomic) changes when a task sees its counters, not what it computes: llama-1b's logits (4 layers,
-    B=2) bit for bit, and the watchdog still turns a stalled counter into an error and recovers."""
+@pytest.mark.parametrize("poll", [1, 2])
+def test_acquire_load_polls_give_the_same_bits(poll):
+    """Launch variants POLL=1 (every dependency wait polls with each thread's ld.acquire.gpu, not one thread's
+    acquire atomic) and POLL=2 (one thread's acquire load that also asks the L1 for the task's word, shared through
+    a word of static shared memory) change when a task sees its counters, not what it computes: llama-1b's logits
+    (4 layers, B=2) bit for bit, and the watchdog still turns a stalled counter into an error and recovers."""
     from megakernel.runtime import LaunchConfig, Megakernel
-    want, got = _variant_logits("llama-1b", 2, 1024, [700, 1000], [dict(POLL=1)])
+    want, got = _variant_logits("llama-1b", 2, 1024, [700, 1000], [dict(POLL=poll)])
     for blocks, logits in got:
         assert torch.equal(logits, want), blocks
     cfg, w, plan, _ = _setup("tiny-moe")
-    mk = Megakernel(plan, w, "cuda", torch.bfloat16, config=LaunchConfig(blocks=dict(POLL=1)))
+    mk = Megakernel(plan, w, "cuda", torch.bfloat16, config=LaunchConfig(blocks=dict(POLL=poll)))
     mk.capture()
     stall_is_a_watchdog_error_then_recovers(mk, plan.num_tasks // 2, torch.zeros(2, 2, dtype=torch.long, device="cuda"),
                                             torch.tensor([0, 0], device="cuda"))

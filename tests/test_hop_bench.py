@@ -28,3 +28,5 @@ def test_bad_sizes_modes_and_programs_are_refused():
         hop_bench.HopBench("ll", 48, 1, "cpu")
     with pytest.raises(ValueError, match="programs=65"):
         hop_bench.HopBench("ll", 64, 65, "cpu")
+    with pytest.raises(ValueError, match="mode 'word' polls with inline PTX: GPU only"):
+        hop_bench.HopBench("word", 64, 1, "cpu")

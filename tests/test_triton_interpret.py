@@ -374,7 +374,8 @@ def test_block_overrides_that_would_change_the_result_are_refused():
                ({"PFK": 64}, "PFK=64: the Triton interpreter runs no inline PTX"), ({"PFK": -1}, "PFK=-1: 0 .off."),
                ({"AHEAD": 2}, "AHEAD=2: 0, or 1"), ({"ROUTE1": 2}, "ROUTE1=2: 0, or 1"),
                ({"NARROW": 2}, "NARROW=2: 0, or 1"), ({"NARROW": 1, "KC": 16}, "NARROW=1 needs KC/4"),
-               ({"POLL": 2}, "POLL=2: 0 .a scalar acquire atomic."),
+               ({"POLL": 3}, "POLL=3: 0 .a scalar acquire atomic."),
+               ({"POLL": 2}, "POLL=2: the Triton interpreter runs no inline PTX"),
                ({"HIN": 2}, "HIN=2: 0 .inputs copied"), ({"EPF": 3}, "EPF=3: 0, 1 .an expert task's first"),
                ({"POLL": 1}, "POLL=1: the Triton interpreter runs no inline PTX")]
     for override, why in refused:

@@ -1,6 +1,7 @@
 """What one dependency hop costs, alone: programs on their own SMs hand activation rows on, hop after hop.
 
-    python tools/hop_bench.py [--rounds 2000] [--programs 2 0] [--sizes 256 2048] [--modes counter ldacq ll] [--out DIR]
+    python tools/hop_bench.py [--rounds 2000] [--programs 2 0] [--sizes 256 2048] [--modes counter ldacq word ll]
+        [--out DIR]
 
 Every layer of a step is a chain of 6 (llama-1b) to 13 (dsv2-lite) hops: a task's rows reach the L2, its
 counter is released, the next op's tasks see the count, then load the rows.  In session 24's traces a consumer
@@ -11,9 +12,13 @@ one per SM (`--programs 0`), for each way of handing over:
 
 - counter: the persistent kernel's (ops/common.py): every thread stores its part, a CTA barrier, one thread's
   release add on the counter; the consumer polls with a scalar acquire add (one thread's, shared through a
-  barrier: poll_counter with POLL=0), then loads the rows;
+  barrier: poll_counter with POLL=0), reads where its rows are from a field of its task word, as a kernel body
+  does after its wait (since session 34: the acquire invalidated the L1, so the field is an L2 round trip), then
+  loads the rows;
 - ldacq: the same with the poll an `ld.acquire.gpu` by every thread (a load, not an atomic), the CTA's minimum
   (the kernel's launch variant POLL=1);
+- word: the same with POLL=2's poll: one thread's acquire load that asks the L1 for the task word's lines while it
+  is out, so the field is an L1 hit (GPU only: inline PTX, as ldacq);
 - ll: no counter (NCCL's LL protocol): each 8-byte word carries a 4-byte value and a 4-byte flag (the hop's
   number), stored together, so a consumer polls the rows themselves and has them when every flag matches: no
   release, no second round trip.  Twice the bytes on the wire.
@@ -42,18 +47,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megakernel.ops.common import COUNTER_STRIDE, now_ns, poll_counter  # noqa: E402
 
-MODES = {"counter": 0, "ldacq": 1, "ll": 2}
+MODES = {"counter": 0, "ldacq": 1, "ll": 2, "word": 3}  # the counter modes poll with POLL 0, 1 and (word) 2
 MAX_SPINS = 10_000_000
+WORD_FIELD = tl.constexpr(17)  # a field past the word's header, in its first 128-byte line
 
 
 @triton.jit
-def wait_count(cnt, target, MODE: tl.constexpr, MAX_SPINS: tl.constexpr):
-    """Spins until cnt >= target, polling as the kernel's waits do (ops/common.poll_counter: MODE 0 is POLL 0,
-    1 is POLL 1); the polls it took, or -1 past MAX_SPINS."""
+def wait_count(cnt, target, word, POLL: tl.constexpr, MAX_SPINS: tl.constexpr):
+    """Spins until cnt >= target, polling as the kernel's waits do (ops/common.poll_counter with POLL; POLL 2 asks
+    the L1 for `word`); the polls it took, or -1 past MAX_SPINS."""
     spins = 0
     seen = tl.cast(-1, tl.int32)
     while (seen < target) & (spins >= 0):
-        seen = poll_counter(cnt, MODE)
+        seen = poll_counter(cnt, POLL, word)
         spins += 1
         if spins > MAX_SPINS:
             spins = -1
@@ -75,8 +81,9 @@ def hand_over(rows, ll, cnt, g, vals, d, mine, MODE: tl.constexpr):
 
 
 @triton.jit
-def take_over(rows, ll, cnt, g, target, d, MODE: tl.constexpr, MAX_SPINS: tl.constexpr):
-    """(every row of hop g, polls it took or -1); target: the count its buffer's counter reaches with it."""
+def take_over(rows, ll, cnt, g, target, d, word, MODE: tl.constexpr, MAX_SPINS: tl.constexpr):
+    """(every row of hop g, polls it took or -1); target: the count its buffer's counter reaches with it; word: this
+    program's task word, whose field WORD_FIELD (always 0) offsets the rows (the counter modes)."""
     if MODE == 2:
         flag = (g + 1).to(tl.int64)
         words = tl.load(ll + d, volatile=True)
@@ -88,20 +95,21 @@ def take_over(rows, ll, cnt, g, target, d, MODE: tl.constexpr, MAX_SPINS: tl.con
                 spins = -1
         vals = (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
     else:
-        spins = wait_count(cnt, target, MODE, MAX_SPINS)
-        vals = tl.load(rows + d, cache_modifier=".cg")
+        spins = wait_count(cnt, target, word, 2 if MODE == 3 else MODE, MAX_SPINS)
+        vals = tl.load(rows + tl.load(word + WORD_FIELD) + d, cache_modifier=".cg")
     return vals, spins
 
 
 @triton.jit
-def chain(rows, ll, counters, result, base, ROUNDS: tl.constexpr, N: tl.constexpr, MODE: tl.constexpr,
+def chain(rows, ll, counters, words, result, base, ROUNDS: tl.constexpr, N: tl.constexpr, MODE: tl.constexpr,
           MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr):
     """G programs (the grid), each hop all to all, as a chain of LINEAR ops is: every program writes its rows of
     hop g (rows r with r % G == its id), then waits for and reads every row, and writes hop g + 1 from what it
     read.  Hops are numbered over every launch (base: the hops earlier launches ran) and alternate between two
-    buffers, each with its counter (a line apart, as the kernel's); a buffer is written again only after every program has read
-    it (each has written the next hop, which it does after its reads).  result[8p:]: start, end, the count it
-    last read, the hop that never arrived + 1, rows that were not what their hop wrote."""
+    buffers, each with its counter (a line apart, as the kernel's); a buffer is written again only after every
+    program has read it (each has written the next hop, which it does after its reads).  words: a task word per
+    program (64 int32s, never written).  result[8p:]: start, end, the count it last read, the hop that never
+    arrived + 1, rows that were not what their hop wrote."""
     pid, G = tl.program_id(0), tl.num_programs(0)
     d = tl.arange(0, N)
     mine = d % G == pid
@@ -115,7 +123,8 @@ def chain(rows, ll, counters, result, base, ROUNDS: tl.constexpr, N: tl.constexp
         if failed == 0:
             cnt = counters + way * COUNTER_STRIDE
             hand_over(rows + way * N, ll + way * N, cnt, g, (count + d).to(tl.float32), d, mine, MODE)
-            vals, spins = take_over(rows + way * N, ll + way * N, cnt, g, G * (g // 2 + 1), d, MODE, MAX_SPINS)
+            vals, spins = take_over(rows + way * N, ll + way * N, cnt, g, G * (g // 2 + 1), d, words + 64 * pid, MODE,
+                                    MAX_SPINS)
             bad += tl.sum((vals != (g + d).to(tl.float32)).to(tl.int32), axis=0)
             count = tl.sum(tl.where(d == 0, vals, 0.0), axis=0).to(tl.int32) + 1
             if spins < 0:
@@ -138,6 +147,9 @@ class HopBench:
             raise ValueError(f"size {n}: a power of two >= 32 (one value per lane at least)")
         if not 1 <= programs <= n:
             raise ValueError(f"programs={programs}: 1 to the {n} rows (each writes at least one)")
+        interpreted = torch.device(device).type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+        if mode in ("ldacq", "word") and interpreted:
+            raise ValueError(f"mode {mode!r} polls with inline PTX: GPU only (the Triton interpreter runs none)")
         if torch.device(device).type == "cuda":
             sms = torch.cuda.get_device_properties(device).multi_processor_count
             if programs > sms:
@@ -147,6 +159,7 @@ class HopBench:
         self.rows = torch.zeros(2 * n, dtype=torch.float32, device=device)
         self.ll = torch.zeros(2 * n, dtype=torch.int64, device=device)
         self.counters = torch.zeros(2 * COUNTER_STRIDE.value, dtype=torch.int32, device=device)
+        self.words = torch.zeros(64 * programs, dtype=torch.int32, device=device)  # a task word each, never written
         self.result = torch.zeros(8 * programs, dtype=torch.int64, device=device)
         self.hops_done = 0  # over every launch: the counters and flags only grow
 
@@ -154,7 +167,8 @@ class HopBench:
         if rounds < 1:
             raise ValueError(f"rounds={rounds}: at least one hop")
         timer = self.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-        chain[(self.programs,)](self.rows, self.ll, self.counters, self.result, self.hops_done, ROUNDS=rounds,
+        chain[(self.programs,)](self.rows, self.ll, self.counters, self.words, self.result, self.hops_done,
+                                ROUNDS=rounds,
                                 N=self.n, MODE=MODES[self.mode], MAX_SPINS=MAX_SPINS, USE_TIMER=timer, num_warps=4)
         self.hops_done += rounds
         r = self.result.view(self.programs, 8).cpu()

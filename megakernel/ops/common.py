@@ -234,16 +234,28 @@ def record_stop(err, state, reason, t, counter, seen, target, TIMEOUT_REASON: tl
 
 
 @triton.jit
-def poll_counter(ptr, POLL: tl.constexpr):
+def poll_counter(ptr, POLL: tl.constexpr, near=None):
     """A counter's value, acquired, the same in every thread.  POLL 0: a scalar atomic (one thread's, shared
     through a barrier); 1 (a launch variant, inline PTX): every thread's own ld.acquire.gpu and the CTA's
     minimum, a load rather than a read-modify-write at the L2's atomic unit (tools/hop_bench.py times both:
     `counter` and `ldacq`).  The row is 256 wide, at least one element per thread up to 8 warps: a row that warps
-    replicate is reduced per warp, and warps that saw different values would leave the wait at different turns."""
+    replicate is reduced per warp, and warps that saw different values would leave the wait at different turns.
+    POLL 2 (a launch variant, inline PTX): POLL 0's one atomic, by thread 0, which then asks this SM's L1 for the
+    two lines at `near` (the waiting task's word) while the poll is out, shared through the CTA's maximum.  An
+    acquire invalidates the L1 (SASS: the poll's load, then CCTL.IVALL), so a task's fields, read after its wait,
+    came from the L2, one round trip and more where a field decides which fields come next; the word's lines
+    asked for after that invalidation arrive with the poll's answer.  Only words that never change may be asked
+    for so early: the answer has not yet ordered anything."""
     if POLL == 1:
         return tl.min(tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l",
                                                 [ptr + tl.zeros([256], tl.int32)], dtype=tl.int32, is_pure=False,
                                                 pack=1), axis=0)
+    elif POLL == 2:  # every thread runs it: thread 0 polls and asks for the lines, a shared word tells the rest
+        return tl.inline_asm_elementwise(
+            "{ .shared .align 4 .b32 seen; .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "@p ld.acquire.gpu.global.b32 t, [$1]; @p prefetch.global.L1 [$2]; @p prefetch.global.L1 [$3]; "
+            "@p st.shared.b32 [seen], t; bar.sync 0; ld.shared.b32 $0, [seen]; bar.sync 0; }",
+            "=r,l,l,l", [ptr, near, near + 32], dtype=tl.int32, is_pure=False, pack=1)
     else:
         return tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
 
@@ -260,22 +272,22 @@ def wait_task(word, t, counters, epoch, err, pid, MAX_WAITS: tl.constexpr, TIMEO
         if (c >= 0) & (ok == 1):
             target = epoch * tl.load(word + WORD_WAITS + 2 * i + 1)
             ptr = counters + c.to(tl.int64) * COUNTER_STRIDE
-            ok = wait_counter(ptr, target, err, pid, t, c, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL)
+            ok = wait_counter(ptr, target, err, pid, t, c, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL, word)
     return ok
 
 
 @triton.jit
 def wait_counter(ptr, target, err, pid, t, c, TIMEOUT_NS: tl.constexpr, MAX_SPINS: tl.constexpr,
-                 USE_TIMER: tl.constexpr, POLL: tl.constexpr = 0):
+                 USE_TIMER: tl.constexpr, POLL: tl.constexpr = 0, word=None):
     """1 once counter c (at ptr) reaches target (acquire), 0 when this worker must stop: a timeout (recorded as
-    task t waiting on c) or another worker's failure."""
+    task t waiting on c) or another worker's failure.  word: the waiting task's (POLL 2 asks the L1 for it)."""
     state = err + ERR_HEADER + pid * ERR_PER_WORKER
-    seen = poll_counter(ptr, POLL)
+    seen = poll_counter(ptr, POLL, word)
     start = tl.cast(0, tl.int32)  # scalars as tl.cast: these compile inside Gluon too
     spins = 0
     reason = 0
     while (seen < target) & (reason == 0):
-        seen = poll_counter(ptr, POLL)
+        seen = poll_counter(ptr, POLL, word)
         spins += 1
         reason, start = past_bound(err, state, spins, start, TIMEOUT_NS, MAX_SPINS, USE_TIMER, 1)
     ok = 1
