@@ -240,12 +240,13 @@ def poll_counter(ptr, POLL: tl.constexpr, near=None):
     minimum, a load rather than a read-modify-write at the L2's atomic unit (tools/hop_bench.py times both:
     `counter` and `ldacq`).  The row is 256 wide, at least one element per thread up to 8 warps: a row that warps
     replicate is reduced per warp, and warps that saw different values would leave the wait at different turns.
-    POLL 2 (a launch variant, inline PTX): POLL 0's one atomic, by thread 0, which then asks this SM's L1 for the
-    two lines at `near` (the waiting task's word) while the poll is out, shared through the CTA's maximum.  An
-    acquire invalidates the L1 (SASS: the poll's load, then CCTL.IVALL), so a task's fields, read after its wait,
-    came from the L2, one round trip and more where a field decides which fields come next; the word's lines
-    asked for after that invalidation arrive with the poll's answer.  Only words that never change may be asked
-    for so early: the answer has not yet ordered anything."""
+    POLL 2 (a launch variant, inline PTX): POLL 0's one acquire load (Triton lowers the atomic add of 0 to one), by
+    thread 0, which then asks this SM's L1 for the two lines at `near` (the waiting task's word) while the poll is
+    out; the value reaches the other threads through a word of static shared memory, as Triton shares POLL 0's (a
+    CTA maximum cost llama-1b's kernel 13 registers).  An acquire invalidates the L1 (SASS: the poll's load, then
+    CCTL.IVALL), so a task's fields, read after its wait, came from the L2, one round trip and more where a field
+    decides which fields come next; the word's lines asked for after that invalidation arrive with the poll's
+    answer.  Only words that never change may be asked for so early: the answer has not yet ordered anything."""
     if POLL == 1:
         return tl.min(tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l",
                                                 [ptr + tl.zeros([256], tl.int32)], dtype=tl.int32, is_pure=False,
