@@ -138,6 +138,39 @@ def test_sass_probe_reads_the_stream_loop():
     assert loop and int(loop.group(1)) > 50 and "LDG" in loop.group(2) and "FFMA" in loop.group(2), out.stdout
 
 
+SOURCE_SASS_SCRIPT = r"""
+import contextlib, io, sys
+sys.path.insert(0, "tools")
+import sass_probe as sp
+info, sass = sp.compile_sass(sp.stream_probe, *sp.STREAM_PROBE_ARGS, dict(BR=8, KC=2048, ALIGN=8, TB=1, DEPTH=1,
+                                                                           ROWVEC=2, AHEAD=1, PFD=0))
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    sp.print_source_sass(sass, "linear.py:1-2000")
+rows = out.getvalue().splitlines()
+assert rows and all(" linear.py:" in r for r in rows) and any("LDG" in r for r in rows), rows[:5]
+addrs = [int(r.split()[0], 16) for r in rows]
+assert addrs == sorted(addrs)
+try:
+    sp.print_source_sass(sass, "linear.py:a-b")
+    raise SystemExit("a span that is not FILE:LO-HI was accepted")
+except SystemExit as e:
+    assert "FILE:LO-HI" in str(e), e
+print("ok", len(rows))
+"""
+
+
+@pytest.mark.slow
+def test_sass_probe_prints_a_source_span():
+    """sass_probe's --source FILE:LO-HI: the instructions of those lines in address order (the stream probe's
+    linear.py lines hold its weight loads); a span that is not FILE:LO-HI is refused by name."""
+    import os
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", SOURCE_SASS_SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-3000:] + out.stdout[-1000:]
+
+
 NCU_LINES_SCRIPT = r"""
 import sys, tempfile
 from pathlib import Path

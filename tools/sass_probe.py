@@ -4,7 +4,8 @@
         registers, spills, shared memory and 16-byte loads of the whole persistent kernel, with the block sizes
         launch.launch_blocks() fits to the model's T=1 plan (--plan: plan options as bench.py's --plan-variants
         take them, e.g. expert_mlp=1), then once per variant (block overrides);
-        --lines adds instructions, spill loads/stores and barriers per source file and the worst lines
+        --lines adds instructions, spill loads/stores and barriers per source file and the worst lines;
+        --source FILE:LO-HI prints those source lines' instructions in address order (what a body's loads wait on)
     python tools/sass_probe.py stream [--lines] [KEY=V,...]...
         the weight stream alone (ops/linear.stream_chunks, bf16 weights): its hot loop's instructions
         by opcode, per variant (BR, KC, TB: tokens per weight chunk, DEPTH: chunks in flight, PFD: L2 prefetch distance); --lines adds them by source line
@@ -192,7 +193,7 @@ def print_spills(sass: str) -> None:
     print("    barriers by line: " + ", ".join(f"{w} {n}" for w, n in bars.most_common(12)))
 
 
-def probe_kernel(model: str, variants: list[str], lines: bool = False, plan_spec: str = "") -> None:
+def probe_kernel(model: str, variants: list[str], lines: bool = False, plan_spec: str = "", source: str = "") -> None:
     import torch
 
     from graph.compile import compile_options, compile_step
@@ -218,6 +219,24 @@ def probe_kernel(model: str, variants: list[str], lines: bool = False, plan_spec
         print(f"kernel {model}{' ' + plan_spec if plan_spec else ''} {spec or 'fitted'}: {info}")
         if lines:
             print_spills(sass)
+        if source:
+            print_source_sass(sass, source)
+
+
+def print_source_sass(sass: str, source: str) -> None:
+    """The instructions of source lines FILE:LO-HI (e.g. moe.py:300-372), in address order: where a body's loads
+    go out and what waits on them (session 34 read two latencies off these: a load the compiler sank into a branch,
+    and the fields a body reads after the L1 invalidation that ends every poll, CCTL.IVALL)."""
+    name, _, span = source.partition(":")
+    lo, _, hi = span.partition("-")
+    try:
+        lo, hi = int(lo), int(hi or lo)
+    except ValueError:
+        raise SystemExit(f"--source {source!r}: FILE:LO-HI, e.g. moe.py:300-372")
+    for addr, where, ins in sass_lines(sass):
+        f, _, ln = where.partition(":")
+        if f == name and ln.isdigit() and lo <= int(ln) <= hi:
+            print(f"  {addr:6x} {where:16s} {ins}")
 
 
 def main() -> None:
@@ -227,13 +246,15 @@ def main() -> None:
     p.add_argument("--model", default="dsv2-lite")
     p.add_argument("--plan", default="", metavar="KEY=V,...", help="plan options (kernel): e.g. expert_mlp=1")
     p.add_argument("--lines", action="store_true")
+    p.add_argument("--source", default="", metavar="FILE:LO-HI",
+                   help="kernel: also print the SASS of these source lines, e.g. moe.py:300-372")
     args = p.parse_intermixed_args()  # options before or after the variants, as the usage lines write them
     if args.what == "stream":
         probe_stream(args.variants, args.lines)
     elif args.what == "attention":
         probe_attention(args.variants, args.lines)
     else:
-        probe_kernel(args.model, args.variants, args.lines, args.plan)
+        probe_kernel(args.model, args.variants, args.lines, args.plan, args.source)
 
 
 if __name__ == "__main__":
