@@ -240,8 +240,8 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 ATT_ROPE=int(any(t.op.name == "ATTENTION" and t.has("ROPE") for t in tasks)),
                 # 1 (a launch variant, inline PTX: not measured in a step yet): dependency waits poll with every
                 # thread's ld.acquire.gpu, not one thread's atomic (ops/common.poll_counter; tools/hop_bench.py);
-                # 2 (a launch variant, inline PTX, not measured yet): one thread's atomic that also asks the L1 for the
-                # task's word, so the fields a body reads after its wait are not L2 round trips
+                # 2 (a launch variant, inline PTX, not measured yet): one thread's acquire load that also asks the L1
+                # for the task's word, so the fields a body reads after its wait are not L2 round trips
                 POLL=0,
                 # 1: worker 0 copies the step's tokens and cache lengths from the pinned stage buffers and releases
                 # them to the others (kernel.host_inputs_to_device), so the graph is one kernel and no copy nodes: 1
@@ -309,7 +309,7 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
                               "default)")
     if blocks["POLL"] not in (0, 1, 2):
         raise MegakernelError(f"block override POLL={blocks['POLL']}: 0 (a scalar acquire atomic), 1 (every "
-                              "thread's ld.acquire.gpu) or 2 (one thread's acquire atomic that also asks the L1 "
+                              "thread's ld.acquire.gpu) or 2 (one thread's acquire load that also asks the L1 "
                               "for the task's word)")
     if blocks["POLL"] and INTERPRET:
         raise MegakernelError(f"block override POLL={blocks['POLL']}: the Triton interpreter runs no inline PTX")

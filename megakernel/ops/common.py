@@ -251,7 +251,10 @@ def poll_counter(ptr, POLL: tl.constexpr, near=None):
         return tl.min(tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l",
                                                 [ptr + tl.zeros([256], tl.int32)], dtype=tl.int32, is_pure=False,
                                                 pack=1), axis=0)
-    elif POLL == 2:  # every thread runs it: thread 0 polls and asks for the lines, a shared word tells the rest
+    elif POLL == 2:  # every thread runs it: thread 0 polls and asks for the lines, a shared word tells the rest.
+        # prefetch_word_l1's two prefetches, written here because they must sit between the poll and the store that
+        # waits for it; the second line's address is an operand (near + 32 ints), as [$2+128] was computed only
+        # after that store (SASS)
         return tl.inline_asm_elementwise(
             "{ .shared .align 4 .b32 seen; .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
             "@p ld.acquire.gpu.global.b32 t, [$1]; @p prefetch.global.L1 [$2]; @p prefetch.global.L1 [$3]; "

@@ -327,12 +327,9 @@ def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.con
                           first_chunk(w_ptr, r0, r1, K, BR * 4, KC // 4, ALIGN, EF), BR * 4, KC // 4, ALIGN, TB,
                           DEPTH, ROWVEC, AHEAD, PFD, EF)
         else:
-            if EPF > 0:
-                if expert == guess:
-                    w = w_guess
-                else:  # the guess was stale (or none): the chunk requested now
-                    w = first_chunk(w_ptr, r0, r1, K, BR, KC, ALIGN, EF)
-            else:
+            if EPF and (expert == guess):
+                w = w_guess
+            else:  # no guess, or a stale one: the chunk requested now
                 w = first_chunk(w_ptr, r0, r1, K, BR, KC, ALIGN, EF)
             expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K, w, BR, KC, ALIGN,
                           TB, DEPTH, ROWVEC, AHEAD, PFD, EF)
@@ -348,6 +345,12 @@ def expert_base(word, I, expert, ALIGN: tl.constexpr):
     where = expert
     if fld(word, EXPERT_LINEAR_MAP_BUF) >= 0:
         where = tl.load(I + off(word, EXPERT_LINEAR_MAP_OFF) + expert, cache_modifier=".cg")
+    return block_of(word, where, ALIGN)
+
+
+@triton.jit
+def block_of(word, where, ALIGN: tl.constexpr):
+    """Where block `where` of the expert weights starts (elements past each matrix's offset)."""
     return where.to(tl.int64) * aligned(fld(word, EXPERT_LINEAR_W_ES), ALIGN)
 
 
@@ -368,7 +371,7 @@ def guess_first_chunk(word, W, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.
     guess = tl.where(usable, guess, -1)
     r0 = fld(word, EXPERT_LINEAR_R0)
     r1 = tl.where(usable, fld(word, EXPERT_LINEAR_R1), r0 + 1)
-    base = tl.maximum(guess, 0).to(tl.int64) * aligned(fld(word, EXPERT_LINEAR_W_ES), ALIGN)  # no map: see above
+    base = block_of(word, tl.maximum(guess, 0), ALIGN)  # no map: see above
     return guess, first_chunk(aligned_base(W, word, EXPERT_LINEAR_W_OFF, ALIGN) + base, r0, r1,
                               fld(word, EXPERT_LINEAR_K), BR, KC, ALIGN, EF)
 
