@@ -135,7 +135,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                ROWVEC: tl.constexpr, AHEAD: tl.constexpr, NARROW: tl.constexpr, ROUTE1: tl.constexpr, PFD: tl.constexpr,
                EF: tl.constexpr, WPF: tl.constexpr, APF: tl.constexpr, PFK: tl.constexpr, HILO: tl.constexpr,
                HELPER_SIDE: tl.constexpr, ATT_ROPE: tl.constexpr, POLL: tl.constexpr, HIN: tl.constexpr,
-               KD: tl.constexpr, EPF: tl.constexpr):
+               KD: tl.constexpr, EPF: tl.constexpr, QIX: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
     end = tl.load(queue_ptr + pid + 1)
@@ -192,7 +192,8 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                 elif op == OP_RMSNORM:
                     norm.body(word, W, A, I, C, BN)
                 elif op == OP_ATTENTION:
-                    attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC, ATT_KIND, EF, ATT_ROPE)
+                    attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC, ATT_KIND, EF, ATT_ROPE,
+                                   QIX)
                 elif op == OP_ATTN_COMBINE:
                     attention.combine_body(word, A, BSC, BCW, CPF, ALIGN)
                 elif op == OP_ROPE:

@@ -240,18 +240,22 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 ATT_ROPE=int(any(t.op.name == "ATTENTION" and t.has("ROPE") for t in tasks)),
                 # 1 (a launch variant, inline PTX: not measured in a step yet): dependency waits poll with every
                 # thread's ld.acquire.gpu, not one thread's atomic (ops/common.poll_counter; tools/hop_bench.py);
-                # 2 (a launch variant, inline PTX, not measured yet): one thread's acquire load that also asks the L1
-                # for the task's word, so the fields a body reads after its wait are not L2 round trips
+                # 2 (a launch variant, inline PTX): one thread's acquire load that also asks the L1 for the task's
+                # word, so the fields a body reads after its wait are not L2 round trips (+1.7% on dsv2-lite, +1.2% on
+                # llama-1b: docs/PERF.md session 35)
                 POLL=0,
                 # 1: worker 0 copies the step's tokens and cache lengths from the pinned stage buffers and releases
                 # them to the others (kernel.host_inputs_to_device), so the graph is one kernel and no copy nodes: 1
                 # launch a step, not 3, at the same step time (docs/PERF.md session 28).  Fitted by launch_blocks
                 # from the plan: 1 where it has those inputs and no stream workers
                 HIN=0,
-                # 1 (a launch variant, not measured in a step yet): an EXPERT_LINEAR task's first weight chunk requested
-                # before its wait, for the expert its slot holds then (a guess the body checks after the wait:
-                # moe.guess_first_chunk), as a LINEAR task's is; 2: guessed from the next slot (a test hook)
-                EPF=0)
+                # 1 (a launch variant, +0.9% on dsv2-lite: docs/PERF.md session 35): an EXPERT_LINEAR task's first
+                # weight chunk requested before its wait, for the expert its slot holds then (a guess the body checks
+                # after the wait: moe.guess_first_chunk), as a LINEAR task's is; 2: guessed from the next slot (a test hook)
+                EPF=0,
+                # ATTENTION's query rows (a launch variant, not measured yet: attention.body's QIX): bit 1, their token
+                # and head without integer division; bit 2, the cache length requested after them
+                QIX=0)
 
 
 def bulk_prefetch_refusal(align: int, weight_bytes: int) -> str | None:
@@ -317,6 +321,9 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
         raise MegakernelError(f"block override EPF={blocks['EPF']}: 0, 1 (an expert task's first weights requested "
                               "before its wait, for the expert its slot holds then) or 2 (guessed from the next slot: "
                               "a test hook)")
+    if blocks["QIX"] not in (0, 1, 2, 3):
+        raise MegakernelError(f"block override QIX={blocks['QIX']}: bits 1 (attention's query rows indexed without "
+                              "integer division) and 2 (the cache length requested after them)")
     if blocks["APF"] not in (0, 1, 2):
         raise MegakernelError(f"block override APF={blocks['APF']}: 0, 1 (MLA attention's cache rows asked of the L2 "
                               "before the wait) or 2 (GQA's head lines too)")

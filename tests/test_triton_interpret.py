@@ -449,6 +449,20 @@ def test_attention_key_blocks_in_flight_change_nothing(name):
     assert torch.equal(logits[0], logits[1]) and torch.equal(logits[1], logits[2])
 
 
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
+def test_attention_query_rows_indexed_without_division_change_nothing(name):
+    """ATTENTION's launch variant QIX=3 (a query row's token and head by a float reciprocal, the cache length
+    requested after the query rows) reads the same rows: two tokens of two sequences (rows t·heads + h), GQA with
+    its rope and cache writes, and MLA, equal the interpreter and the default body bit for bit."""
+    logits = []
+    for qix in (0, 3):
+        cfg, plan, interp, mk = _pair(name, passes=0, blocks=dict(QIX=qix))
+        assert mk.blocks["QIX"] == qix
+        _compare(cfg, interp, mk, torch.tensor([5, 9]))
+        logits.append(mk.result().logits)
+    assert torch.equal(logits[0], logits[1])
+
+
 def test_greedy_argmax_takes_the_first_of_tied_maxima():
     """ARGMAX over several vocab blocks (vocab_block=128), each read in two pieces (BD=4: 64 logits a piece): with
     the top logit tied within a lane across pieces (ids 10 and 74), across lanes (20) and across blocks (200),

@@ -11,8 +11,9 @@ variant of the body is measured in seconds of device time, not a whole bench.  E
 layer's cache (16 layers, 134 MB: past the L2) unless a variant says `warm=1`.
 
 A VARIANT is KEY=V,...: the body's block sizes BJ, BM, STAGES, EF (evict-first cache loads), `warps`,
-`prec1=1` (one bf16 MMA a product, not the fp32 operand's two halves), `keys=N` (each split cut to its
-first N positions: the time against N is a block's cost and the fixed cost), `tasks=N` (only the layer's
+`prec1=1` (one bf16 MMA a product, not the fp32 operand's two halves), `qix=1|2|3` (the body's QIX: the query
+rows' token and head without integer division, the cache length requested after the query rows, both), `keys=N`
+(each split cut to its first N positions: the time against N is a block's cost and the fixed cost), `tasks=N` (only the layer's
 first N splits: N=1 is one split's latency with the memory to itself), `warm=1`, `loads=1` (the same cache
 rows loaded and summed, no arithmetic: what the access pattern costs), with `headmajor=1` from a
 head-major layout of the same size instead.  `--plan KEY=V,...` compiles the plan with those options
@@ -52,11 +53,11 @@ from tools.bench import step_max_len  # noqa: E402
 @triton.jit
 def attention_tasks(words, idx, A, I, C, stamps, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr,
                     RMAX: tl.constexpr, STAGES: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr,
-                    KIND: tl.constexpr, EF: tl.constexpr, WORDS: tl.constexpr, ROPE: tl.constexpr):
+                    KIND: tl.constexpr, EF: tl.constexpr, WORDS: tl.constexpr, ROPE: tl.constexpr, QIX: tl.constexpr):
     p = tl.program_id(0)
     word = words + tl.load(idx + p).to(tl.int64) * WORDS
     t0 = now_ns(True)
-    attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC, KIND, EF, ROPE)
+    attention.body(word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC, KIND, EF, ROPE, QIX)
     tl.debug_barrier()
     tl.store(stamps + 2 * p, t0)
     tl.store(stamps + 2 * p + 1, now_ns(True))
@@ -91,7 +92,7 @@ def cache_loads(words, idx, A, I, C, out, stamps, BJ: tl.constexpr, DMAX: tl.con
     tl.store(stamps + 2 * p + 1, now_ns(True))
 
 
-VARIANT_KEYS = ("BJ", "BM", "STAGES", "EF", "warps", "tasks", "warm", "loads", "headmajor", "keys", "prec1")
+VARIANT_KEYS = ("BJ", "BM", "STAGES", "EF", "warps", "tasks", "warm", "loads", "headmajor", "keys", "prec1", "qix")
 
 
 def parse_variant(spec: str) -> dict:
@@ -137,7 +138,7 @@ def run_variant(spec, v, blocks, words, layers, mem, reps, reference: list, cubi
                                          RMAX=blocks["RMAX"], STAGES=stages, ALIGN=blocks["ALIGN"],
                                          DOT_PREC="bf16" if v.get("prec1") else blocks["DOT_PREC"],
                                          KIND=blocks["ATT_KIND"], EF=ef, WORDS=WORDS, ROPE=blocks["ATT_ROPE"],
-                                         num_warps=warps)
+                                         QIX=v.get("qix", blocks["QIX"]), num_warps=warps)
 
     before = A.clone()
     kernel = launch(idx[0])

@@ -83,9 +83,10 @@ def compile_sass(fn, pointers: dict, scalars: list[str], const: dict, num_warps:
 
 @triton.jit
 def attention_probe(words, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr,
-                    STAGES: tl.constexpr, ALIGN: tl.constexpr, KIND: tl.constexpr, EF: tl.constexpr):
+                    STAGES: tl.constexpr, ALIGN: tl.constexpr, KIND: tl.constexpr, EF: tl.constexpr,
+                    QIX: tl.constexpr = 0):
     """One ATTENTION task (its word's fields read at run time), as the persistent kernel runs it."""
-    attention.body(words, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, "bf16x2", KIND, EF)
+    attention.body(words, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, "bf16x2", KIND, EF, 0, QIX)
 
 
 ATTENTION_PROBE_ARGS = ({"words": "*i32", "A": "*fp32", "I": "*i32", "C": "*bf16"}, [])

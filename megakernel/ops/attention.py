@@ -194,12 +194,15 @@ def split_of(word, A, I, C, mla, ALIGN: tl.constexpr):
 @triton.jit
 def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr,
          STAGES: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr, KIND: tl.constexpr, EF: tl.constexpr = 0,
-         ROPE: tl.constexpr = 0):
+         ROPE: tl.constexpr = 0, QIX: tl.constexpr = 0):
     """STAGES 2: the next cache block is in flight while this one is reduced; 3: the next two (a launch
     variant, +3% on llama-1b: a block's ~2 us is its arithmetic's dependent chain, not its loads, session 21);
     1: one at a time.  The sums are the same in every order of loads.
     KIND: 1 every attention task of the plan is MLA, 2 none is (compiled for that kind alone), 0 read
-    the flag per task.  ROPE 1: the plan has ATTENTION[ROPE] tasks (compiled in only then; the flag read per task)."""
+    the flag per task.  ROPE 1: the plan has ATTENTION[ROPE] tasks (compiled in only then; the flag read per task).
+    QIX (a variant, tools/attn_bench.py): bit 1, a query row's token and head by a float reciprocal, not the
+    emulated integer division (~20 instructions an element); bit 2, the cache length loaded after the query rows,
+    so its L2 round trip overlaps theirs (the default's first use of it, j1, stalls before they are requested)."""
     if KIND == 0:
         mla = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_MLA)
     else:
@@ -220,11 +223,18 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
     for mb in range(0, T * heads, BM):
         rr = mb + tl.arange(0, BM)
         rvalid = rr < T * heads
-        t = rr // heads
-        h = h0 + rr % heads
+        if QIX & 1:  # exact while rr < 2^21: (rr + 0.5) / heads is 0.5 / heads from an integer
+            t = ((rr.to(tl.float32) + 0.5) * (1.0 / heads)).to(tl.int32)
+            h = h0 + rr - t * heads
+        else:
+            t = rr // heads
+            h = h0 + rr % heads
         q_rows = b * T + t
         q = tl.load(q_ptr + q_rows[:, None] * q_ld + h[:, None] * q_hs + q_col0 + d[None, :],
                     mask=rvalid[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
+        if QIX & 2:  # the same length, requested only now (split_of's load of it is then dead code unless ROPE)
+            limit = tl.load(I + off(word, ATTENTION_CL_OFF) + b, cache_modifier=".cg") + fld(word, ATTENTION_POS_OFFSET)
+            j1 = tl.minimum(tl.minimum(j0 + fld(word, ATTENTION_SPLIT_LEN), S), limit + T)
         if rotated:
             q = rotate_half(q, q_ptr + q_rows[:, None] * q_ld + h[:, None] * q_hs + q_col0,
                             A + off(word, ATTENTION_TAB_OFF) + q_rows[:, None] * dim, d[None, :], dim,
