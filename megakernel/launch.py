@@ -241,15 +241,15 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # 1 (a launch variant, inline PTX: not measured in a step yet): dependency waits poll with every
                 # thread's ld.acquire.gpu, not one thread's atomic (ops/common.poll_counter; tools/hop_bench.py);
                 # 2 (a launch variant, inline PTX): one thread's acquire load that also asks the L1 for the task's
-                # word, so the fields a body reads after its wait are not L2 round trips (+1.7% on dsv2-lite, +1.2% on
-                # llama-1b: docs/PERF.md session 35)
+                # word, so the fields a body reads after its wait are not L2 round trips (slower: +1.7% on dsv2-lite,
+                # +1.2% on llama-1b, docs/PERF.md session 35)
                 POLL=0,
                 # 1: worker 0 copies the step's tokens and cache lengths from the pinned stage buffers and releases
                 # them to the others (kernel.host_inputs_to_device), so the graph is one kernel and no copy nodes: 1
                 # launch a step, not 3, at the same step time (docs/PERF.md session 28).  Fitted by launch_blocks
                 # from the plan: 1 where it has those inputs and no stream workers
                 HIN=0,
-                # 1 (a launch variant, +0.9% on dsv2-lite: docs/PERF.md session 35): an EXPERT_LINEAR task's first
+                # 1 (a launch variant, slower: +0.9% on dsv2-lite, docs/PERF.md session 35): an EXPERT_LINEAR task's first
                 # weight chunk requested before its wait, for the expert its slot holds then (a guess the body checks
                 # after the wait: moe.guess_first_chunk), as a LINEAR task's is; 2: guessed from the next slot (a test hook)
                 EPF=0,
@@ -322,8 +322,8 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
                               "before its wait, for the expert its slot holds then) or 2 (guessed from the next slot: "
                               "a test hook)")
     if blocks["QIX"] not in (0, 1, 2, 3):
-        raise MegakernelError(f"block override QIX={blocks['QIX']}: bits 1 (attention's query rows indexed without "
-                              "integer division) and 2 (the cache length requested after them)")
+        raise MegakernelError(f"block override QIX={blocks['QIX']}: 0, or bits 1 (attention's query rows indexed "
+                              "without integer division) and 2 (the cache length requested after them)")
     if blocks["APF"] not in (0, 1, 2):
         raise MegakernelError(f"block override APF={blocks['APF']}: 0, 1 (MLA attention's cache rows asked of the L2 "
                               "before the wait) or 2 (GQA's head lines too)")

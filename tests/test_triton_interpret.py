@@ -377,6 +377,7 @@ def test_block_overrides_that_would_change_the_result_are_refused():
                ({"POLL": 3}, "POLL=3: 0 .a scalar acquire atomic."),
                ({"POLL": 2}, "POLL=2: the Triton interpreter runs no inline PTX"),
                ({"HIN": 2}, "HIN=2: 0 .inputs copied"), ({"EPF": 3}, "EPF=3: 0, 1 .an expert task's first"),
+               ({"QIX": 4}, "QIX=4: 0, or bits 1"),
                ({"POLL": 1}, "POLL=1: the Triton interpreter runs no inline PTX")]
     for override, why in refused:
         with pytest.raises(MegakernelError, match=why):
@@ -452,11 +453,12 @@ def test_attention_key_blocks_in_flight_change_nothing(name):
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
 def test_attention_query_rows_indexed_without_division_change_nothing(name):
     """ATTENTION's launch variant QIX=3 (a query row's token and head by a float reciprocal, the cache length
-    requested after the query rows) reads the same rows: two tokens of two sequences (rows t·heads + h), GQA with
-    its rope and cache writes, and MLA, equal the interpreter and the default body bit for bit."""
+    requested after the query rows) reads the same rows: three tokens of two sequences (rows t·heads + h) in tiles
+    of BM=2 rows, so a split runs several query tiles, GQA with its rope and cache writes, and MLA, equal the
+    interpreter and the default body bit for bit."""
     logits = []
     for qix in (0, 3):
-        cfg, plan, interp, mk = _pair(name, passes=0, blocks=dict(QIX=qix))
+        cfg, plan, interp, mk = _pair(name, T=3, passes=0, blocks=dict(QIX=qix, BM=2))
         assert mk.blocks["QIX"] == qix
         _compare(cfg, interp, mk, torch.tensor([5, 9]))
         logits.append(mk.result().logits)

@@ -230,7 +230,7 @@ def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path,
     row["spills"] = mk.compiled.n_spills
     first = mk.step(tokens, lens)
     ref_out = ref.step(tokens, cache, lens)
-    del ref  # its device copies of the weights: a plan variant's own arena may need the room
+    del ref  # it holds the weights' tensors too: weights_with_room_for may need to let them go
     row["rel_err_vs_reference"] = rel_err(first.logits, ref_out.logits)
     row["token_vs_reference"] = bool(torch.equal(first.tokens, ref_out.logits.argmax(-1)))
 
@@ -294,7 +294,8 @@ def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path,
         """The weights to pack vplan's own arena from: moved to host memory first where the device lacks
         room for a second arena beside them (dsv2-lite on an 80 GB H100: weights 31 GB, arena 31, another 29);
         packing copies each from the host."""
-        arena = vplan.buffers["W"] * torch.finfo(dtype).bits // 8
+        arena = vplan.buffers["W"] * dtype.itemsize
+        torch.cuda.empty_cache()  # what an earlier variant freed counts as room
         if torch.cuda.mem_get_info()[0] < arena * 1.1 + (1 << 30) and weights["model.embed_tokens.weight"].is_cuda:
             for key, w in weights.items():
                 weights[key] = w.cpu()

@@ -177,7 +177,7 @@ def split_of(word, A, I, C, mla, ALIGN: tl.constexpr):
                                      aligned(fld(word, ATTENTION_PE_LD), ALIGN), aligned(fld(word, ATTENTION_PE_HS), ALIGN),
                                      aligned(fld(word, ATTENTION_PE_COL0), ALIGN))
     cache = C + aligned(off(word, ATTENTION_CACHE_OFF), ALIGN) + b.to(tl.int64) * S * width
-    limit = tl.load(I + off(word, ATTENTION_CL_OFF) + b, cache_modifier=".cg") + fld(word, ATTENTION_POS_OFFSET)
+    limit = cache_limit(word, I, b)
     op_ptr, lse_ptr = A + aligned(off(word, ATTENTION_OP_OFF), ALIGN), A + off(word, ATTENTION_LSE_OFF)
     group = fld(word, ATTENTION_GROUP)
     k_col = (h0 // group) * aligned(fld(word, ATTENTION_KV_HS), ALIGN)  # GQA: one KV head per task
@@ -186,9 +186,21 @@ def split_of(word, A, I, C, mla, ALIGN: tl.constexpr):
         k_col = 0
         v_col = 0
     j0 = split * split_len
-    j1 = tl.minimum(tl.minimum(j0 + split_len, S), limit + T)  # the last token reads positions <= limit + T - 1
+    j1 = split_end(j0, split_len, S, limit, T)
     return (T, S, b, width, h0, h1, nh, ns, split, dim, scale, rope_dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs,
             pe_col0, cache, limit, op_ptr, lse_ptr, k_col, v_col, j0, j1)
+
+
+@triton.jit
+def cache_limit(word, I, b):
+    """Sequence b's cache length + the step's position offset: token t reads positions <= limit + t."""
+    return tl.load(I + off(word, ATTENTION_CL_OFF) + b, cache_modifier=".cg") + fld(word, ATTENTION_POS_OFFSET)
+
+
+@triton.jit
+def split_end(j0, split_len, S, limit, T):
+    """The end of a split's readable positions: the last token reads positions <= limit + T - 1."""
+    return tl.minimum(tl.minimum(j0 + split_len, S), limit + T)
 
 
 @triton.jit
@@ -223,7 +235,9 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
     for mb in range(0, T * heads, BM):
         rr = mb + tl.arange(0, BM)
         rvalid = rr < T * heads
-        if QIX & 1:  # exact while rr < 2^21: (rr + 0.5) / heads is 0.5 / heads from an integer
+        # (rr + 0.5) / heads lies 0.5 / heads from an integer: exact while rr < 2^20 with the reciprocal's
+        # approximate division (div.full.f32, 2 ulp); rr < T·heads + BM here, a few thousand at most
+        if QIX & 1:
             t = ((rr.to(tl.float32) + 0.5) * (1.0 / heads)).to(tl.int32)
             h = h0 + rr - t * heads
         else:
@@ -233,8 +247,8 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
         q = tl.load(q_ptr + q_rows[:, None] * q_ld + h[:, None] * q_hs + q_col0 + d[None, :],
                     mask=rvalid[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
         if QIX & 2:  # the same length, requested only now (split_of's load of it is then dead code unless ROPE)
-            limit = tl.load(I + off(word, ATTENTION_CL_OFF) + b, cache_modifier=".cg") + fld(word, ATTENTION_POS_OFFSET)
-            j1 = tl.minimum(tl.minimum(j0 + fld(word, ATTENTION_SPLIT_LEN), S), limit + T)
+            limit = cache_limit(word, I, b)
+            j1 = split_end(j0, fld(word, ATTENTION_SPLIT_LEN), S, limit, T)
         if rotated:
             q = rotate_half(q, q_ptr + q_rows[:, None] * q_ld + h[:, None] * q_hs + q_col0,
                             A + off(word, ATTENTION_TAB_OFF) + q_rows[:, None] * dim, d[None, :], dim,
