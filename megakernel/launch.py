@@ -235,7 +235,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 KD=max((_pow2(t["K"]) for t in tasks if t.op.name in ("EXPERT_LINEAR", "LINEAR") and t.has("DOWN_T")),
                        default=0),
                 # attention compiled for the plan's one kind (MLA or GQA), else the flag read per task
-                ATT_KIND=att_kinds.pop() if len(att_kinds) == 1 else 0,
+                ATT_KIND=next(iter(att_kinds)) if len(att_kinds) == 1 else 0,
                 # ATTENTION[ROPE] (fusion rule rope_into_attention) compiled in (only where used)
                 ATT_ROPE=int(any(t.op.name == "ATTENTION" and t.has("ROPE") for t in tasks)),
                 # 1 (a launch variant, inline PTX: not measured in a step yet): dependency waits poll with every
@@ -253,9 +253,10 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # weight chunk requested before its wait, for the expert its slot holds then (a guess the body checks
                 # after the wait: moe.guess_first_chunk), as a LINEAR task's is; 2: guessed from the next slot (a test hook)
                 EPF=0,
-                # ATTENTION's query rows (a launch variant, not measured yet: attention.body's QIX): bit 1, their token
-                # and head without integer division; bit 2, the cache length requested after them
-                QIX=0)
+                # ATTENTION's query rows (attention.body's QIX): bit 1, their token and head without integer division;
+                # bit 2, the cache length requested after them.  3 where every attention task is MLA: -1.2% on
+                # dsv2-lite, the same bits, a split 0.55 us shorter (H100, docs/PERF.md session 35); GQA's not timed
+                QIX=3 if att_kinds == {1} else 0)
 
 
 def bulk_prefetch_refusal(align: int, weight_bytes: int) -> str | None:
