@@ -111,7 +111,7 @@ def stall_is_a_watchdog_error_then_recovers(mk, task: int, tokens, lens) -> None
 # the default fusion rules without the norm folds: every RMSNorm a task of its own (the A side of
 # the fold, and the plain RMSNORM body on every layer)
 UNFOLDED = tuple(r for r in DEFAULT_RULES if r not in WEIGHT_RULES)
-# (QIX=3, MLA plans' query indexing, for GQA too: a tiny-dense plan fits 0, tiny-moe 3)
+# (QIX=3: MLA plans' query indexing, here for GQA too, where a tiny-dense plan alone fits 0)
 TINY_BLOCKS = dict(ATT_KIND=0, ATT_ROPE=1, BM=32, DMAX=32, BIT=32, BP=128, BW=32, BSC=16, BCW=32, BK=4, TB=16, QIX=3)
 
 

@@ -453,9 +453,9 @@ def test_attention_key_blocks_in_flight_change_nothing(name):
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
 def test_attention_query_rows_indexed_without_division_change_nothing(name):
     """ATTENTION's QIX=3 (a query row's token and head by a float reciprocal, the cache length requested after
-    the query rows; MLA plans' default, a launch variant for GQA) reads the same rows as QIX=0: three tokens of two sequences (rows t·heads + h) in tiles
-    of BM=2 rows, so a split runs several query tiles, GQA with its rope and cache writes, and MLA, equal the
-    interpreter and each other bit for bit."""
+    the query rows; MLA plans' default, a launch variant for GQA) reads the same rows as QIX=0: three tokens of
+    two sequences (rows t·heads + h) in tiles of BM=2 rows, so a split runs several query tiles, GQA with its rope
+    and cache writes, and MLA, equal the interpreter and each other bit for bit."""
     logits = []
     for qix in (0, 3):
         cfg, plan, interp, mk = _pair(name, T=3, passes=0, blocks=dict(QIX=qix, BM=2))

@@ -11,10 +11,11 @@ variant of the body is measured in seconds of device time, not a whole bench.  E
 layer's cache (16 layers, 134 MB: past the L2) unless a variant says `warm=1`.
 
 A VARIANT is KEY=V,...: the body's block sizes BJ, BM, STAGES, EF (evict-first cache loads), `warps`,
-`prec1=1` (one bf16 MMA a product, not the fp32 operand's two halves), `qix=1|2|3` (the body's QIX: the query
-rows' token and head without integer division, the cache length requested after the query rows, both), `keys=N`
-(each split cut to its first N positions: the time against N is a block's cost and the fixed cost), `tasks=N` (only the layer's
-first N splits: N=1 is one split's latency with the memory to itself), `warm=1`, `loads=1` (the same cache
+`prec1=1` (one bf16 MMA a product, not the fp32 operand's two halves), `qix=0..3` (the body's QIX, default the
+plan's launch default: the query rows' token and head without integer division, the cache length requested after
+the query rows, both), `keys=N` (each split cut to its first N positions: the time against N is a block's cost
+and the fixed cost), `tasks=N` (only the layer's first N splits: N=1 is one split's latency with the memory to
+itself), `warm=1`, `loads=1` (the same cache
 rows loaded and summed, no arithmetic: what the access pattern costs), with `headmajor=1` from a
 head-major layout of the same size instead.  `--plan KEY=V,...` compiles the plan with those options
 (graph.compile.compile_options: e.g. attn_split=256, fusion_rules=...).  Per

@@ -212,9 +212,10 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
     1: one at a time.  The sums are the same in every order of loads.
     KIND: 1 every attention task of the plan is MLA, 2 none is (compiled for that kind alone), 0 read
     the flag per task.  ROPE 1: the plan has ATTENTION[ROPE] tasks (compiled in only then; the flag read per task).
-    QIX (a variant, tools/attn_bench.py): bit 1, a query row's token and head by a float reciprocal, not the
-    emulated integer division (~20 instructions an element); bit 2, the cache length loaded after the query rows,
-    so its L2 round trip overlaps theirs (the default's first use of it, j1, stalls before they are requested)."""
+    QIX (3 for MLA plans, 0 for GQA; launch.block_sizes): bit 1, a query row's token and head by a float
+    reciprocal, not the emulated integer division (~20 instructions an element); bit 2, the cache length loaded
+    after the query rows, so its L2 round trip overlaps theirs (QIX=0's first use of it, j1, stalls before they
+    are requested).  The same rows either way: the same bits."""
     if KIND == 0:
         mla = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_MLA)
     else:
