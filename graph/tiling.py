@@ -264,13 +264,14 @@ class Tiler:
         mla = "MLA" in op.flags
         hpt = self.opts.attn_heads or (nh if mla else a["group"])
         hpt = max(1, min(hpt, nh))
-        if not mla and hpt % a["group"] and a["group"] % hpt:
+        # GQA: a task reads one KV head (the body's keys are h0's group's) and, as ATTENTION[ROPE], writes that
+        # head's new rows, so its heads are a divisor of the group, or with ROPE the whole group
+        if not mla and (hpt > a["group"] or a["group"] % hpt or "ROPE" in op.flags):
             hpt = a["group"]
         tiles = []
         for b in range(a["B"]):
             for h0, h1 in _blocks(nh, hpt):
-                kv_heads = 1 if mla else max(1, (h1 - h0) // a["group"])
-                width = a["width"] if mla else 2 * a["kv_hs"] * kv_heads
+                width = a["width"] if mla else 2 * a["kv_hs"]
                 for split in range(a["nsplits"]):
                     tiles.append(Tile({"b": b, "h0": h0, "h1": h1, "split": split}, 0,
                                       a["split_len"] * width * self.wbytes + 4 * T * (h1 - h0) * (2 * dim + a["rope_dim"]),

@@ -436,6 +436,31 @@ def test_route_with_many_experts_and_a_large_top_k_is_refused():
             check_operand_buffers(plan, tasks)
 
 
+def test_gqa_attention_tasks_keep_to_one_kv_group():
+    """The GQA body reads one KV head a task (h0's group's keys and values) and, as ATTENTION[ROPE], writes that
+    head's new rows: whatever TilingOptions.attn_heads asks, a task's heads lie in one group (with ROPE, the whole
+    group: two tasks writing one head's rows raced), and a plan whose task spans two groups is refused by task.
+    attn_heads=4 over tiny-dense's groups of 2 used to make one task of both groups, wrong on the GPU body."""
+    import dataclasses
+
+    from megakernel.launch import MegakernelError, check_operand_buffers
+    cfg = preset("tiny-dense")
+    for heads in (1, 2, 3, 4):
+        for rules in (DEFAULT_RULES, tuple(r for r in DEFAULT_RULES if r != "rope_into_attention")):
+            plan = compile_step(cfg, StepShape(T=1, B=1, max_len=8), CompileOptions(
+                workers=2, tiling=TilingOptions(attn_heads=heads), fusion_rules=rules))
+            tasks = [decode(w) for w in plan.words]
+            att = [t for t in tasks if t.op.name == "ATTENTION"]
+            assert att and all(t["h0"] // t["group"] == (t["h1"] - 1) // t["group"] for t in att), (heads, rules)
+            if "rope_into_attention" in rules:
+                assert all(t["h1"] - t["h0"] == t["group"] for t in att)
+            check_operand_buffers(plan, tasks)
+    i = next(k for k, t in enumerate(tasks) if t.op.name == "ATTENTION")
+    tasks[i] = dataclasses.replace(tasks[i], fields={**tasks[i].fields, "h1": tasks[i]["h0"] + 2 * tasks[i]["group"]})
+    with pytest.raises(MegakernelError, match=f"task {i} .*span KV groups of 2"):
+        check_operand_buffers(plan, tasks)
+
+
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
 def test_attention_key_blocks_in_flight_change_nothing(name):
     """ATTENTION's launch variant STAGES (key blocks requested ahead: 1, 2 the default, 3) changes when loads are
