@@ -15,6 +15,7 @@ from model.stats import step_bytes
 
 from .cost import CostModel
 from .fusion import DEFAULT_RULES, RULES, WEIGHT_RULES, fuse
+from .counters import shared_counters
 from .cse import cse
 from .ir import Graph, Op
 from .isa import MAX_WAITS, OPCODES, WORDS, decode, encode
@@ -41,6 +42,9 @@ class CompileOptions:
     # queues workers..2·workers-1 only LINEAR (a stream kernel's workers), each LINEAR's weights at a
     # multiple of its K in W (plan.options["stream_workers"] = workers; graph/verify.py's stream rules)
     stream_kernel: bool = False
+    # producers that every consumer waits on together signal one counter: one poll where there were several
+    # (graph/counters.py)
+    shared_counters: bool = False
 
 
 class CompileError(ValueError):
@@ -49,10 +53,10 @@ class CompileError(ValueError):
 
 def compile_options(spec: str, workers: int) -> tuple[CompileOptions, int]:
     """'KEY=V,...' of TilingOptions fields, CostModel fields (the scheduler's task times: task_overhead=3e-6),
-    attn_split, workers (overriding the argument), vocab_block, stream_kernel (0/1) and fusion rules, removed
+    attn_split, workers (overriding the argument), vocab_block, stream_kernel and shared_counters (0/1) and fusion rules, removed
     from the default ones (rope_into_cache=0) or put back (tools: bench, replay) -> (options, attn_split)."""
     tiling, cost, attn_split, rules, vocab_block = {}, {}, 0, DEFAULT_RULES, CompileOptions.vocab_block
-    stream_kernel = CompileOptions.stream_kernel
+    stream_kernel, shared = CompileOptions.stream_kernel, CompileOptions.shared_counters
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
         if key == "attn_split":
@@ -63,6 +67,8 @@ def compile_options(spec: str, workers: int) -> tuple[CompileOptions, int]:
             vocab_block = int(value)
         elif key == "stream_kernel":
             stream_kernel = bool(int(value))
+        elif key == "shared_counters":
+            shared = bool(int(value))
         elif key in RULES:
             chosen = set(rules) | {key} if int(value) else set(rules) - {key}
             rules = tuple(r for r in RULES if r in chosen)  # in the order fuse() applies them
@@ -72,9 +78,11 @@ def compile_options(spec: str, workers: int) -> tuple[CompileOptions, int]:
             cost[key] = type(getattr(CostModel, key))(float(value))
         else:
             raise CompileError(f"plan options {spec!r}: unknown key {key!r} (TilingOptions or CostModel fields, "
-                               f"attn_split, workers, vocab_block, stream_kernel or a fusion rule: {', '.join(RULES)})")
+                               f"attn_split, workers, vocab_block, stream_kernel, shared_counters or a fusion rule: "
+                               f"{', '.join(RULES)})")
     return (CompileOptions(workers=workers, vocab_block=vocab_block, tiling=TilingOptions(**tiling),
-                           cost=CostModel(**cost), fusion_rules=rules, stream_kernel=stream_kernel), attn_split)
+                           cost=CostModel(**cost), fusion_rules=rules, stream_kernel=stream_kernel,
+                           shared_counters=shared), attn_split)
 
 
 def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | None = None) -> Plan:
@@ -132,7 +140,7 @@ def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | N
                    **({"stream_workers": opts.workers} if opts.stream_kernel else {}),
                    "critical_path_ms": round(sched.makespan * 1e3, 4), "balance": round(sched.balance, 3)})
 
-    words, labels, ptr = _encode(graph, op_tiles, task_tile, sched.queues, deps)
+    words, labels, ptr, counter_labels = _encode(graph, op_tiles, task_tile, sched.queues, deps, opts.shared_counters)
     decoded = [decode(w) for w in words] if opts.stream_kernel else None  # the verifier reads them too
     if decoded is not None:
         why = stream_violation(decoded, labels)
@@ -141,7 +149,7 @@ def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | N
     plan = Plan(
         config=cfg.to_hf_dict(), shape=dataclasses.asdict(shape), workers=len(sched.queues), words=words,
         queue_ptr=ptr,
-        task_labels=labels, counter_labels=[op.label for op in graph.ops], buffers=mem.sizes,
+        task_labels=labels, counter_labels=counter_labels, buffers=mem.sizes,
         weights=[WeightSlot(t.name, int(t.buf), t.offset, t.rows, t.cols, [list(p) for p in t.parts])
                  for t in graph.tensors.values() if t.role == "weight"],
         consts=[{"name": t.name, "offset": t.offset, "data": list(t.data)} for t in graph.tensors.values()
@@ -155,7 +163,7 @@ def compile_step(cfg: ModelConfig, shape: StepShape, options: CompileOptions | N
                   "floor_ms": opts.cost.floor_seconds(step_bytes(cfg, shape.T, shape.B, shape.max_len).total) * 1e3},
         options={"workers": opts.workers, "scheduler": opts.scheduler, "cse": opts.cse, "fuse": opts.fuse,
                  "fusion_rules": list(opts.fusion_rules), "tiling": dataclasses.asdict(tiling),
-                 "cost": dataclasses.asdict(opts.cost),
+                 "cost": dataclasses.asdict(opts.cost), **({"shared_counters": True} if opts.shared_counters else {}),
                  **({"stream_kernel": True, "stream_workers": opts.workers} if opts.stream_kernel else {})},
     )
     if opts.verify:
@@ -212,13 +220,13 @@ def _canonical(cfg: ModelConfig, helper_slots: int, rules: tuple[str, ...]) -> t
     return tuple(weight_order(graph)), tuple(rows.items())
 
 
-def _wait_list(op: Op, deps: dict[int, set[int]], anc: list[int], ntasks: dict[int, int]) -> list[tuple[int, int]]:
-    """Dependencies not implied by another dependency (transitive reduction), as (counter, count) waits."""
+def _wait_list(op: Op, deps: dict[int, set[int]], anc: list[int], ntasks: dict[int, int]) -> list[int]:
+    """The producers op waits on: dependencies not implied by another dependency (transitive reduction)."""
     direct = [d for d in deps[op.id] if ntasks.get(d)]
     kept = [d for d in direct if not any(e != d and anc[e] >> d & 1 for e in direct)]
     if len(kept) > MAX_WAITS:
         raise CompileError(f"op {op.label} waits on {len(kept)} producers, more than the {MAX_WAITS} a task word holds")
-    return [(d, ntasks[d]) for d in sorted(kept)]
+    return sorted(kept)
 
 
 def _fields(graph: Graph, op: Op, tile_fields: dict) -> dict:
@@ -239,10 +247,19 @@ def _fields(graph: Graph, op: Op, tile_fields: dict) -> dict:
     return fields
 
 
-def _encode(graph: Graph, op_tiles, task_tile, queues, deps):
+def _encode(graph: Graph, op_tiles, task_tile, queues, deps, shared: bool = False):
+    """(words, task labels, queue pointers, counter labels).  Each op's tasks signal its counter (op id), or with
+    `shared` the counter of its group (graph/counters.py), which then counts every member's tasks."""
     anc = ancestors(graph)
     ntasks = {op_id: len(t) for op_id, t in op_tiles.items()}
-    waits = {op.id: _wait_list(op, deps, anc, ntasks) for op in graph.ops}
+    producers = {op.id: _wait_list(op, deps, anc, ntasks) for op in graph.ops}
+    counter = shared_counters(graph, producers, anc) if shared else {op.id: op.id for op in graph.ops}
+    count: dict[int, int] = {}
+    members: dict[int, list[str]] = {}
+    for op in graph.ops:
+        count[counter[op.id]] = count.get(counter[op.id], 0) + ntasks[op.id]
+        members.setdefault(counter[op.id], []).append(op.label)
+    waits = {op.id: sorted({(counter[d], count[counter[d]]) for d in producers[op.id]}) for op in graph.ops}
     rows, labels, ptr = [], [], [0]
     for queue in queues:
         for i in queue:
@@ -250,8 +267,9 @@ def _encode(graph: Graph, op_tiles, task_tile, queues, deps):
             tile = op_tiles[op.id][k]
             opcode = OPCODES[op.opcode]
             flags = opcode.flag_bits(f for f in op.flags if f in opcode.flags)
-            rows.append(encode(op.opcode, flags, op.id, waits[op.id], k, _fields(graph, op, tile.fields)))
+            rows.append(encode(op.opcode, flags, counter[op.id], waits[op.id], k, _fields(graph, op, tile.fields)))
             labels.append(f"{op.label}[{k}]")
         ptr.append(len(rows))
     words = np.array(rows, dtype=np.int32).reshape(-1, WORDS)
-    return words, labels, ptr
+    counter_labels = ["+".join(members[op.id]) if len(members.get(op.id, ())) > 1 else op.label for op in graph.ops]
+    return words, labels, ptr, counter_labels

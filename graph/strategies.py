@@ -100,6 +100,7 @@ def compile_options(draw) -> CompileOptions:
                              rope_heads=draw(st.sampled_from([0, 1, 3])), balance=draw(st.sampled_from([0, 1])),
                              siblings=draw(st.sampled_from([0, 1, 2]))),
         fusion_rules=rules or RULES,
+        shared_counters=draw(st.booleans()),
     )
 
 

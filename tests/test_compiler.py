@@ -11,6 +11,7 @@ from graph.fusion import DEFAULT_RULES
 from graph.isa import decode
 from graph.lower import StepShape
 from graph.plan import Plan
+from graph.strategies import plan_cases
 from graph.tiling import Tiler, TilingOptions
 from model import preset
 
@@ -443,6 +444,73 @@ def test_balanced_tiles_never_lengthen_the_phase(rows, bytes_per_row, copies, sp
             <= _phase(rows, per, copies, spread, bytes_per_row, opts.task_overhead_bytes))
     assert best == per or best * bytes_per_row <= max(per * bytes_per_row, opts.balance_bytes)
     assert best == per or best * bytes_per_row >= opts.min_tile_bytes
+
+
+def _waited_ops(plan, i: int) -> set[str]:
+    """The ops (labels) task i's waits stand for: a shared counter's label joins its ops' with '+'."""
+    return {label for c, _ in plan.task(i).waits for label in plan.counter_labels[c].split("+")}
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "tiny-mhc"])
+def test_shared_counters_wait_once_and_change_nothing_else(name):
+    """Compile option shared_counters: producers that every consumer waits on together signal one counter whose
+    count is all their tasks (GQA attention's q|k|v projections, MLA attention's q_absorb, q_rope, k_rope and
+    kv_a_norm, the MoE combine's routed and shared downs), so an attention task polls once, not 3-4 times.  The
+    schedule and every task's fields are the plain plan's; each task still waits for every op it waited for;
+    two steps (T=2, B=2, two MTP passes) write the same caches and logits, bit for bit."""
+    from graph.compile import compile_options
+    cfg = preset(name)
+    shape = StepShape(T=2, B=2, max_len=16, mtp_passes=2 if cfg.num_nextn_predict_layers else 0)
+    plain = compile_step(cfg, shape, CompileOptions(workers=4))
+    shared = compile_step(cfg, shape, compile_options("shared_counters=1", 4)[0])
+    assert shared.task_labels == plain.task_labels and shared.queue_ptr == plain.queue_ptr
+    attention = [i for i in range(plain.num_tasks) if plain.task(i).op.name == "ATTENTION"]
+    assert max(len(plain.task(i).waits) for i in attention) >= 3
+    assert all(len(shared.task(i).waits) == 1 for i in attention)
+    signallers = {}
+    for i in range(shared.num_tasks):
+        a, b = plain.task(i), shared.task(i)
+        assert (a.op.name, a.flags, a.tile, a.fields) == (b.op.name, b.flags, b.tile, b.fields), plain.task_labels[i]
+        assert _waited_ops(plain, i) <= _waited_ops(shared, i), plain.task_labels[i]
+        assert plain.task_labels[i].split("[")[0] in shared.counter_labels[b.signal].split("+")
+        signallers[b.signal] = signallers.get(b.signal, 0) + 1
+    assert all(n == signallers[c] for i in range(shared.num_tasks) for c, n in shared.task(i).waits)
+    assert shared.options["shared_counters"] and "shared_counters" not in plain.options
+    _same_step(cfg, (plain, shared), 3, [2, 9], mtp=shape.mtp_passes, steps=2)
+
+
+@given(plan_cases())
+def test_shared_counters_add_no_wait(case):
+    """shared_counters on drawn models, shapes and options: the same queues, and each task waits only for ops
+    it already followed.  Grouping producers that some consumer does not need would add a wait the scheduler
+    never saw (a deadlock the verifier refuses: hypothesis found one when graph/counters.py's ancestor test was
+    left out)."""
+    import dataclasses
+    plain = compile_step(case.cfg, case.shape, dataclasses.replace(case.options, shared_counters=False))
+    shared = compile_step(case.cfg, case.shape, dataclasses.replace(case.options, shared_counters=True))
+    assert shared.queue_ptr == plain.queue_ptr and shared.task_labels == plain.task_labels
+    deps, members = {}, {}  # op (the plain plan's counter) -> the ops it waits on; shared counter -> its ops
+    for i in range(plain.num_tasks):
+        deps.setdefault(plain.task(i).signal, set()).update(c for c, _ in plain.task(i).waits)
+        members.setdefault(shared.task(i).signal, set()).add(plain.task(i).signal)
+    followed = {}
+    for op in sorted(deps):  # op ids are topological
+        followed[op] = set().union(*({d} | followed[d] for d in deps[op]))
+    for i in range(shared.num_tasks):
+        waited = set().union(*(members[c] for c, _ in shared.task(i).waits))
+        assert waited <= followed[plain.task(i).signal], shared.task_labels[i]
+
+
+def test_shared_counters_on_the_large_models():
+    """Every task of llama-1b waits once with shared_counters; dsv2-lite's attention tasks too (six layers at ctx
+    4096: the layers after the first have the same ops)."""
+    from graph.compile import compile_options
+    shape = StepShape(T=1, B=1, max_len=4096)
+    llama = compile_step(_six("llama-1b"), shape, compile_options("shared_counters=1", 132)[0])
+    assert max(len(llama.task(i).waits) for i in range(llama.num_tasks)) == 1
+    dsv2 = compile_step(_six("dsv2-lite"), shape, compile_options("shared_counters=1", 132)[0])
+    attention = [dsv2.task(i) for i in range(dsv2.num_tasks) if dsv2.task(i).op.name == "ATTENTION"]
+    assert len(attention) == 6 * 128 and all(len(t.waits) == 1 for t in attention)
 
 
 def test_compile_options_reads_each_kind_of_key_and_names_an_unknown_one():

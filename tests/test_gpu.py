@@ -20,14 +20,14 @@ EXPERT_MLP = DEFAULT_RULES + ("expert_mlp",)
 DENSE_MLP = DEFAULT_RULES + ("dense_mlp",)
 
 
-def _setup(name, T=2, B=2, max_len=64, workers=16, passes=0, layers=None, seed=0, rules=DEFAULT_RULES):
+def _setup(name, T=2, B=2, max_len=64, workers=16, passes=0, layers=None, seed=0, rules=DEFAULT_RULES, shared=False):
     from megakernel.runtime import Megakernel
     cfg = preset(name)
     if layers is not None:
         cfg = cfg.replace(num_hidden_layers=layers)
     w = init_weights(cfg, seed=seed, device="cuda", dtype=torch.bfloat16)
     plan = compile_step(cfg, StepShape(T=T, B=B, max_len=max_len, mtp_passes=passes),
-                        CompileOptions(workers=workers, fusion_rules=rules))
+                        CompileOptions(workers=workers, fusion_rules=rules, shared_counters=shared))
     mk = Megakernel(plan, w, "cuda", torch.bfloat16)
     return cfg, w, plan, mk
 
@@ -73,6 +73,23 @@ def test_large_megakernel_equals_interpreter(name, rules):
     mk.cache().copy_(saved)
     got = mk.step(tokens, lens)
     assert rel_err(got.logits, want.logits) <= BF16_TOL
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "llama-1b"])
+def test_shared_counters_give_the_same_bits(name):
+    """Compile option shared_counters (attention's producers signal one counter): the same kernel, one poll where
+    there were 3-4, the same logits bit for bit as the default plan, over two replays."""
+    layers = 4 if name == "llama-1b" else None
+    cfg, w, plan, mk = _setup(name, layers=layers)
+    _, _, shared_plan, shared = _setup(name, layers=layers, shared=True)
+    assert plan.num_tasks == shared_plan.num_tasks and plan.words.tolist() != shared_plan.words.tolist()
+    _random_cache(mk)
+    shared.cache().copy_(mk.cache())
+    for step in range(2):
+        tokens = torch.randint(0, cfg.vocab_size, (2, 2), device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        lens = torch.tensor([3 + 2 * step, 20 + 2 * step], device="cuda")
+        want, got = mk.step(tokens, lens).logits.clone(), shared.step(tokens, lens).logits
+        assert torch.equal(got, want), step
 
 
 def _variant_logits(name, B, max_len, lens, variants):
