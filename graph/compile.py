@@ -43,8 +43,8 @@ class CompileOptions:
     # multiple of its K in W (plan.options["stream_workers"] = workers; graph/verify.py's stream rules)
     stream_kernel: bool = False
     # producers that every consumer waits on together signal one counter: one poll where there were several
-    # (graph/counters.py)
-    shared_counters: bool = False
+    # (graph/counters.py; llama-1b -1.0%, dsv2-lite -0.2% on an H200, the same bits: docs/PERF.md session 36)
+    shared_counters: bool = True
 
 
 class CompileError(ValueError):
@@ -53,8 +53,9 @@ class CompileError(ValueError):
 
 def compile_options(spec: str, workers: int) -> tuple[CompileOptions, int]:
     """'KEY=V,...' of TilingOptions fields, CostModel fields (the scheduler's task times: task_overhead=3e-6),
-    attn_split, workers (overriding the argument), vocab_block, stream_kernel and shared_counters (0/1) and fusion rules, removed
-    from the default ones (rope_into_cache=0) or put back (tools: bench, replay) -> (options, attn_split)."""
+    attn_split, workers (overriding the argument), vocab_block, stream_kernel and shared_counters (0/1), and
+    fusion rules, removed from the default ones (rope_into_cache=0) or put back (tools: bench, replay) ->
+    (options, attn_split)."""
     tiling, cost, attn_split, rules, vocab_block = {}, {}, 0, DEFAULT_RULES, CompileOptions.vocab_block
     stream_kernel, shared = CompileOptions.stream_kernel, CompileOptions.shared_counters
     for item in filter(None, spec.split(",")):

@@ -1,4 +1,4 @@
-"""Which ops signal one counter together (compile option shared_counters).
+"""Which ops signal one counter together (compile option shared_counters, on by default).
 
 A task polls its waits one after the other, each poll an L2 round trip (ops/common.wait_task); a task that
 waits on three producers ending together pays two round trips after the last one ends.  llama-1b's attention

@@ -364,8 +364,8 @@ def test_ropes_and_cache_writes_go_into_attention(name, T, B, passes):
     gqa_layers = 0 if cfg.kv_lora_rank else cfg.num_hidden_layers
     assert fused == gqa_layers and sum(t.has("ROPE") for t in attn) == gqa_layers * len(attn) // len(
         {t.signal for t in attn})
-    def ops(p, opcode):  # ops (a signal counter each), not tasks
-        return len({p.task(i).signal for i in range(p.num_tasks) if p.task(i).op.name == opcode})
+    def ops(p, opcode):  # ops (their tasks' labels without the tile), not tasks
+        return len({p.task_labels[i].split("[")[0] for i in range(p.num_tasks) if p.task(i).op.name == opcode})
 
     assert ops(unfused, "CACHE_WRITE") - ops(plan, "CACHE_WRITE") == gqa_layers
     assert ops(unfused, "ROPE") - ops(plan, "ROPE") == 2 * gqa_layers
@@ -453,16 +453,16 @@ def _waited_ops(plan, i: int) -> set[str]:
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "tiny-mhc"])
 def test_shared_counters_wait_once_and_change_nothing_else(name):
-    """Compile option shared_counters: producers that every consumer waits on together signal one counter whose
-    count is all their tasks (GQA attention's q|k|v projections, MLA attention's q_absorb, q_rope, k_rope and
-    kv_a_norm, the MoE combine's routed and shared downs), so an attention task polls once, not 3-4 times.  The
-    schedule and every task's fields are the plain plan's; each task still waits for every op it waited for;
-    two steps (T=2, B=2, two MTP passes) write the same caches and logits, bit for bit."""
+    """Compile option shared_counters (the default): producers that every consumer waits on together signal one
+    counter whose count is all their tasks (GQA attention's q|k|v projections, MLA attention's q_absorb, q_rope,
+    k_rope and kv_a_norm, the MoE combine's routed and shared downs), so an attention task polls once, not 3-4
+    times.  The schedule and every task's fields are those of the plan without it; each task still waits for
+    every op it waited for; two steps (T=2, B=2, two MTP passes) write the same caches and logits, bit for bit."""
     from graph.compile import compile_options
     cfg = preset(name)
     shape = StepShape(T=2, B=2, max_len=16, mtp_passes=2 if cfg.num_nextn_predict_layers else 0)
-    plain = compile_step(cfg, shape, CompileOptions(workers=4))
-    shared = compile_step(cfg, shape, compile_options("shared_counters=1", 4)[0])
+    plain = compile_step(cfg, shape, compile_options("shared_counters=0", 4)[0])
+    shared = compile_step(cfg, shape, CompileOptions(workers=4))
     assert shared.task_labels == plain.task_labels and shared.queue_ptr == plain.queue_ptr
     attention = [i for i in range(plain.num_tasks) if plain.task(i).op.name == "ATTENTION"]
     assert max(len(plain.task(i).waits) for i in attention) >= 3
@@ -502,13 +502,12 @@ def test_shared_counters_add_no_wait(case):
 
 
 def test_shared_counters_on_the_large_models():
-    """Every task of llama-1b waits once with shared_counters; dsv2-lite's attention tasks too (six layers at ctx
-    4096: the layers after the first have the same ops)."""
-    from graph.compile import compile_options
+    """Every task of llama-1b waits once (shared_counters, the default); dsv2-lite's attention tasks too (six
+    layers at ctx 4096: the layers after the first have the same ops)."""
     shape = StepShape(T=1, B=1, max_len=4096)
-    llama = compile_step(_six("llama-1b"), shape, compile_options("shared_counters=1", 132)[0])
+    llama = compile_step(_six("llama-1b"), shape, CompileOptions())
     assert max(len(llama.task(i).waits) for i in range(llama.num_tasks)) == 1
-    dsv2 = compile_step(_six("dsv2-lite"), shape, compile_options("shared_counters=1", 132)[0])
+    dsv2 = compile_step(_six("dsv2-lite"), shape, CompileOptions())
     attention = [dsv2.task(i) for i in range(dsv2.num_tasks) if dsv2.task(i).op.name == "ATTENTION"]
     assert len(attention) == 6 * 128 and all(len(t.waits) == 1 for t in attention)
 

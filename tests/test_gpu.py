@@ -20,7 +20,7 @@ EXPERT_MLP = DEFAULT_RULES + ("expert_mlp",)
 DENSE_MLP = DEFAULT_RULES + ("dense_mlp",)
 
 
-def _setup(name, T=2, B=2, max_len=64, workers=16, passes=0, layers=None, seed=0, rules=DEFAULT_RULES, shared=False):
+def _setup(name, T=2, B=2, max_len=64, workers=16, passes=0, layers=None, seed=0, rules=DEFAULT_RULES, shared=True):
     from megakernel.runtime import Megakernel
     cfg = preset(name)
     if layers is not None:
@@ -77,16 +77,17 @@ def test_large_megakernel_equals_interpreter(name, rules):
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "llama-1b"])
 def test_shared_counters_give_the_same_bits(name):
-    """Compile option shared_counters (attention's producers signal one counter): the same kernel, one poll where
-    there were 3-4, the same logits bit for bit as the default plan, over two replays."""
+    """Compile option shared_counters (the default: attention's producers signal one counter): the same kernel,
+    one poll where there were 3-4, the same logits bit for bit as the plan without it, over two replays."""
     layers = 4 if name == "llama-1b" else None
-    cfg, w, plan, mk = _setup(name, layers=layers)
-    _, _, shared_plan, shared = _setup(name, layers=layers, shared=True)
+    cfg, w, plan, mk = _setup(name, layers=layers, shared=False)
+    _, _, shared_plan, shared = _setup(name, layers=layers)
     assert plan.num_tasks == shared_plan.num_tasks and plan.words.tolist() != shared_plan.words.tolist()
     _random_cache(mk)
     shared.cache().copy_(mk.cache())
     for step in range(2):
-        tokens = torch.randint(0, cfg.vocab_size, (2, 2), device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        gen = torch.Generator("cuda").manual_seed(step)
+        tokens = torch.randint(0, cfg.vocab_size, (2, 2), device="cuda", generator=gen)
         lens = torch.tensor([3 + 2 * step, 20 + 2 * step], device="cuda")
         want, got = mk.step(tokens, lens).logits.clone(), shared.step(tokens, lens).logits
         assert torch.equal(got, want), step

@@ -18,8 +18,10 @@ _spec.loader.exec_module(replay)
 def test_phases_measure_a_queued_op_late():
     """An op whose latest dependency ended at 100 us (the others earlier; an unrelated op later) and whose median
     task was ready at 105 us is 5 us late; one ready before its inputs ended counts 0; the op one worker ran two
-    tasks of reports 2 per worker; ops of other layers are left out.  The events go through a Chrome trace file."""
-    plan = compile_step(preset("tiny-dense"), StepShape(T=1, B=1, max_len=16), CompileOptions(workers=4))
+    tasks of reports 2 per worker; ops of other layers are left out.  The events go through a Chrome trace file.
+    Without shared_counters (which gives every tiny-dense op one counter to wait on), attention waits on three ops."""
+    plan = compile_step(preset("tiny-dense"), StepShape(T=1, B=1, max_len=16),
+                        CompileOptions(workers=4, shared_counters=False))
     parsed = replay.structure(plan)
     words, deps, _ = parsed
     tasks_of: dict[int, list[str]] = {}

@@ -1,6 +1,7 @@
 """Mutation tests: the static verifier rejects plans that could deadlock, race or read out of bounds."""
 
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -132,9 +133,10 @@ def test_attention_splits_writing_one_cache_region_are_a_hazard():
 def test_attention_that_does_not_wait_for_the_latent_norm_races_on_the_cache():
     """RMSNORM[CACHE] (norm_into_cache) writes an MLA layer's normalized latent into the cache: its footprint claims
     those cache columns (and the cache lengths it reads), so an attention task that no longer waits for it is a
-    race on the cache the verifier names (16 workers and no memory reuse: nothing else orders the two)."""
+    race on the cache the verifier names (16 workers and no memory reuse: nothing else orders the two).  Without
+    shared_counters, whose one counter for attention's producers would cut its waits on the ropes and q_absorb too."""
     plan = compile_step(preset("tiny-moe"), StepShape(T=2, B=2, max_len=16, mtp_passes=1),
-                        CompileOptions(workers=16, reuse_memory=False))
+                        CompileOptions(workers=16, reuse_memory=False, shared_counters=False))
     tasks = [decode(w) for w in plan.words]
     norms = {t.signal for t in tasks if t.op.name == "RMSNORM" and t.has("CACHE")}
     cuts = [(i, k) for i, t in enumerate(tasks) if t.op.name == "ATTENTION"
@@ -145,6 +147,25 @@ def test_attention_that_does_not_wait_for_the_latent_norm_races_on_the_cache():
         bad.words[i, 3 + 2 * k: 5 + 2 * k] = (-1, 0)
         with pytest.raises(PlanError, match=r"hazard on C\[.*kv_a_norm"):
             verify_plan(bad)
+
+
+def test_a_shared_counter_counts_every_task_of_its_ops():
+    """With shared_counters (the default) an MLA attention task's one wait stands for its four producers: cut, it
+    races with them; counting one op's tasks short of the group's, the verifier names the count it expects."""
+    plan = compile_step(preset("tiny-moe"), StepShape(T=2, B=2, max_len=16), CompileOptions(workers=16,
+                                                                                         reuse_memory=False))
+    tasks = [decode(w) for w in plan.words]
+    i = next(k for k, t in enumerate(tasks) if t.op.name == "ATTENTION")
+    (c, n), = tasks[i].waits
+    assert "+" in plan.counter_labels[c] and n == sum(t.signal == c for t in tasks)
+    bad = copy.deepcopy(plan)
+    bad.words[i, 3:5] = (-1, 0)
+    with pytest.raises(PlanError, match=r"hazard on .*" + re.escape(plan.task_labels[i])):
+        verify_plan(bad)
+    bad = copy.deepcopy(plan)
+    bad.words[i, 4] = n - 1
+    with pytest.raises(PlanError, match=rf"to reach {n - 1} per step but {n} task"):
+        verify_plan(bad)
 
 
 def test_unknown_counter_and_opcode():
