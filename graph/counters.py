@@ -39,6 +39,6 @@ def shared_counters(graph: Graph, waits: dict[int, list[int]], anc: list[int]) -
         users = {c for p in group for c in consumers[p]}
         if all(anc[u] >> p & 1 for u in users for p in group):
             grouped.update(group)
-            for p in group:
-                counter[p] = group[0]
+            for p in group:  # the last op's counter: waits still name counters below the waiting op's id
+                counter[p] = group[-1]
     return counter

@@ -4,7 +4,7 @@ This is a second statement of each opcode's access pattern, independent of the
 tiler that produced the task, so the verifier can check any plan (including
 one loaded from disk).  Weights (buffers W, WF) are read-only and only bounds-
 checked; an `exclusive` key marks writes whose rows are chosen at run time but
-are disjoint by construction from other writes of the same op with another key.
+are disjoint by construction from other writes of the same pattern with another range.
 """
 
 from __future__ import annotations
@@ -45,10 +45,11 @@ class Access:
 
 
 def declared_disjoint(a: Access, b: Access) -> bool:
-    """Run-time-addressed writes of one op that cannot meet: different expert slots, or different token rows.
+    """Run-time-addressed writes that cannot meet: different expert slots, or different token rows.
 
     The key holds everything that fixes the write pattern (counter, kind, the operands that choose
-    the rows) and then a [lo, hi) range; equal patterns with disjoint ranges cannot overlap."""
+    the rows) and then a [lo, hi) range; equal patterns with disjoint ranges cannot overlap, whichever
+    op wrote them (with shared_counters several ops signal one counter: the operands alone fix the rows)."""
     if a.exclusive is None or b.exclusive is None or a.exclusive[:-2] != b.exclusive[:-2]:
         return False
     lo_a, hi_a = a.exclusive[-2:]

@@ -77,10 +77,15 @@ def check_operand_buffers(plan: Plan, tasks: list[Decoded]) -> None:
         if t.op.name == "ROUTE" and t.has("TOPK") and t.fields["ids.buf"] < 0:
             raise MegakernelError(f"task {i} ({plan.task_labels[i]}): ROUTE has no ids buffer; its body stores the "
                                   "top-k ids (and its slot-table stage reads them back) in memory")
-        if (t.op.name == "ATTENTION" and not t.has("MLA")
-                and t["h0"] // t["group"] != (t["h1"] - 1) // t["group"]):
-            raise MegakernelError(f"task {i} ({plan.task_labels[i]}): query heads {t['h0']}..{t['h1'] - 1} span KV "
-                                  f"groups of {t['group']}; the GQA body reads one KV head a task (graph/tiling.py)")
+        if t.op.name == "ATTENTION" and not t.has("MLA"):
+            if t["h0"] // t["group"] != (t["h1"] - 1) // t["group"]:
+                raise MegakernelError(f"task {i} ({plan.task_labels[i]}): query heads {t['h0']}..{t['h1'] - 1} span "
+                                      f"KV groups of {t['group']}; the GQA body reads one KV head a task "
+                                      "(graph/tiling.py)")
+            if t.has("ROPE") and (t["h0"] % t["group"] or t["h1"] - t["h0"] != t["group"]):
+                raise MegakernelError(f"task {i} ({plan.task_labels[i]}): ATTENTION[ROPE] over query heads "
+                                      f"{t['h0']}..{t['h1'] - 1}, not one whole KV group of {t['group']}: another task "
+                                      "of the group would write the same new rows")
         roles = dict(OPERAND_BUFFERS[t.op.name])
         if t.op.name == "GATHER":
             roles.update(src=Buf.I if t.has("INT") else Buf.A, out=Buf.I if t.has("INT") else Buf.A)

@@ -19,9 +19,11 @@ def test_phases_measure_a_queued_op_late():
     """An op whose latest dependency ended at 100 us (the others earlier; an unrelated op later) and whose median
     task was ready at 105 us is 5 us late; one ready before its inputs ended counts 0; the op one worker ran two
     tasks of reports 2 per worker; ops of other layers are left out.  The events go through a Chrome trace file.
-    Without shared_counters (which gives every tiny-dense op one counter to wait on), attention waits on three ops."""
-    plan = compile_step(preset("tiny-dense"), StepShape(T=1, B=1, max_len=16),
-                        CompileOptions(workers=4, shared_counters=False))
+    Replay compiles plans with a counter per op (replay.per_op: attention waits on three ops here); a plan with
+    shared counters is refused by name."""
+    with pytest.raises(ValueError, match="shared_counters=0"):
+        replay.structure(compile_step(preset("tiny-dense"), StepShape(T=1, B=1, max_len=16), CompileOptions(workers=4)))
+    plan = compile_step(preset("tiny-dense"), StepShape(T=1, B=1, max_len=16), replay.per_op(CompileOptions(workers=4)))
     parsed = replay.structure(plan)
     words, deps, _ = parsed
     tasks_of: dict[int, list[str]] = {}
@@ -55,7 +57,7 @@ def test_phases_measure_a_queued_op_late():
 def test_scale_multiplies_only_the_named_opcodes():
     """--scale LINEAR=0.5,ATTENTION=2: those tasks' times halved and doubled, every other task's kept; an opcode
     the plan lacks is refused by name."""
-    plan = compile_step(preset("tiny-dense"), StepShape(T=1, B=1, max_len=16), CompileOptions(workers=4))
+    plan = compile_step(preset("tiny-dense"), StepShape(T=1, B=1, max_len=16), replay.per_op(CompileOptions(workers=4)))
     words = replay.structure(plan)[0]
     seconds = [1e-6 * (i + 1) for i in range(len(words))]
     scaled = replay.scaled_seconds(words, seconds, "LINEAR=0.5,ATTENTION=2")
@@ -69,7 +71,7 @@ def test_scale_multiplies_only_the_named_opcodes():
 def test_scale_in_microseconds_shifts_each_task_of_the_opcode():
     """--scale LINEAR=-1.5us: each LINEAR task 1.5 us shorter (none below zero), the others kept; a value that is
     neither a factor nor microseconds is refused by name."""
-    plan = compile_step(preset("tiny-dense"), StepShape(T=1, B=1, max_len=16), CompileOptions(workers=4))
+    plan = compile_step(preset("tiny-dense"), StepShape(T=1, B=1, max_len=16), replay.per_op(CompileOptions(workers=4)))
     words = replay.structure(plan)[0]
     seconds = [1e-6 * (i % 3) for i in range(len(words))]
     shifted = replay.scaled_seconds(words, seconds, "LINEAR=-1.5us")
@@ -95,8 +97,8 @@ def tmp_trace(events: dict) -> str:
 def test_report_relists_a_stream_plan_by_worker_class(monkeypatch):
     """A stream_kernel plan's relisted schedule keeps LINEAR tasks on the stream workers and the rest on the body
     workers, as the compiler placed them (a relisting across the classes would time a plan no kernel runs)."""
-    plan = compile_step(preset("tiny-dense"), StepShape(T=1, B=1, max_len=16), CompileOptions(workers=4,
-                                                                                              stream_kernel=True))
+    plan = compile_step(preset("tiny-dense"), StepShape(T=1, B=1, max_len=16),
+                        replay.per_op(CompileOptions(workers=4, stream_kernel=True)))
     parsed = replay.structure(plan)
     words = parsed[0]
     seen = {}
@@ -120,7 +122,7 @@ def test_a_variants_new_ops_borrow_their_opcodes_rate():
     streams, which its footprint leaves out (the expert is chosen at run time)."""
     import statistics
     cfg = preset("tiny-dense")
-    plan = compile_step(cfg, StepShape(T=1, B=1, max_len=16), CompileOptions(workers=4))
+    plan = compile_step(cfg, StepShape(T=1, B=1, max_len=16), replay.per_op(CompileOptions(workers=4)))
     words = replay.structure(plan)[0]
     fixed = 1e-6
     by_opcode: dict = {}
@@ -130,7 +132,7 @@ def test_a_variants_new_ops_borrow_their_opcodes_rate():
         by_opcode.setdefault(w.op.name, []).append(rate)
         per_byte[replay.family(label)] = rate
     fused = compile_step(cfg, StepShape(T=1, B=1, max_len=16),
-                         CompileOptions(workers=4, fusion_rules=DEFAULT_RULES + ("dense_mlp",)))
+                         replay.per_op(CompileOptions(workers=4, fusion_rules=DEFAULT_RULES + ("dense_mlp",))))
     fwords = replay.structure(fused)[0]
     seconds, borrowed = replay.variant_seconds(fwords, fused.task_labels, per_byte, by_opcode, fixed)
     assert borrowed == {"mlp": "LINEAR", "mlp.reduce": "no MOE_COMBINE measured: every task's"}
@@ -141,7 +143,7 @@ def test_a_variants_new_ops_borrow_their_opcodes_rate():
         fam = replay.family(label)
         rate = linear if fam == "mlp" else everyone if fam == "mlp.reduce" else per_byte[fam]
         assert s == pytest.approx(fixed + rate * replay.task_work(w))
-    moe = compile_step(preset("tiny-moe"), StepShape(T=1, B=1, max_len=16), CompileOptions(workers=4))
+    moe = compile_step(preset("tiny-moe"), StepShape(T=1, B=1, max_len=16), replay.per_op(CompileOptions(workers=4)))
     expert = next(w for w in replay.structure(moe)[0] if w.op.name == "EXPERT_LINEAR" and w.has("SILU_MUL"))
     f = expert.fields
     assert replay.task_work(expert) >= 2 * (f["r1"] - f["r0"]) * f["K"]

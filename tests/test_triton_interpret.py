@@ -454,10 +454,17 @@ def test_gqa_attention_tasks_keep_to_one_kv_group():
             assert att and all(t["h0"] // t["group"] == (t["h1"] - 1) // t["group"] for t in att), (heads, rules)
             if "rope_into_attention" in rules:
                 assert all(t["h1"] - t["h0"] == t["group"] for t in att)
+                rope_plan, rope_tasks = plan, tasks
             check_operand_buffers(plan, tasks)
+    plan, tasks = rope_plan, rope_tasks
     i = next(k for k, t in enumerate(tasks) if t.op.name == "ATTENTION")
-    tasks[i] = dataclasses.replace(tasks[i], fields={**tasks[i].fields, "h1": tasks[i]["h0"] + 2 * tasks[i]["group"]})
+    t = tasks[i]
+    tasks[i] = dataclasses.replace(t, fields={**t.fields, "h1": t["h0"] + 2 * t["group"]})
     with pytest.raises(MegakernelError, match=f"task {i} .*span KV groups of 2"):
+        check_operand_buffers(plan, tasks)
+    assert t.has("ROPE")
+    tasks[i] = dataclasses.replace(t, fields={**t.fields, "h1": t["h0"] + 1})
+    with pytest.raises(MegakernelError, match=f"task {i} .*not one whole KV group of 2"):
         check_operand_buffers(plan, tasks)
 
 

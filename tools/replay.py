@@ -21,6 +21,9 @@ trace came from, then:
    another op's task first), its span and the most tasks one worker ran.  Session 17 found both of
    its tiling fixes here (llama-1b's q|k|v in two rounds, dsv2-lite's routed down tiles queued
    behind the shared experts').
+Plans are compiled here without shared counters (compile option shared_counters=0): the same queues and tasks,
+with one counter per op, so each op's own producers are its dependencies (a shared counter stands for several
+ops; the hop model charges one hop a dependency either way).
 """
 
 from __future__ import annotations
@@ -135,7 +138,14 @@ def print_phases(rows: list[dict], layer: int) -> None:
               f"{r['median_ready_us']:>9.1f}{r['late_us']:>7.1f}{r['last_end_us']:>9.1f}{r['span_us']:>7.1f}")
 
 
+def per_op(opts):
+    """opts without shared counters (the module docstring says why)."""
+    return dataclasses.replace(opts, shared_counters=False)
+
+
 def structure(plan):
+    if any("+" in label for label in plan.counter_labels):
+        raise ValueError("replay reads a counter as one op: compile the plan with shared_counters=0 (per_op)")
     words = [decode(w) for w in plan.words]
     deps: dict[int, set[int]] = defaultdict(set)
     for w in words:
@@ -237,7 +247,7 @@ def main() -> None:
     plan_spec, max_len = pop_max_len(args.plan, step_max_len(args.ctx, args.T))
     shape = StepShape(T=args.T, B=1, max_len=max_len)
     opts, attn_split = compile_options(plan_spec, args.workers)
-    plan = compile_step(cfg, dataclasses.replace(shape, attn_split=attn_split), opts)
+    plan = compile_step(cfg, dataclasses.replace(shape, attn_split=attn_split), per_op(opts))
     missing = [label for label in plan.task_labels if label not in measured]
     if missing:
         raise SystemExit(f"the trace is not of this plan: {len(missing)} tasks missing, e.g. {missing[:3]}")
@@ -260,7 +270,7 @@ def main() -> None:
     for spec in args.variant:
         vspec, vmax_len = pop_max_len(spec, max_len)
         opts, attn_split = compile_options(vspec, args.workers)
-        vplan = compile_step(cfg, dataclasses.replace(shape, max_len=vmax_len, attn_split=attn_split), opts)
+        vplan = compile_step(cfg, dataclasses.replace(shape, max_len=vmax_len, attn_split=attn_split), per_op(opts))
         vparsed = structure(vplan)
         vsec, borrowed = variant_seconds(vparsed[0], vplan.task_labels, per_byte, by_opcode, fixed)
         out[spec] = report(f"predicted for {spec}", vplan, vsec, hop, parsed=vparsed)
