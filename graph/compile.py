@@ -14,9 +14,9 @@ from model.config import ModelConfig
 from model.stats import step_bytes
 
 from .cost import CostModel
-from .fusion import DEFAULT_RULES, RULES, WEIGHT_RULES, fuse
 from .counters import shared_counters
 from .cse import cse
+from .fusion import DEFAULT_RULES, RULES, WEIGHT_RULES, fuse
 from .ir import Graph, Op
 from .isa import MAX_WAITS, OPCODES, WORDS, decode, encode
 from .lower import StepShape, lower
