@@ -248,7 +248,7 @@ def _fields(graph: Graph, op: Op, tile_fields: dict) -> dict:
     return fields
 
 
-def _encode(graph: Graph, op_tiles, task_tile, queues, deps, shared: bool = False):
+def _encode(graph: Graph, op_tiles, task_tile, queues, deps, shared: bool):
     """(words, task labels, queue pointers, counter labels).  Each op's tasks signal its counter (op id), or with
     `shared` the counter of its group (graph/counters.py), which then counts every member's tasks."""
     anc = ancestors(graph)

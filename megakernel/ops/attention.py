@@ -177,7 +177,7 @@ def split_of(word, A, I, C, mla, ALIGN: tl.constexpr):
                                      aligned(fld(word, ATTENTION_PE_LD), ALIGN), aligned(fld(word, ATTENTION_PE_HS), ALIGN),
                                      aligned(fld(word, ATTENTION_PE_COL0), ALIGN))
     cache = C + aligned(off(word, ATTENTION_CACHE_OFF), ALIGN) + b.to(tl.int64) * S * width
-    limit = cache_limit(word, I, b)
+    limit = cache_limit(word, I, b, ".cg")
     op_ptr, lse_ptr = A + aligned(off(word, ATTENTION_OP_OFF), ALIGN), A + off(word, ATTENTION_LSE_OFF)
     group = fld(word, ATTENTION_GROUP)
     k_col = (h0 // group) * aligned(fld(word, ATTENTION_KV_HS), ALIGN)  # GQA: one KV head per task
@@ -192,9 +192,10 @@ def split_of(word, A, I, C, mla, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def cache_limit(word, I, b):
-    """Sequence b's cache length + the step's position offset: token t reads positions <= limit + t."""
-    return tl.load(I + off(word, ATTENTION_CL_OFF) + b, cache_modifier=".cg") + fld(word, ATTENTION_POS_OFFSET)
+def cache_limit(word, I, b, CACHE: tl.constexpr):
+    """Sequence b's cache length + the step's position offset: token t reads positions <= limit + t.
+    CACHE: the length's load modifier (".cg" after the task's wait; prefetch_split's, before it, "")."""
+    return tl.load(I + off(word, ATTENTION_CL_OFF) + b, cache_modifier=CACHE) + fld(word, ATTENTION_POS_OFFSET)
 
 
 @triton.jit
@@ -248,7 +249,7 @@ def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, 
         q = tl.load(q_ptr + q_rows[:, None] * q_ld + h[:, None] * q_hs + q_col0 + d[None, :],
                     mask=rvalid[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
         if QIX & 2:  # the same length, requested only now (split_of's load of it is then dead code unless ROPE)
-            limit = cache_limit(word, I, b)
+            limit = cache_limit(word, I, b, ".cg")
             j1 = split_end(j0, fld(word, ATTENTION_SPLIT_LEN), S, limit, T)
         if rotated:
             q = rotate_half(q, q_ptr + q_rows[:, None] * q_ld + h[:, None] * q_hs + q_col0,
@@ -314,7 +315,7 @@ def prefetch_split(word, I, C, ALIGN: tl.constexpr, DMAX: tl.constexpr, APF: tl.
         S, b, split_len = fld(word, ATTENTION_S), fld(word, ATTENTION_B), fld(word, ATTENTION_SPLIT_LEN)
         width = aligned(fld(word, ATTENTION_WIDTH), ALIGN)
         j0 = fld(word, ATTENTION_SPLIT) * split_len
-        limit = tl.load(I + off(word, ATTENTION_CL_OFF) + b) + fld(word, ATTENTION_POS_OFFSET) + fld(word, ATTENTION_T)
+        limit = cache_limit(word, I, b, "") + fld(word, ATTENTION_T)
         rows = tl.maximum(tl.minimum(tl.minimum(split_len, S - j0), limit - j0), 0)
         cache = C + aligned(off(word, ATTENTION_CACHE_OFF), ALIGN) + (b.to(tl.int64) * S + j0) * width
         if KIND != 2:
