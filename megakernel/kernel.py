@@ -89,15 +89,12 @@ def head_matmul_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS: t
     w = head_matmul.prefetch(word, W, BI, BO, ALIGN, TRANS, EF)
     if HOIST & 4:  # the activations' and outputs' fields too (a launch variant)
         f = head_matmul.fields(word, W, A, ALIGN)
-        ok, t_ready = waited(word, t, end, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER,
-                             WORDS, WPF, POLL)
-        if ok == 1:
-            head_matmul.run(f, w, BI, BO, TRANS, TB, EF)
-    else:
-        ok, t_ready = waited(word, t, end, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER,
-                             WORDS, WPF, POLL)
-        if ok == 1:
-            head_matmul.body(word, W, A, w, BI, BO, ALIGN, TRANS, TB, EF)
+    ok, t_ready = waited(word, t, end, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, WORDS,
+                         WPF, POLL)
+    if ok == 1:
+        if (HOIST & 4) == 0:
+            f = head_matmul.fields(word, W, A, ALIGN)
+        head_matmul.run(f, w, BI, BO, TRANS, TB, EF)
     return ok, t_ready
 
 
@@ -115,15 +112,12 @@ def linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS: tl.con
         linear.prefetch_blocks(word, W, BR, ALIGN, PFD, HILO)
     if HOIST & 4:  # the stream's fields too (a launch variant)
         f = linear.fields(word, W, A, ALIGN, HILO)
-        ok, t_ready = waited(word, t, end, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER,
-                             WORDS, WPF, POLL)
-        if ok == 1:
-            linear.run(f, word, W, A, w, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, HILO, KD, BRD)
-    else:
-        ok, t_ready = waited(word, t, end, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER,
-                             WORDS, WPF, POLL)
-        if ok == 1:
-            linear.body(word, W, A, w, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, HILO, KD, BRD)
+    ok, t_ready = waited(word, t, end, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, WORDS,
+                         WPF, POLL)
+    if ok == 1:
+        if (HOIST & 4) == 0:
+            f = linear.fields(word, W, A, ALIGN, HILO)
+        linear.run(f, word, W, A, w, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, HILO, KD, BRD)
     return ok, t_ready
 
 
@@ -178,6 +172,9 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             if t + 1 < end:
                 if tl.load(word + WORDS) == OP_LINEAR:
                     linear.prefetch_task(word + WORDS, W, ALIGN, HILO)
+        if APF:  # a split's cache rows asked of the L2 while it waits
+            if op == OP_ATTENTION:
+                attention.prefetch_split(word, I, C, ALIGN, DMAX, APF, ATT_KIND)
         if op == OP_LINEAR:
             if PF == 1 or (PF == 2 and t == start):
                 linear.prefetch_task(word, W, ALIGN, HILO)
@@ -205,8 +202,6 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                                       MAX_SPINS, USE_TIMER, BR, KC, ALIGN, TB, PF, DEPTH, ROWVEC, AHEAD, NARROW, PFD,
                                       EF, KD, EPF, WORDS, WPF, POLL)
         elif (HOIST & 1) and (op == OP_ATTENTION):  # the fields read before the wait (launch variant HOIST)
-            if APF:
-                attention.prefetch_split(word, I, C, ALIGN, DMAX, APF, ATT_KIND)
             fa = attention.query_fields(word, A, I, ALIGN)
             ok, t_ready = waited(word, t, end, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER,
                                  WORDS, WPF, POLL)
@@ -232,9 +227,6 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             if ok == 1:
                 moe.combine_run(fm, BD, BK, KD)
         else:
-            if APF:  # a split's cache rows asked of the L2 while it waits
-                if op == OP_ATTENTION:
-                    attention.prefetch_split(word, I, C, ALIGN, DMAX, APF, ATT_KIND)
             ok, t_ready = waited(word, t, end, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER,
                                  WORDS, WPF, POLL)
             if ok == 1:  # the other opcodes' bodies

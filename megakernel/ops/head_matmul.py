@@ -85,18 +85,12 @@ def prefetch(word, W, BI: tl.constexpr, BO: tl.constexpr, ALIGN: tl.constexpr, T
 
 @triton.jit
 def fields(word, W, A, ALIGN: tl.constexpr):
-    """Everything run reads from a task word (launch variant HOIST bit 4 reads it before the task's wait)."""
+    """Everything run reads from a task word (kernel.py reads it after the task's wait, or before it with launch
+    variant HOIST bit 4)."""
     return task_fields(word, W, ALIGN) + (A + off(word, HEAD_MATMUL_X_OFF), fld(word, HEAD_MATMUL_X_LD),
                                           fld(word, HEAD_MATMUL_X_HS), fld(word, HEAD_MATMUL_X_COL0),
                                           A + off(word, HEAD_MATMUL_OUT_OFF), fld(word, HEAD_MATMUL_OUT_LD),
                                           fld(word, HEAD_MATMUL_OUT_HS))
-
-
-@triton.jit
-def body(word, W, A, w, BI: tl.constexpr, BO: tl.constexpr, ALIGN: tl.constexpr, TRANS: tl.constexpr,
-         TB: tl.constexpr, EF: tl.constexpr = 0):
-    """A task, its fields read now (after its wait)."""
-    run(fields(word, W, A, ALIGN), w, BI, BO, TRANS, TB, EF)
 
 
 @triton.jit

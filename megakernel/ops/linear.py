@@ -421,7 +421,8 @@ def pair_flag(flags, HILO: tl.constexpr):
 
 @triton.jit
 def fields(word, W, A, ALIGN: tl.constexpr, HILO: tl.constexpr = 0):
-    """What the weight stream reads from a task word (launch variant HOIST bit 4 reads it before the task's wait)."""
+    """What the weight stream reads from a task word (kernel.py reads it after the task's wait, or before it with
+    launch variant HOIST bit 4)."""
     flags = fld(word, LINEAR_FLAGS)
     return (aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), fld(word, LINEAR_N),
             A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
@@ -429,15 +430,6 @@ def fields(word, W, A, ALIGN: tl.constexpr, HILO: tl.constexpr = 0):
             aligned_base(W, word, LINEAR_W2_OFF, ALIGN), streams_two(flags, HILO), fld(word, LINEAR_R0),
             fld(word, LINEAR_R1), fld(word, LINEAR_K), has(flags, FLAG_LINEAR_NORM), ffld(word, LINEAR_EPS),
             pair_flag(flags, HILO), flags)
-
-
-@triton.jit
-def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
-         DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr, PFD: tl.constexpr = 0,
-         EF: tl.constexpr = 0, HILO: tl.constexpr = 0, KD: tl.constexpr = 0, BRD: tl.constexpr = 8):
-    """A task, its fields read now (after its wait)."""
-    run(fields(word, W, A, ALIGN, HILO), word, W, A, w, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, HILO, KD,
-        BRD)
 
 
 @triton.jit
