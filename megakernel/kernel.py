@@ -39,17 +39,6 @@ def next_word_to_l1(word, t, end, WORDS: tl.constexpr, WPF: tl.constexpr):
 
 
 @triton.jit
-def waited(word, t, end, counters, epoch, err, pid, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr,
-           MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, WORDS: tl.constexpr, WPF: tl.constexpr,
-           POLL: tl.constexpr):
-    """A task's dependency wait, then its ready stamp and the next task's word asked of the L1.  (ok, ready time)."""
-    ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL)
-    t_ready = now_ns(USE_TIMER)
-    next_word_to_l1(word, t, end, WORDS, WPF)
-    return ok, t_ready
-
-
-@triton.jit
 def host_inputs_to_device(HT, HL, HD, I, words, counters, epoch, err, pid, TIMEOUT_NS: tl.constexpr,
                           MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, POLL: tl.constexpr):
     """HIN (1 by default, where a plan has those inputs): the step's tokens and cache lengths copied from the
@@ -84,17 +73,14 @@ def host_inputs_to_device(HT, HL, HD, I, words, counters, epoch, err, pid, TIMEO
 def head_matmul_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr,
                      MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr,
                      ALIGN: tl.constexpr, TRANS: tl.constexpr, TB: tl.constexpr, WORDS: tl.constexpr,
-                     WPF: tl.constexpr, EF: tl.constexpr, POLL: tl.constexpr, HOIST: tl.constexpr):
+                     WPF: tl.constexpr, EF: tl.constexpr, POLL: tl.constexpr):
     """A HEAD_MATMUL task as a LINEAR one runs: first weights requested, wait, body.  (ok, ready time)."""
     w = head_matmul.prefetch(word, W, BI, BO, ALIGN, TRANS, EF)
-    if HOIST & 4:  # the activations' and outputs' fields too (a launch variant)
-        f = head_matmul.fields(word, W, A, ALIGN)
-    ok, t_ready = waited(word, t, end, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, WORDS,
-                         WPF, POLL)
+    ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL)
+    t_ready = now_ns(USE_TIMER)
+    next_word_to_l1(word, t, end, WORDS, WPF)
     if ok == 1:
-        if (HOIST & 4) == 0:
-            f = head_matmul.fields(word, W, A, ALIGN)
-        head_matmul.run(f, w, BI, BO, TRANS, TB, EF)
+        head_matmul.body(word, W, A, w, BI, BO, ALIGN, TRANS, TB, EF)
     return ok, t_ready
 
 
@@ -103,21 +89,17 @@ def linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS: tl.con
                 MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, BR: tl.constexpr, KC: tl.constexpr,
                 ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr,
                 AHEAD: tl.constexpr, PFD: tl.constexpr, EF: tl.constexpr, WORDS: tl.constexpr, WPF: tl.constexpr,
-                HILO: tl.constexpr, POLL: tl.constexpr, KD: tl.constexpr, BRD: tl.constexpr,
-                HOIST: tl.constexpr):
+                HILO: tl.constexpr, POLL: tl.constexpr, KD: tl.constexpr, BRD: tl.constexpr):
     """A LINEAR task: its first weights requested before the wait (weights never depend on activations),
     then the body.  BRD: the k-major down rows' chunk (DOWN_T), BR whatever the stream's chunk.  (ok, ready time)."""
     w = linear.prefetch(word, W, BR, KC, ALIGN, EF)
     if PFD > 0:
         linear.prefetch_blocks(word, W, BR, ALIGN, PFD, HILO)
-    if HOIST & 4:  # the stream's fields too (a launch variant)
-        f = linear.fields(word, W, A, ALIGN, HILO)
-    ok, t_ready = waited(word, t, end, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, WORDS,
-                         WPF, POLL)
+    ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL)
+    t_ready = now_ns(USE_TIMER)
+    next_word_to_l1(word, t, end, WORDS, WPF)
     if ok == 1:
-        if (HOIST & 4) == 0:
-            f = linear.fields(word, W, A, ALIGN, HILO)
-        linear.run(f, word, W, A, w, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, HILO, KD, BRD)
+        linear.body(word, W, A, w, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, HILO, KD, BRD)
     return ok, t_ready
 
 
@@ -130,8 +112,9 @@ def expert_task(word, t, end, counters, epoch, err, pid, W, A, I, MAX_WAITS: tl.
     """An EXPERT_LINEAR task with EPF: the first weights of the expert its slot holds now requested before the
     wait (a guess the body checks: moe.guess_first_chunk), then the body.  (ok, ready time)."""
     guess, w = moe.guess_first_chunk(word, W, I, BR, KC, ALIGN, EF, EPF)
-    ok, t_ready = waited(word, t, end, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, WORDS,
-                         WPF, POLL)
+    ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL)
+    t_ready = now_ns(USE_TIMER)
+    next_word_to_l1(word, t, end, WORDS, WPF)
     if ok == 1:
         moe.expert_body(word, W, A, I, BR, KC, ALIGN, TB, PF, DEPTH, ROWVEC, AHEAD, NARROW, PFD, EF, KD, EPF, guess, w)
     return ok, t_ready
@@ -152,7 +135,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                ROWVEC: tl.constexpr, AHEAD: tl.constexpr, NARROW: tl.constexpr, ROUTE1: tl.constexpr, PFD: tl.constexpr,
                EF: tl.constexpr, WPF: tl.constexpr, APF: tl.constexpr, PFK: tl.constexpr, HILO: tl.constexpr,
                HELPER_SIDE: tl.constexpr, ATT_ROPE: tl.constexpr, POLL: tl.constexpr, HIN: tl.constexpr,
-               KD: tl.constexpr, EPF: tl.constexpr, QIX: tl.constexpr, HOIST: tl.constexpr):
+               KD: tl.constexpr, EPF: tl.constexpr, QIX: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
     end = tl.load(queue_ptr + pid + 1)
@@ -172,9 +155,6 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             if t + 1 < end:
                 if tl.load(word + WORDS) == OP_LINEAR:
                     linear.prefetch_task(word + WORDS, W, ALIGN, HILO)
-        if APF:  # a split's cache rows asked of the L2 while it waits
-            if op == OP_ATTENTION:
-                attention.prefetch_split(word, I, C, ALIGN, DMAX, APF, ATT_KIND)
         if op == OP_LINEAR:
             if PF == 1 or (PF == 2 and t == start):
                 linear.prefetch_task(word, W, ALIGN, HILO)
@@ -183,52 +163,29 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             if NARROW and linear.needs_narrow(word, BR, KC):  # a launch variant: a copy with 4·BR x KC/4 chunks
                 ok, t_ready = linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
                                           MAX_SPINS, USE_TIMER, BR * 4, KC // 4, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD,
-                                          PFD, EF, WORDS, WPF, HILO, POLL, KD, BR, HOIST)
+                                          PFD, EF, WORDS, WPF, HILO, POLL, KD, BR)
             else:
                 ok, t_ready = linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
                                           MAX_SPINS, USE_TIMER, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF,
-                                          WORDS, WPF, HILO, POLL, KD, BR, HOIST)
+                                          WORDS, WPF, HILO, POLL, KD, BR)
         elif op == OP_HEAD_MATMUL:  # a copy per weight layout, so each vectorizes its loads
             if head_matmul.transposed(word):
                 ok, t_ready = head_matmul_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
-                                               MAX_SPINS, USE_TIMER, BIT, BOT, ALIGN, True, TB, WORDS, WPF, EF, POLL,
-                                               HOIST)
+                                               MAX_SPINS, USE_TIMER, BIT, BOT, ALIGN, True, TB, WORDS, WPF, EF, POLL)
             else:
                 ok, t_ready = head_matmul_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
-                                               MAX_SPINS, USE_TIMER, BI, BO, ALIGN, False, TB, WORDS, WPF, EF, POLL,
-                                               HOIST)
+                                               MAX_SPINS, USE_TIMER, BI, BO, ALIGN, False, TB, WORDS, WPF, EF, POLL)
         elif EPF and (op == OP_EXPERT_LINEAR):
             ok, t_ready = expert_task(word, t, end, counters, epoch, err, pid, W, A, I, MAX_WAITS, TIMEOUT_NS,
                                       MAX_SPINS, USE_TIMER, BR, KC, ALIGN, TB, PF, DEPTH, ROWVEC, AHEAD, NARROW, PFD,
                                       EF, KD, EPF, WORDS, WPF, POLL)
-        elif (HOIST & 1) and (op == OP_ATTENTION):  # the fields read before the wait (launch variant HOIST)
-            fa = attention.query_fields(word, A, I, ALIGN)
-            ok, t_ready = waited(word, t, end, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER,
-                                 WORDS, WPF, POLL)
-            if ok == 1:
-                attention.run(fa, word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC, ATT_KIND, EF, ATT_ROPE,
-                              QIX)
-        elif (HOIST & 2) and (op == OP_RMSNORM):
-            fn = norm.fields(word, W, A, I, C)
-            ok, t_ready = waited(word, t, end, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER,
-                                 WORDS, WPF, POLL)
-            if ok == 1:
-                norm.run(fn, C, BN)
-        elif (HOIST & 2) and (op == OP_ATTN_COMBINE):
-            fc = attention.combine_fields(word, A, ALIGN)
-            ok, t_ready = waited(word, t, end, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER,
-                                 WORDS, WPF, POLL)
-            if ok == 1:
-                attention.combine_run(fc, BSC, BCW, CPF)
-        elif (HOIST & 2) and (op == OP_MOE_COMBINE):
-            fm = moe.combine_fields(word, A)
-            ok, t_ready = waited(word, t, end, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER,
-                                 WORDS, WPF, POLL)
-            if ok == 1:
-                moe.combine_run(fm, BD, BK, KD)
         else:
-            ok, t_ready = waited(word, t, end, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER,
-                                 WORDS, WPF, POLL)
+            if APF:  # a split's cache rows asked of the L2 while it waits
+                if op == OP_ATTENTION:
+                    attention.prefetch_split(word, I, C, ALIGN, DMAX, APF, ATT_KIND)
+            ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL)
+            t_ready = now_ns(USE_TIMER)
+            next_word_to_l1(word, t, end, WORDS, WPF)
             if ok == 1:  # the other opcodes' bodies
                 if (EPF == 0) and (op == OP_EXPERT_LINEAR):
                     moe.expert_body(word, W, A, I, BR, KC, ALIGN, TB, PF, DEPTH, ROWVEC, AHEAD, NARROW, PFD, EF, KD)

@@ -265,13 +265,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # ATTENTION's query rows (attention.body's QIX): bit 1, their token and head without integer division;
                 # bit 2, the cache length requested after them.  3 where every attention task is MLA: -1.2% on
                 # dsv2-lite, the same bits, a split 0.55 us shorter (H100, docs/PERF.md session 35); GQA's not timed
-                QIX=3 if att_kinds == {1} else 0,
-                # a launch variant (not yet timed): a task's fields read before its dependency wait, not after it, where
-                # the wait's acquire has emptied the L1 and every field is an L2 round trip before the body's first
-                # load.  Bit 1: ATTENTION; bit 2: RMSNORM, ATTN_COMBINE and MOE_COMBINE; bit 4: LINEAR's and
-                # HEAD_MATMUL's activation and output fields (their weights' always were, for their first chunk or
-                # tile).  Task words never change
-                HOIST=0)
+                QIX=3 if att_kinds == {1} else 0)
 
 
 def bulk_prefetch_refusal(align: int, weight_bytes: int) -> str | None:
@@ -340,9 +334,6 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
     if blocks["QIX"] not in (0, 1, 2, 3):
         raise MegakernelError(f"block override QIX={blocks['QIX']}: 0, or bits 1 (attention's query rows indexed "
                               "without integer division) and 2 (the cache length requested after them)")
-    if blocks["HOIST"] not in range(8):
-        raise MegakernelError(f"block override HOIST={blocks['HOIST']}: 0, or bits 1 (attention's fields read before "
-                              "its wait), 2 (the norms' and combines') and 4 (LINEAR's and HEAD_MATMUL's)")
     if blocks["APF"] not in (0, 1, 2):
         raise MegakernelError(f"block override APF={blocks['APF']}: 0, 1 (MLA attention's cache rows asked of the L2 "
                               "before the wait) or 2 (GQA's head lines too)")

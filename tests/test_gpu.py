@@ -119,12 +119,11 @@ def test_launch_variants_on_dsv2_lite():
     stream's deeper prefetches (PFD: L2 prefetch of the row blocks ahead; DEPTH=2: a second chunk in
     registers), EF=2 (per-head matmul weights and attention's cache rows evict-first too) and EPF (an expert
     task's first chunk requested before its wait for the expert its slot held then; EPF=2 guesses from the next
-    slot, so every chunk is requested again), QIX=3 (MLA's query rows indexed without integer division, the cache
-    length requested after them) and HOIST=7 (task fields read before the dependency wait) give the same logits bit
-    for bit; NARROW (K = 1408 and 2816 slices in 4·BR x KC/4 chunks) sums each row's K in other chunks, so within
-    fp32 rounding of them."""
+    slot, so every chunk is requested again) and QIX=3 (MLA's query rows indexed without integer division, the cache
+    length requested after them) give the same logits bit for bit; NARROW (K = 1408 and 2816 slices
+    in 4·BR x KC/4 chunks) sums each row's K in other chunks, so within fp32 rounding of them."""
     exact = [dict(AHEAD=0, ROUTE1=0), dict(PFD=2), dict(DEPTH=2, PFD=1), dict(EF=0, WPF=0, APF=0, PFK=0), dict(EF=2),
-             dict(PFK=256), dict(EPF=1), dict(EPF=2), dict(QIX=3), dict(HOIST=7)]
+             dict(PFK=256), dict(EPF=1), dict(EPF=2), dict(QIX=3)]
     want, got = _variant_logits("dsv2-lite", 1, 256, [200], exact + [dict(NARROW=1)])
     for blocks, logits in got:
         assert torch.equal(logits, want) if blocks in exact else rel_err(logits, want) <= 1e-5, blocks
@@ -133,12 +132,11 @@ def test_launch_variants_on_dsv2_lite():
 def test_gqa_cache_prefetch_on_llama_1b():
     """The default kernel (APF=2: a GQA split's head lines asked of the L2 before its wait), APF=0 (no cache
     prefetch), PFK (a LINEAR task's next weights asked of the L2 before its wait), STAGES=3 (two key blocks in
-    flight), QIX=3 (the query rows indexed without integer division) and HOIST=7 (task fields read before the
-    dependency wait) give the same logits bit for bit on llama-1b's shapes (4 layers, B=2, a cache longer than a
-    split): a prefetch moves no value, and an address past the cache would show up as a fault here (or under
-    compute-sanitizer)."""
+    flight) and QIX=3 (the query rows indexed without integer division) give the same logits bit for bit on
+    llama-1b's shapes (4 layers, B=2, a cache longer than a split): a prefetch moves no value, and an address past
+    the cache would show up as a fault here (or under compute-sanitizer)."""
     want, got = _variant_logits("llama-1b", 2, 1024, [700, 1000],
-                                [dict(APF=0), dict(PFK=256), dict(STAGES=3), dict(QIX=3), dict(HOIST=7)])
+                                [dict(APF=0), dict(PFK=256), dict(STAGES=3), dict(QIX=3)])
     for blocks, logits in got:
         assert torch.equal(logits, want), blocks
 

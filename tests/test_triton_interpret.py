@@ -378,7 +378,6 @@ def test_block_overrides_that_would_change_the_result_are_refused():
                ({"POLL": 2}, "POLL=2: the Triton interpreter runs no inline PTX"),
                ({"HIN": 2}, "HIN=2: 0 .inputs copied"), ({"EPF": 3}, "EPF=3: 0, 1 .an expert task's first"),
                ({"QIX": 4}, "QIX=4: 0, or bits 1"),
-               ({"HOIST": 8}, "HOIST=8: 0, or bits 1"),
                ({"POLL": 1}, "POLL=1: the Triton interpreter runs no inline PTX")]
     for override, why in refused:
         with pytest.raises(MegakernelError, match=why):
@@ -493,24 +492,6 @@ def test_attention_query_rows_indexed_without_division_change_nothing(name):
     for qix in (0, 3):
         cfg, plan, interp, mk = _pair(name, T=3, passes=0, blocks=dict(QIX=qix, BM=2))
         assert mk.blocks["QIX"] == qix
-        _compare(cfg, interp, mk, torch.tensor([5, 9]))
-        logits.append(mk.result().logits)
-    assert torch.equal(logits[0], logits[1])
-
-
-@pytest.mark.parametrize("name,rules", [("tiny-dense", DEFAULT_RULES), ("tiny-moe", DEFAULT_RULES),
-                                        ("tiny-moe", DEFAULT_RULES + ("expert_mlp",))],
-                         ids=["tiny-dense", "tiny-moe", "tiny-moe-expert_mlp"])
-def test_fields_read_before_the_wait_change_nothing(name, rules):
-    """Launch variant HOIST=7 (ATTENTION's, RMSNORM's, both combines' and LINEAR's task fields read before the
-    dependency wait and handed to the body) runs the same bodies on the same values: GQA attention with its rope
-    and cache writes, MLA with the latent norm into the cache, the MoE combine with and without expert_mlp's
-    partial slices, LINEAR with and without DOWN_T; three tokens of two sequences equal the interpreter and
-    HOIST=0 bit for bit."""
-    logits = []
-    for hoist in (0, 7):
-        cfg, plan, interp, mk = _pair(name, T=3, passes=0, rules=rules, blocks=dict(HOIST=hoist))
-        assert mk.blocks["HOIST"] == hoist
         _compare(cfg, interp, mk, torch.tensor([5, 9]))
         logits.append(mk.result().logits)
     assert torch.equal(logits[0], logits[1])

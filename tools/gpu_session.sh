@@ -9,8 +9,7 @@
 #   spec     the speculative k sweep (k = 0..7, one graph replay each) and speculative-equals-plain
 #            check on dsv2-lite and llama-1b, each with one MTP layer (tools/spec_sweep.py);
 #   hop      dependency hops alone (tools/hop_bench.py: all to all on 2 programs and one per SM): the kernel's
-#            counter hand-over (its field read after or, `early`, before the wait) against an ld.acquire poll
-#            and NCCL-style flagged rows, ns a hop (~1 min);
+#            counter hand-over against an ld.acquire poll and NCCL-style flagged rows, ns a hop (~1 min);
 #   stream   the weight stream alone (tools/stream_bench.py): GB/s per SM of LINEAR and expert
 #            tasks, default launch beside $STREAM_VARIANTS;
 #   ncu      Nsight Compute's warp-state samples of one step of each of $MODELS (tools/ncu_step.py; the
@@ -75,7 +74,7 @@ if [[ "$parts" == *,spec,* ]]; then
         | tee "$out/spec.log" | tail -20 || worst $?
 fi
 if [[ "$parts" == *,hop,* ]]; then
-    timeout 120 python3 tools/hop_bench.py --out "$out" 2>&1 | tee "$out/hop.log" | tail -22 || worst $?
+    timeout 120 python3 tools/hop_bench.py --out "$out" 2>&1 | tee "$out/hop.log" | tail -8 || worst $?
 fi
 if [[ "$parts" == *,stream,* ]]; then
     for kind in dense moe; do

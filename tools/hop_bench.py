@@ -1,7 +1,6 @@
 """What one dependency hop costs, alone: programs on their own SMs hand activation rows on, hop after hop.
 
-    python tools/hop_bench.py [--rounds 2000] [--programs 2 0] [--sizes 256 2048]
-        [--modes counter early ldacq word ll]
+    python tools/hop_bench.py [--rounds 2000] [--programs 2 0] [--sizes 256 2048] [--modes counter ldacq word ll]
         [--out DIR]
 
 Every layer of a step is a chain of 6 (llama-1b) to 13 (dsv2-lite) hops: a task's rows reach the L2, its
@@ -16,8 +15,6 @@ one per SM (`--programs 0`), for each way of handing over:
   barrier: poll_counter with POLL=0), reads where its rows are from a field of its task word, as a kernel body
   does after its wait (since session 34: the acquire invalidated the L1, so the field is an L2 round trip), then
   loads the rows;
-- early: the counter's protocol with the field read before the wait, not after it (the kernel's launch variant
-  HOIST: task words never change, so a field read early is as good): one L2 round trip fewer after the poll;
 - ldacq: the same with the poll an `ld.acquire.gpu` by every thread (a load, not an atomic), the CTA's minimum
   (the kernel's launch variant POLL=1);
 - word: the same with POLL=2's poll: one thread's acquire load that asks the L1 for the task word's lines while it
@@ -50,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megakernel.ops.common import COUNTER_STRIDE, now_ns, poll_counter  # noqa: E402
 
-MODES = {"counter": 0, "ldacq": 1, "ll": 2, "word": 3, "early": 4}  # counter modes: POLL 0, 1, 2 (word), 0 (early)
+MODES = {"counter": 0, "ldacq": 1, "ll": 2, "word": 3}  # the counter modes poll with POLL 0, 1 and (word) 2
 MAX_SPINS = 10_000_000
 WORD_FIELD = tl.constexpr(17)  # a field past the word's header, in its first 128-byte line
 
@@ -97,10 +94,6 @@ def take_over(rows, ll, cnt, g, target, d, word, MODE: tl.constexpr, MAX_SPINS: 
             if spins > MAX_SPINS:
                 spins = -1
         vals = (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-    elif MODE == 4:  # the field before the wait
-        field = tl.load(word + WORD_FIELD)
-        spins = wait_count(cnt, target, word, 0, MAX_SPINS)
-        vals = tl.load(rows + field + d, cache_modifier=".cg")
     else:
         spins = wait_count(cnt, target, word, 2 if MODE == 3 else MODE, MAX_SPINS)
         vals = tl.load(rows + tl.load(word + WORD_FIELD) + d, cache_modifier=".cg")

@@ -141,11 +141,11 @@ def rotate_half(x, src, tab, d, dim, m):
 
 
 @triton.jit
-def new_rows(rope, cache, width, limit, T, b, j0, j_end, k_col, v_col, dim, d):
+def new_rows(word, A, cache, width, limit, T, b, j0, j_end, k_col, v_col, dim, d):
     """ATTENTION[ROPE]: the step's new keys of this KV head (rotated) and values into the cache rows [j0, j_end)
-    that hold their positions, then a barrier, so the split's loads see them.  rope: split_fields' (new keys, their
-    row stride, new values, the angles)."""
-    kn, kn_ld, vn, tab = rope
+    that hold their positions, then a barrier, so the split's loads see them."""
+    kn, kn_ld, vn = A + off(word, ATTENTION_KN_OFF), fld(word, ATTENTION_KN_LD), A + off(word, ATTENTION_VN_OFF)
+    tab = A + off(word, ATTENTION_TAB_OFF)
     m = d < dim
     for t in range(0, T):
         pos = limit + t
@@ -161,12 +161,14 @@ def new_rows(rope, cache, width, limit, T, b, j0, j_end, k_col, v_col, dim, d):
 
 
 @triton.jit
-def query_fields(word, A, I, ALIGN: tl.constexpr):
-    """What a split's first loads (its query rows, their rope part, the cache length) need from the task word:
-    launch variant HOIST reads these before the task's wait (task words never change), the rest after it, with
-    the query rows.  cl: where the sequence's cache length is (an input: loaded after the wait, cache_limit)."""
-    T, b, h0, h1 = fld(word, ATTENTION_T), fld(word, ATTENTION_B), fld(word, ATTENTION_H0), fld(word, ATTENTION_H1)
-    dim, rope_dim = aligned(fld(word, ATTENTION_DIM), ALIGN), aligned(fld(word, ATTENTION_ROPE_DIM), ALIGN)
+def split_of(word, A, I, C, mla, ALIGN: tl.constexpr):
+    """A task's sizes and pointers (mla: a constant where the plan has one kind)."""
+    T, S, b = fld(word, ATTENTION_T), fld(word, ATTENTION_S), fld(word, ATTENTION_B)
+    width = aligned(fld(word, ATTENTION_WIDTH), ALIGN)
+    h0, h1, nh, ns = fld(word, ATTENTION_H0), fld(word, ATTENTION_H1), fld(word, ATTENTION_NHEADS), fld(word, ATTENTION_NSPLITS)
+    split, split_len = fld(word, ATTENTION_SPLIT), fld(word, ATTENTION_SPLIT_LEN)
+    dim, scale = aligned(fld(word, ATTENTION_DIM), ALIGN), ffld(word, ATTENTION_SCALE)
+    rope_dim = aligned(fld(word, ATTENTION_ROPE_DIM), ALIGN)
     # sizes and offsets the host checked are multiples of ALIGN (launch.ALIGNED_FIELDS), written so the
     # compiler sees it: the query rows load as 16-byte vectors, not 32 scalar loads per thread
     q_ptr, q_ld, q_hs, q_col0 = (A + aligned(off(word, ATTENTION_Q_OFF), ALIGN), aligned(fld(word, ATTENTION_Q_LD), ALIGN),
@@ -174,17 +176,8 @@ def query_fields(word, A, I, ALIGN: tl.constexpr):
     pe_ptr, pe_ld, pe_hs, pe_col0 = (A + aligned(off(word, ATTENTION_PE_OFF), ALIGN),
                                      aligned(fld(word, ATTENTION_PE_LD), ALIGN), aligned(fld(word, ATTENTION_PE_HS), ALIGN),
                                      aligned(fld(word, ATTENTION_PE_COL0), ALIGN))
-    cl, pos_offset = I + off(word, ATTENTION_CL_OFF) + b, fld(word, ATTENTION_POS_OFFSET)
-    return T, b, h0, h1, dim, rope_dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs, pe_col0, cl, pos_offset
-
-
-@triton.jit
-def split_fields(word, A, C, b, h0, mla, ALIGN: tl.constexpr):
-    """The rest of a split's sizes and pointers (mla: a constant where the plan has one kind)."""
-    S, width = fld(word, ATTENTION_S), aligned(fld(word, ATTENTION_WIDTH), ALIGN)
-    nh, ns = fld(word, ATTENTION_NHEADS), fld(word, ATTENTION_NSPLITS)
-    split, split_len, scale = fld(word, ATTENTION_SPLIT), fld(word, ATTENTION_SPLIT_LEN), ffld(word, ATTENTION_SCALE)
     cache = C + aligned(off(word, ATTENTION_CACHE_OFF), ALIGN) + b.to(tl.int64) * S * width
+    limit = cache_limit(word, I, b, ".cg")
     op_ptr, lse_ptr = A + aligned(off(word, ATTENTION_OP_OFF), ALIGN), A + off(word, ATTENTION_LSE_OFF)
     group = fld(word, ATTENTION_GROUP)
     k_col = (h0 // group) * aligned(fld(word, ATTENTION_KV_HS), ALIGN)  # GQA: one KV head per task
@@ -192,20 +185,6 @@ def split_fields(word, A, C, b, h0, mla, ALIGN: tl.constexpr):
     if mla:
         k_col = 0
         v_col = 0
-    # ATTENTION[ROPE]'s new keys, their row stride, new values and angles (dead code in kernels without ROPE)
-    rope = (A + off(word, ATTENTION_KN_OFF), fld(word, ATTENTION_KN_LD), A + off(word, ATTENTION_VN_OFF),
-            A + off(word, ATTENTION_TAB_OFF))
-    return S, width, nh, ns, split, split_len, scale, cache, op_ptr, lse_ptr, k_col, v_col, fld(word, ATTENTION_FLAGS), rope
-
-
-@triton.jit
-def split_of(word, A, I, C, mla, ALIGN: tl.constexpr):
-    """A task's sizes and pointers, its cache length and readable positions [j0, j1) (tools/attn_bench.py)."""
-    T, b, h0, h1, dim, rope_dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs, pe_col0, cl, pos_offset = \
-        query_fields(word, A, I, ALIGN)
-    S, width, nh, ns, split, split_len, scale, cache, op_ptr, lse_ptr, k_col, v_col, flags, rope = \
-        split_fields(word, A, C, b, h0, mla, ALIGN)
-    limit = cache_limit(cl, pos_offset, ".cg")
     j0 = split * split_len
     j1 = split_end(j0, split_len, S, limit, T)
     return (T, S, b, width, h0, h1, nh, ns, split, dim, scale, rope_dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs,
@@ -213,10 +192,10 @@ def split_of(word, A, I, C, mla, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def cache_limit(cl, pos_offset, CACHE: tl.constexpr):
-    """Sequence b's cache length (at cl: query_fields) + the step's position offset: token t reads positions
-    <= limit + t.  CACHE: the length's load modifier (".cg" after the task's wait; prefetch_split's, before it, "")."""
-    return tl.load(cl, cache_modifier=CACHE) + pos_offset
+def cache_limit(word, I, b, CACHE: tl.constexpr):
+    """Sequence b's cache length + the step's position offset: token t reads positions <= limit + t.
+    CACHE: the length's load modifier (".cg" after the task's wait; prefetch_split's, before it, "")."""
+    return tl.load(I + off(word, ATTENTION_CL_OFF) + b, cache_modifier=CACHE) + fld(word, ATTENTION_POS_OFFSET)
 
 
 @triton.jit
@@ -229,17 +208,7 @@ def split_end(j0, split_len, S, limit, T):
 def body(word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr,
          STAGES: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr, KIND: tl.constexpr, EF: tl.constexpr = 0,
          ROPE: tl.constexpr = 0, QIX: tl.constexpr = 0):
-    """An attention split, its fields read now (after the task's wait)."""
-    run(query_fields(word, A, I, ALIGN), word, A, I, C, BM, BJ, DMAX, RMAX, STAGES, ALIGN, DOT_PREC, KIND, EF, ROPE,
-        QIX)
-
-
-@triton.jit
-def run(fq, word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexpr, RMAX: tl.constexpr,
-        STAGES: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr, KIND: tl.constexpr, EF: tl.constexpr = 0,
-        ROPE: tl.constexpr = 0, QIX: tl.constexpr = 0):
-    """fq: the task's query_fields (HOIST reads them before the wait, body after it).
-    STAGES 2: the next cache block is in flight while this one is reduced; 3: the next two (a launch
+    """STAGES 2: the next cache block is in flight while this one is reduced; 3: the next two (a launch
     variant, +3% on llama-1b: a block's ~2 us is its arithmetic's dependent chain, not its loads, session 21);
     1: one at a time.  The sums are the same in every order of loads.
     KIND: 1 every attention task of the plan is MLA, 2 none is (compiled for that kind alone), 0 read
@@ -248,19 +217,12 @@ def run(fq, word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexp
     reciprocal, not the emulated integer division (~20 instructions an element); bit 2, the cache length loaded
     after the query rows, so its L2 round trip overlaps theirs (QIX=0's first use of it, j1, stalls before they
     are requested).  The same rows either way: the same bits."""
-    T, b, h0, h1, dim, rope_dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs, pe_col0, cl, pos_offset = fq
-    S, width, nh, ns, split, split_len, scale, cache, op_ptr, lse_ptr, k_col, v_col, flags, rope = \
-        split_fields(word, A, C, b, h0, KIND == 1, ALIGN)
     if KIND == 0:
-        mla = has(flags, FLAG_ATTENTION_MLA)
-        if mla:  # the columns were read with the kind unknown: MLA's
-            k_col = 0
-            v_col = 0
+        mla = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_MLA)
     else:
         mla: tl.constexpr = KIND == 1
-    j0 = split * split_len
-    limit = cache_limit(cl, pos_offset, ".cg")  # QIX bit 2 reads it again after the query rows (this one then dead)
-    j1 = split_end(j0, split_len, S, limit, T)
+    (T, S, b, width, h0, h1, nh, ns, split, dim, scale, rope_dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs,
+     pe_col0, cache, limit, op_ptr, lse_ptr, k_col, v_col, j0, j1) = split_of(word, A, I, C, mla, ALIGN)
     heads = h1 - h0
     d = tl.arange(0, DMAX)
     dmask = d < dim
@@ -268,10 +230,10 @@ def run(fq, word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexp
     emask = e < rope_dim
     rotated = False
     if ROPE:
-        rotated = has(flags, FLAG_ATTENTION_ROPE)
+        rotated = has(fld(word, ATTENTION_FLAGS), FLAG_ATTENTION_ROPE)
         if rotated:  # before any thread reads the split's rows
-            new_rows(rope, cache, width, limit, T, b, j0, tl.minimum(j0 + split_len, S), k_col, v_col,
-                     dim, d)
+            new_rows(word, A, cache, width, limit, T, b, j0, tl.minimum(j0 + fld(word, ATTENTION_SPLIT_LEN), S), k_col,
+                     v_col, dim, d)
     for mb in range(0, T * heads, BM):
         rr = mb + tl.arange(0, BM)
         rvalid = rr < T * heads
@@ -287,11 +249,11 @@ def run(fq, word, A, I, C, BM: tl.constexpr, BJ: tl.constexpr, DMAX: tl.constexp
         q = tl.load(q_ptr + q_rows[:, None] * q_ld + h[:, None] * q_hs + q_col0 + d[None, :],
                     mask=rvalid[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
         if QIX & 2:  # the same length, requested only now (split_of's load of it is then dead code unless ROPE)
-            limit = cache_limit(cl, pos_offset, ".cg")
-            j1 = split_end(j0, split_len, S, limit, T)
+            limit = cache_limit(word, I, b, ".cg")
+            j1 = split_end(j0, fld(word, ATTENTION_SPLIT_LEN), S, limit, T)
         if rotated:
             q = rotate_half(q, q_ptr + q_rows[:, None] * q_ld + h[:, None] * q_hs + q_col0,
-                            rope[3] + q_rows[:, None] * dim, d[None, :], dim,
+                            A + off(word, ATTENTION_TAB_OFF) + q_rows[:, None] * dim, d[None, :], dim,
                             rvalid[:, None] & dmask[None, :])
         pe = tl.load(pe_ptr + q_rows[:, None] * pe_ld + h[:, None] * pe_hs + pe_col0 + e[None, :],
                      mask=rvalid[:, None] & emask[None, :] & mla, other=0.0, cache_modifier=".cg")
@@ -353,7 +315,7 @@ def prefetch_split(word, I, C, ALIGN: tl.constexpr, DMAX: tl.constexpr, APF: tl.
         S, b, split_len = fld(word, ATTENTION_S), fld(word, ATTENTION_B), fld(word, ATTENTION_SPLIT_LEN)
         width = aligned(fld(word, ATTENTION_WIDTH), ALIGN)
         j0 = fld(word, ATTENTION_SPLIT) * split_len
-        limit = cache_limit(I + off(word, ATTENTION_CL_OFF) + b, fld(word, ATTENTION_POS_OFFSET), "") + fld(word, ATTENTION_T)
+        limit = cache_limit(word, I, b, "") + fld(word, ATTENTION_T)
         rows = tl.maximum(tl.minimum(tl.minimum(split_len, S - j0), limit - j0), 0)
         cache = C + aligned(off(word, ATTENTION_CACHE_OFF), ALIGN) + (b.to(tl.int64) * S + j0) * width
         if KIND != 2:
@@ -396,31 +358,19 @@ def combine_block(sb, first, stride, ns, dim, d, dmask, lse_ptr, op_ptr, BSC: tl
 
 
 @triton.jit
-def combine_fields(word, A, ALIGN: tl.constexpr):
-    """Everything combine_run reads from a task word (launch variant HOIST reads them before the task's wait)."""
-    return (fld(word, ATTN_COMBINE_B), fld(word, ATTN_COMBINE_T), fld(word, ATTN_COMBINE_NHEADS),
-            fld(word, ATTN_COMBINE_NSPLITS), aligned(fld(word, ATTN_COMBINE_DIM), ALIGN), fld(word, ATTN_COMBINE_H0),
-            fld(word, ATTN_COMBINE_H1), aligned(fld(word, ATTN_COMBINE_C0), ALIGN),
-            aligned(fld(word, ATTN_COMBINE_C1), ALIGN), A + aligned(off(word, ATTN_COMBINE_OP_OFF), ALIGN),
-            A + off(word, ATTN_COMBINE_LSE_OFF), A + aligned(off(word, ATTN_COMBINE_OUT_OFF), ALIGN),
-            aligned(fld(word, ATTN_COMBINE_OUT_LD), ALIGN))
-
-
-@triton.jit
 def combine_body(word, A, BSC: tl.constexpr, BCW: tl.constexpr, CPF: tl.constexpr, ALIGN: tl.constexpr):
-    """A combine task, its fields read now (after its wait)."""
-    combine_run(combine_fields(word, A, ALIGN), BSC, BCW, CPF)
-
-
-@triton.jit
-def combine_run(f, BSC: tl.constexpr, BCW: tl.constexpr, CPF: tl.constexpr):
     """Per token and head, columns c0..c1: out = sum_s exp(lse[s] - LSE) o[s, :], LSE = log sum_s exp(lse[s]).
     [BSC splits, BCW columns] per load and an online maximum: ceil(nsplits / BSC) memory round trips
     per column block, not 2 x nsplits dependent ones (that serial loop took 33 µs per dsv2-lite layer:
     docs/PERF.md); the plan splits columns over tasks so that one round trip reads every split.
     CPF 1: the next block is requested before this one is summed (more registers).
-    Each lane keeps its own partial sum until the end: a fixed order, whatever the neighbours.  f: combine_fields."""
-    b, T, nh, ns, dim, h0, h1, c0, c1, op_ptr, lse_ptr, o_ptr, o_ld = f
+    Each lane keeps its own partial sum until the end: a fixed order, whatever the neighbours."""
+    b, T, nh, ns, dim = (fld(word, ATTN_COMBINE_B), fld(word, ATTN_COMBINE_T), fld(word, ATTN_COMBINE_NHEADS),
+                         fld(word, ATTN_COMBINE_NSPLITS), aligned(fld(word, ATTN_COMBINE_DIM), ALIGN))
+    h0, h1 = fld(word, ATTN_COMBINE_H0), fld(word, ATTN_COMBINE_H1)
+    c0, c1 = aligned(fld(word, ATTN_COMBINE_C0), ALIGN), aligned(fld(word, ATTN_COMBINE_C1), ALIGN)
+    op_ptr, lse_ptr = A + aligned(off(word, ATTN_COMBINE_OP_OFF), ALIGN), A + off(word, ATTN_COMBINE_LSE_OFF)
+    o_ptr, o_ld = A + aligned(off(word, ATTN_COMBINE_OUT_OFF), ALIGN), aligned(fld(word, ATTN_COMBINE_OUT_LD), ALIGN)
     stride = T * nh  # from one split's row of a (token, head) to the next split's
     nc = tl.cdiv(c1 - c0, BCW)
     for i in range(T * (h1 - h0) * nc):  # (token, head, column block)

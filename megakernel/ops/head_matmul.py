@@ -84,22 +84,16 @@ def prefetch(word, W, BI: tl.constexpr, BO: tl.constexpr, ALIGN: tl.constexpr, T
 
 
 @triton.jit
-def fields(word, W, A, ALIGN: tl.constexpr):
-    """Everything run reads from a task word (kernel.py reads it after the task's wait, or before it with launch
-    variant HOIST bit 4)."""
-    return task_fields(word, W, ALIGN) + (A + off(word, HEAD_MATMUL_X_OFF), fld(word, HEAD_MATMUL_X_LD),
-                                          fld(word, HEAD_MATMUL_X_HS), fld(word, HEAD_MATMUL_X_COL0),
-                                          A + off(word, HEAD_MATMUL_OUT_OFF), fld(word, HEAD_MATMUL_OUT_LD),
-                                          fld(word, HEAD_MATMUL_OUT_HS))
-
-
-@triton.jit
-def run(f, w, BI: tl.constexpr, BO: tl.constexpr, TRANS: tl.constexpr, TB: tl.constexpr, EF: tl.constexpr = 0):
+def body(word, W, A, w, BI: tl.constexpr, BO: tl.constexpr, ALIGN: tl.constexpr, TRANS: tl.constexpr,
+         TB: tl.constexpr, EF: tl.constexpr = 0):
     """Per head and token, a GEMV on CUDA cores over whole [BI, BO] weight tiles (fp32 sums in a
     fixed order: batch invariant).  One flat loop over (head, output block, group of TB tokens,
     input block) requests the next step's tile before multiplying the current one by each token of
-    the group (a tile is read once for up to TB tokens).  w: step 0's tile (prefetch); f: the task's fields."""
-    w_ptr, w_hs, w_ld, h0, h1, i_dim, o0, o1, N, x_ptr, x_ld, x_hs, x_col0, o_ptr, o_ld, o_hs = f
+    the group (a tile is read once for up to TB tokens).  w: step 0's tile (prefetch)."""
+    w_ptr, w_hs, w_ld, h0, h1, i_dim, o0, o1, N = task_fields(word, W, ALIGN)
+    x_ptr, x_ld, x_hs, x_col0 = (A + off(word, HEAD_MATMUL_X_OFF), fld(word, HEAD_MATMUL_X_LD),
+                                 fld(word, HEAD_MATMUL_X_HS), fld(word, HEAD_MATMUL_X_COL0))
+    o_ptr, o_ld, o_hs = A + off(word, HEAD_MATMUL_OUT_OFF), fld(word, HEAD_MATMUL_OUT_LD), fld(word, HEAD_MATMUL_OUT_HS)
     nib, nob, ngroups = tl.cdiv(i_dim, BI), tl.cdiv(o1 - o0, BO), tl.cdiv(N, TB)
     total = (h1 - h0) * nob * ngroups * nib
     acc = tl.zeros((TB, BO), tl.float32)  # a row of sums per token of the group

@@ -420,29 +420,19 @@ def pair_flag(flags, HILO: tl.constexpr):
 
 
 @triton.jit
-def fields(word, W, A, ALIGN: tl.constexpr, HILO: tl.constexpr = 0):
-    """What the weight stream reads from a task word (kernel.py reads it after the task's wait, or before it with
-    launch variant HOIST bit 4)."""
+def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
+         DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr, PFD: tl.constexpr = 0,
+         EF: tl.constexpr = 0, HILO: tl.constexpr = 0, KD: tl.constexpr = 0, BRD: tl.constexpr = 8):
+    """KD > 0: the plan has DOWN_T tasks (fusion rules expert_mlp, dense_mlp), whose k-major down rows of up to KD
+    columns are compiled in (down_rows), BRD rows a chunk: the launch's BR, also where launch variant NARROW
+    streams this task's gate|up in 4·BR-row chunks (4·BR k-major rows spilled 3.7 KB, offline)."""
     flags = fld(word, LINEAR_FLAGS)
-    return (aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), fld(word, LINEAR_N),
-            A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
-            fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), aligned_base(W, word, LINEAR_W_OFF, ALIGN),
-            aligned_base(W, word, LINEAR_W2_OFF, ALIGN), streams_two(flags, HILO), fld(word, LINEAR_R0),
-            fld(word, LINEAR_R1), fld(word, LINEAR_K), has(flags, FLAG_LINEAR_NORM), ffld(word, LINEAR_EPS),
-            pair_flag(flags, HILO), flags)
-
-
-@triton.jit
-def run(f, word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
-        DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr, PFD: tl.constexpr = 0,
-        EF: tl.constexpr = 0, HILO: tl.constexpr = 0, KD: tl.constexpr = 0, BRD: tl.constexpr = 8):
-    """f: the task's fields; w: its first weight chunk.  KD > 0: the plan has DOWN_T tasks (fusion rules
-    expert_mlp, dense_mlp), whose k-major down rows of up to KD columns are compiled in (down_rows), BRD rows a
-    chunk: the launch's BR, also where launch variant NARROW streams this task's gate|up in 4·BR-row chunks (4·BR
-    k-major rows spilled 3.7 KB, offline)."""
-    x_ptr, x_ld, N, out_ptr, out_ld, res_ptr, res_ld, use_res, w_ptr, w2_ptr, two, r0, r1, K, norm, eps, pair, flags = f
-    stream_chunks(x_ptr, x_ld, A, 0, N, out_ptr, out_ld, res_ptr, res_ld, use_res, w_ptr, w2_ptr, two, r0, r1, K, w,
-                  norm, eps, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, HILO, pair)
+    stream_chunks(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
+                  A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
+                  fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), aligned_base(W, word, LINEAR_W_OFF, ALIGN),
+                  aligned_base(W, word, LINEAR_W2_OFF, ALIGN), streams_two(flags, HILO), fld(word, LINEAR_R0),
+                  fld(word, LINEAR_R1), fld(word, LINEAR_K), w, has(flags, FLAG_LINEAR_NORM), ffld(word, LINEAR_EPS),
+                  BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, HILO, pair_flag(flags, HILO))
     if KD > 0:
         if has(flags, FLAG_LINEAR_DOWN_T):
             down_rows(word, W, A, KD, BRD, ALIGN, EF)

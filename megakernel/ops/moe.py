@@ -404,42 +404,29 @@ def expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two,
 
 
 @triton.jit
-def combine_fields(word, A):
-    """Everything combine_run reads from a task word (launch variant HOIST reads them before the task's wait)."""
-    return (fld(word, MOE_COMBINE_FLAGS), fld(word, MOE_COMBINE_H), fld(word, MOE_COMBINE_TOPK),
-            A + off(word, MOE_COMBINE_Y_OFF), A + off(word, MOE_COMBINE_WTS_OFF), A + off(word, MOE_COMBINE_SH_OFF),
-            fld(word, MOE_COMBINE_SH_LD), A + off(word, MOE_COMBINE_RES_OFF), fld(word, MOE_COMBINE_RES_LD),
-            A + off(word, MOE_COMBINE_OUT_OFF), fld(word, MOE_COMBINE_OUT_LD), fld(word, MOE_COMBINE_R0),
-            fld(word, MOE_COMBINE_R1), fld(word, MOE_COMBINE_C0), fld(word, MOE_COMBINE_C1),
-            (fld(word, MOE_COMBINE_NS), fld(word, MOE_COMBINE_NSH), fld(word, MOE_COMBINE_YS),
-             fld(word, MOE_COMBINE_SHS)))
-
-
-@triton.jit
 def combine_body(word, A, BD: tl.constexpr, BK: tl.constexpr, KD: tl.constexpr = 0):
-    """A combine task, its fields read now (after its wait)."""
-    combine_run(combine_fields(word, A), BD, BK, KD)
-
-
-@triton.jit
-def combine_run(f, BD: tl.constexpr, BK: tl.constexpr, KD: tl.constexpr = 0):
     """out = sum_j wts[j] y[j] (+ shared) (+ residual): the k expert rows are requested together,
     [BK, BD] at a time (one memory round trip, not k), and summed in a fixed tree order.  KD > 0: the plan has
-    EXPERT_LINEAR[DOWN_T] (combine_partials; the slice fields, f's last, read only then).  f: combine_fields."""
-    flags, H, k, y, wts, sh, sh_ld, res, res_ld, o_ptr, o_ld, r0, r1, c0, c1, slices = f
+    EXPERT_LINEAR[DOWN_T] (combine_partials)."""
+    flags, H, k = fld(word, MOE_COMBINE_FLAGS), fld(word, MOE_COMBINE_H), fld(word, MOE_COMBINE_TOPK)
+    y, wts = A + off(word, MOE_COMBINE_Y_OFF), A + off(word, MOE_COMBINE_WTS_OFF)
+    sh, sh_ld = A + off(word, MOE_COMBINE_SH_OFF), fld(word, MOE_COMBINE_SH_LD)
+    res, res_ld = A + off(word, MOE_COMBINE_RES_OFF), fld(word, MOE_COMBINE_RES_LD)
+    o_ptr, o_ld = A + off(word, MOE_COMBINE_OUT_OFF), fld(word, MOE_COMBINE_OUT_LD)
+    c1 = fld(word, MOE_COMBINE_C1)
     j = tl.arange(0, BK)
     ns = 1
     nsh = 1
     if KD > 0:
-        ns = tl.maximum(slices[0], 1)
-        nsh = tl.maximum(slices[1], 1)
-    for r in range(r0, r1):
+        ns = tl.maximum(fld(word, MOE_COMBINE_NS), 1)
+        nsh = tl.maximum(fld(word, MOE_COMBINE_NSH), 1)
+    for r in range(fld(word, MOE_COMBINE_R0), fld(word, MOE_COMBINE_R1)):
         w = tl.load(wts + r * k + j, mask=j < k, other=0.0, cache_modifier=".cg")
         if (ns > 1) | (nsh > 1):  # (KD > 0 only)
-            combine_partials(y, slices[2], ns, w, r, k, H, c0, c1, flags, sh, sh_ld, nsh, slices[3], res, res_ld,
-                             o_ptr, o_ld, BK)
+            combine_partials(y, fld(word, MOE_COMBINE_YS), ns, w, r, k, H, fld(word, MOE_COMBINE_C0), c1, flags, sh,
+                             sh_ld, nsh, fld(word, MOE_COMBINE_SHS), res, res_ld, o_ptr, o_ld, BK)
         else:
-            for cb in range(c0, c1, BD):
+            for cb in range(fld(word, MOE_COMBINE_C0), c1, BD):
                 c = cb + tl.arange(0, BD)
                 m = c < c1
                 rows = tl.load(y + (r * k + j)[:, None].to(tl.int64) * H + c[None, :],

@@ -42,38 +42,26 @@ def _row_chunk(x_row, d_row, add, c, D):
 
 
 @triton.jit
-def fields(word, W, A, I, C):
-    """Everything body reads from a task word (launch variant HOIST reads them before the task's wait)."""
-    flags = fld(word, RMSNORM_FLAGS)
-    cache = (I + off(word, RMSNORM_CL_OFF), C + off(word, RMSNORM_CACHE_OFF), fld(word, RMSNORM_T),
-             fld(word, RMSNORM_S), fld(word, RMSNORM_WIDTH), fld(word, RMSNORM_COL0), fld(word, RMSNORM_POS_OFFSET))
-    return (flags, fld(word, RMSNORM_D), ffld(word, RMSNORM_EPS), A + off(word, RMSNORM_X_OFF), fld(word, RMSNORM_X_LD),
-            A + off(word, RMSNORM_D_OFF), fld(word, RMSNORM_D_LD), A + off(word, RMSNORM_XO_OFF),
-            fld(word, RMSNORM_XO_LD), fld(word, RMSNORM_XO_BUF) >= 0, W + off(word, RMSNORM_W_OFF),
-            A + off(word, RMSNORM_OUT_OFF), fld(word, RMSNORM_OUT_LD), fld(word, RMSNORM_R0), fld(word, RMSNORM_R1), cache)
-
-
-@triton.jit
 def body(word, W, A, I, C, BN: tl.constexpr):
-    """A task, its fields read now (after its wait)."""
-    run(fields(word, W, A, I, C), C, BN)
-
-
-@triton.jit
-def run(f, C, BN: tl.constexpr):
     """Rows of up to BN columns stay in registers: x, d and the weights are requested together, one
     memory round trip per row (chunk by chunk, a 2048-wide row took 16 dependent ones: 7 µs).
     Longer rows take two passes over BN-wide chunks.  CACHE: each row goes to its cache position
-    (rope.cache_row), rounded to the cache dtype, instead of out.  f: the task's fields."""
-    flags, D, eps, x_ptr, x_ld, d_ptr, d_ld, xo_ptr, xo_ld, has_xo, w_ptr, o_ptr, o_ld, r0, r1, cache = f
+    (rope.cache_row), rounded to the cache dtype, instead of out."""
+    flags, D, eps = fld(word, RMSNORM_FLAGS), fld(word, RMSNORM_D), ffld(word, RMSNORM_EPS)
+    x_ptr, x_ld = A + off(word, RMSNORM_X_OFF), fld(word, RMSNORM_X_LD)
+    d_ptr, d_ld = A + off(word, RMSNORM_D_OFF), fld(word, RMSNORM_D_LD)
+    xo_ptr, xo_ld = A + off(word, RMSNORM_XO_OFF), fld(word, RMSNORM_XO_LD)
     add = has(flags, FLAG_RMSNORM_ADD)
-    store_sum = add & has_xo
+    store_sum = add & (fld(word, RMSNORM_XO_BUF) >= 0)
     weighted = has(flags, FLAG_RMSNORM_NOWEIGHT) == 0
     to_cache = has(flags, FLAG_RMSNORM_CACHE)
-    for r in range(r0, r1):
-        if to_cache:
-            cl, c_ptr, T, S, width, col0, pos_offset = cache
-            c_row, row_in = rope.cache_row(cl, c_ptr, r, T, S, width, col0, pos_offset)
+    w_ptr = W + off(word, RMSNORM_W_OFF)
+    o_ptr, o_ld = A + off(word, RMSNORM_OUT_OFF), fld(word, RMSNORM_OUT_LD)
+    for r in range(fld(word, RMSNORM_R0), fld(word, RMSNORM_R1)):
+        if to_cache:  # the cache fields read here, not kept through the loop
+            c_row, row_in = rope.cache_row(I + off(word, RMSNORM_CL_OFF), C + off(word, RMSNORM_CACHE_OFF), r,
+                                           fld(word, RMSNORM_T), fld(word, RMSNORM_S), fld(word, RMSNORM_WIDTH),
+                                           fld(word, RMSNORM_COL0), fld(word, RMSNORM_POS_OFFSET))
         else:
             c_row, row_in = C, r >= 0
         if D <= BN:
