@@ -81,6 +81,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report):
+    """Each failure's report appended, as it happens, to $MEGAKERNEL_FAILURES_LOG (tools/gpu_session.sh sets it):
+    a device call cut by its time limit kills pytest before its summary, and session 38 lost every failure's
+    reason that way.  Written by the process that reports (xdist's controller, not its workers: no twins)."""
+    path = os.environ.get("MEGAKERNEL_FAILURES_LOG")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(path, "a") as log:
+            log.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """‖a − b‖ / ‖b‖ in float64."""
     a, b = a.double(), b.double()

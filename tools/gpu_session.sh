@@ -57,11 +57,15 @@ if [[ "$parts" == *,tests,* ]]; then
     # compile side by side (session 15: 40 tests in 357 s with 3)
     procs=""
     python3 -c "import xdist" 2>/dev/null && procs="-n ${TESTS_PROCS:-3}"
+    # each failure's reason as it happens (tests/conftest.py): the timeout below kills pytest before its summary
+    export MEGAKERNEL_FAILURES_LOG="$out/gpu_failures.log"
     # shellcheck disable=SC2086
     timeout "${TESTS_TIMEOUT:-570}" python3 -m pytest $procs -m gpu tests/test_gpu.py tests/test_weight_stream.py tests/test_helper.py \
         tests/test_gluon_stream.py tests/test_gluon_linear.py tests/test_cokernel_chain.py tests/test_stream_kernel.py -v \
         -p no:cacheprovider --durations=25 ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
         | tee "$out/gpu_tests.log" | tail -40 || worst $?
+    [ -s "$MEGAKERNEL_FAILURES_LOG" ] && { echo "--- failures (tail of $MEGAKERNEL_FAILURES_LOG):"; tail -c 6000 "$MEGAKERNEL_FAILURES_LOG"; }
+    unset MEGAKERNEL_FAILURES_LOG
 fi
 if [[ "$parts" == *,bench,* ]]; then
     # shellcheck disable=SC2086
