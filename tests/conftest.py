@@ -67,7 +67,6 @@ def _patch_each_language_once_per_launch() -> None:
 _patch_each_language_once_per_launch()
 
 
-
 def _drop_the_unchecked_overflow_arithmetic() -> None:
     """Triton's interpreter (3.6) computes an overflow check for every int32 add, sub and mul of a kernel (its
     InterpreterOptions.sanitize_overflow, on, no knob: an int64 copy, two compares and a device_assert each),

@@ -59,6 +59,7 @@ if [[ "$parts" == *,tests,* ]]; then
     python3 -c "import xdist" 2>/dev/null && procs="-n ${TESTS_PROCS:-3}"
     # each failure's reason as it happens (tests/conftest.py): the timeout below kills pytest before its summary
     export MEGAKERNEL_FAILURES_LOG="$out/gpu_failures.log"
+    : > "$MEGAKERNEL_FAILURES_LOG"
     # shellcheck disable=SC2086
     timeout "${TESTS_TIMEOUT:-570}" python3 -m pytest $procs -m gpu tests/test_gpu.py tests/test_weight_stream.py tests/test_helper.py \
         tests/test_gluon_stream.py tests/test_gluon_linear.py tests/test_cokernel_chain.py tests/test_stream_kernel.py -v \
