@@ -190,3 +190,40 @@ def test_loaded_plans_are_verified():
         Plan.from_json(bad.to_json())
     assert np.array_equal(Plan.from_json(plan.to_json()).words, plan.words)
     assert HEADER == 12
+
+
+def _elements(accesses) -> dict[tuple[int, bool], set[int]]:
+    out: dict[tuple[int, bool], set[int]] = {}
+    for a in accesses:
+        for lo, hi in a.rows():
+            out.setdefault((a.buf, a.write), set()).update(range(lo, hi))
+    return out
+
+
+@pytest.mark.parametrize("name,T,B", [("tiny-moe", 2, 2), ("tiny-dense", 3, 1), ("tiny-mhc", 1, 3)])
+def test_combine_footprint_is_every_split_partial_it_reads(name, T, B):
+    """ATTN_COMBINE's footprint (one strided access per token and head, not one per split) holds exactly the
+    elements the body reads: split s's partial of token t, head h at row ((b·ns + s)·T + t)·nh + h of the
+    partials (dim columns, c0..c1 of them) and of the lse, and writes its output columns."""
+    from graph.footprint import footprint
+    plan = compile_step(preset(name), StepShape(T=T, B=B, max_len=64, attn_split=8),
+                        CompileOptions(workers=7))
+    combines = [t for t in map(decode, plan.words) if t.op.name == "ATTN_COMBINE"]
+    assert combines and any(t.fields["nsplits"] > 2 for t in combines)
+    for t in combines:
+        f = t.fields
+        b, T_, h0, h1, nh, ns, dim, c0, c1 = (f[k] for k in ("b", "T", "h0", "h1", "nheads", "nsplits", "dim", "c0",
+                                                             "c1"))
+        parts, lse, out = set(), set(), set()
+        for s in range(ns):
+            for tok in range(T_):
+                for h in range(h0, h1):
+                    row = ((b * ns + s) * T_ + tok) * nh + h
+                    parts.update(f["op.off"] + row * dim + c for c in range(c0, c1))
+                    lse.add(f["lse.off"] + row)
+        for tok in range(T_):
+            for h in range(h0, h1):
+                out.update(f["out.off"] + (b * T_ + tok) * f["out.ld"] + h * dim + c for c in range(c0, c1))
+        want = {(f["op.buf"], False): parts, (f["out.buf"], True): out}
+        want[(f["lse.buf"], False)] = want.get((f["lse.buf"], False), set()) | lse
+        assert _elements(footprint(t)) == want, t
