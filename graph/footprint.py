@@ -158,12 +158,13 @@ def footprint(task: Decoded) -> list[Access]:
         out += _flat(task, "w", h0 * f["w_hs"], (h1 - 1) * f["w_hs"] + span, False)
     elif name == "ATTENTION":
         b, T, S, h0, h1, nh, ns = f["b"], f["T"], f["S"], f["h0"], f["h1"], f["nheads"], f["nsplits"]
-        for h in range(h0, h1):
-            c = h * f["q_hs"] + f["q_col0"]
-            out += _acc(task, "q", b * T, (b + 1) * T, c, c + f["dim"], False)
+        # token r's query of head h is columns h·q_hs + q_col0 + [0, dim) of row r: for one token the heads are
+        # rows of stride q_hs (one access a token, not one a head), and the same for MLA's rope part
+        for r in range(b * T, (b + 1) * T):
+            out += _acc(task, "q", h0, h1, 0, f["dim"], False, ld=f["q_hs"], shift=r * f["q.ld"] + f["q_col0"])
             if task.has("MLA"):
-                c = h * f["pe_hs"] + f["pe_col0"]
-                out += _acc(task, "pe", b * T, (b + 1) * T, c, c + f["rope_dim"], False)
+                out += _acc(task, "pe", h0, h1, 0, f["rope_dim"], False, ld=f["pe_hs"],
+                            shift=r * f["pe.ld"] + f["pe_col0"])
         # the split's rows (all of MLA's latent row; GQA: its KV head's keys and values)
         j0 = f["split"] * f["split_len"]
         rows = (b * S + j0, b * S + min(S, j0 + f["split_len"]))

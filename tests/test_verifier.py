@@ -227,3 +227,28 @@ def test_combine_footprint_is_every_split_partial_it_reads(name, T, B):
         want = {(f["op.buf"], False): parts, (f["out.buf"], True): out}
         want[(f["lse.buf"], False)] = want.get((f["lse.buf"], False), set()) | lse
         assert _elements(footprint(t)) == want, t
+
+
+@pytest.mark.parametrize("name,T,B", [("tiny-moe", 2, 2), ("tiny-dense", 3, 1), ("tiny-mhc", 1, 3)])
+def test_attention_footprint_reads_every_head_of_its_query_rows(name, T, B):
+    """ATTENTION's query reads: of its tokens' rows of q, exactly columns h·q_hs + q_col0 + [0, dim) for heads
+    h0..h1, and MLA's rope part the same way (pe_hs, pe_col0, rope_dim); also with the columns moved (q_col0,
+    pe_col0 > 0, as a plan reading q out of a wider tensor has them)."""
+    import dataclasses
+    from graph.footprint import footprint
+    plan = compile_step(preset(name), StepShape(T=T, B=B, max_len=64, attn_split=8), CompileOptions(workers=7))
+    tasks = [t for t in map(decode, plan.words) if t.op.name == "ATTENTION"]
+    assert tasks and any(t.fields["h1"] - t.fields["h0"] > 1 for t in tasks)
+    moved = [dataclasses.replace(t, fields=dict(t.fields, q_col0=t.fields["q_col0"] + 4,
+                                                pe_col0=t.fields["pe_col0"] + 2)) for t in tasks]
+    for t in tasks + moved:
+        f = t.fields
+        parts = [("q", "q_hs", "q_col0", "dim")] + ([("pe", "pe_hs", "pe_col0", "rope_dim")] if t.has("MLA") else [])
+        want = {f[key + ".off"] + r * f[key + ".ld"] + h * f[hs] + f[col0] + d for key, hs, col0, width in parts
+                for r in range(f["b"] * f["T"], (f["b"] + 1) * f["T"]) for h in range(f["h0"], f["h1"])
+                for d in range(f[width])}
+        assert len({f[key + ".buf"] for key, *_ in parts}) == 1
+        # the task's other reads of that buffer: its footprint with no heads
+        headless = dataclasses.replace(t, fields=dict(f, h1=f["h0"]))
+        other = _elements(footprint(headless)).get((f["q.buf"], False), set())
+        assert _elements(footprint(t)).get((f["q.buf"], False), set()) == want | other, (f["q_col0"], t)
