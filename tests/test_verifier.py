@@ -1,6 +1,7 @@
 """Mutation tests: the static verifier rejects plans that could deadlock, race or read out of bounds."""
 
 import copy
+import dataclasses
 import re
 
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 
 import graph.memory
 from graph.compile import CompileOptions, compile_step
+from graph.footprint import footprint
 from graph.isa import HEADER, LAYOUTS, decode
 from graph.lower import StepShape
 from graph.verify import PlanError, verify_plan
@@ -205,7 +207,6 @@ def test_combine_footprint_is_every_split_partial_it_reads(name, T, B):
     """ATTN_COMBINE's footprint (one strided access per token and head, not one per split) holds exactly the
     elements the body reads: split s's partial of token t, head h at row ((b·ns + s)·T + t)·nh + h of the
     partials (dim columns, c0..c1 of them) and of the lse, and writes its output columns."""
-    from graph.footprint import footprint
     plan = compile_step(preset(name), StepShape(T=T, B=B, max_len=64, attn_split=8),
                         CompileOptions(workers=7))
     combines = [t for t in map(decode, plan.words) if t.op.name == "ATTN_COMBINE"]
@@ -234,8 +235,6 @@ def test_attention_footprint_reads_every_head_of_its_query_rows(name, T, B):
     """ATTENTION's query reads: of its tokens' rows of q, exactly columns h·q_hs + q_col0 + [0, dim) for heads
     h0..h1, and MLA's rope part the same way (pe_hs, pe_col0, rope_dim); also with the columns moved (q_col0,
     pe_col0 > 0, as a plan reading q out of a wider tensor has them)."""
-    import dataclasses
-    from graph.footprint import footprint
     plan = compile_step(preset(name), StepShape(T=T, B=B, max_len=64, attn_split=8), CompileOptions(workers=7))
     tasks = [t for t in map(decode, plan.words) if t.op.name == "ATTENTION"]
     assert tasks and any(t.fields["h1"] - t.fields["h0"] > 1 for t in tasks)
