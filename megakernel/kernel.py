@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .ops import (argmax, attention, elementwise, embed, head_matmul, helper, helper_side, linear, mhc, moe, norm, rope,
                   spec)
-from .ops.common import COUNTER_STRIDE, now_ns, prefetch_word_l1, signal_done, wait_counter, wait_task
+from .ops.common import COUNTER_STRIDE, now_ns, prefetch_word_l1, signal_done, signal_of, wait_counter, wait_task
 from .ops.fields import (OP_ACCEPT, OP_ARGMAX, OP_ATTENTION, OP_ATTN_COMBINE, OP_CACHE_WRITE, OP_EMBED, OP_EWISE,
                          OP_EXPERT_LINEAR, OP_GATHER, OP_HC_COEFF, OP_HC_EXPAND, OP_HC_HEAD, OP_HEAD_MATMUL, OP_HELPER_CALL,
                          OP_HELPER_RECV, OP_HELPER_SEND, OP_HELPER_WAIT, OP_LINEAR,
@@ -135,7 +135,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                ROWVEC: tl.constexpr, AHEAD: tl.constexpr, NARROW: tl.constexpr, ROUTE1: tl.constexpr, PFD: tl.constexpr,
                EF: tl.constexpr, WPF: tl.constexpr, APF: tl.constexpr, PFK: tl.constexpr, HILO: tl.constexpr,
                HELPER_SIDE: tl.constexpr, ATT_ROPE: tl.constexpr, POLL: tl.constexpr, HIN: tl.constexpr,
-               KD: tl.constexpr, EPF: tl.constexpr, QIX: tl.constexpr):
+               KD: tl.constexpr, EPF: tl.constexpr, QIX: tl.constexpr, SIG: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
     end = tl.load(queue_ptr + pid + 1)
@@ -151,6 +151,8 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
         word = words + t.to(tl.int64) * WORDS
         t_begin = now_ns(USE_TIMER)
         op = tl.load(word)
+        if SIG == 1:  # the counter to signal, read with the opcode (an L1 hit: WPF) and held through the body
+            signal = signal_of(word)
         if PF == 2:  # the next task's weights asked of the L2 a whole task ahead
             if t + 1 < end:
                 if tl.load(word + WORDS) == OP_LINEAR:
@@ -233,6 +235,13 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                     elif op == OP_HELPER_SEND:
                         helper_side.send_body(word, A, I, HB, USE_TIMER, BD)
         if ok == 1:
+            # SIG (a launch variant): when the signalled counter's index is read.  0, after the barrier below: the
+            # body's stream may have pushed the word's line out of the L1, an L2 round trip before the release; 1,
+            # with the opcode; 2, before the barrier, so the round trip overlaps the warps' arrivals
+            if SIG == 2:
+                signal = signal_of(word)
             tl.debug_barrier()  # every thread's stores happen before the release below
-            signal_done(word, t, counters, prof, t_begin, t_ready, PROFILE, USE_TIMER)
+            if SIG == 0:
+                signal = signal_of(word)
+            signal_done(signal, t, counters, prof, t_begin, t_ready, PROFILE, USE_TIMER)
         t += 1

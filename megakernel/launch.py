@@ -265,7 +265,10 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # ATTENTION's query rows (attention.body's QIX): bit 1, their token and head without integer division;
                 # bit 2, the cache length requested after them.  3 where every attention task is MLA: -1.2% on
                 # dsv2-lite, the same bits, a split 0.55 us shorter (H100, docs/PERF.md session 35); GQA's not timed
-                QIX=3 if att_kinds == {1} else 0)
+                QIX=3 if att_kinds == {1} else 0,
+                # when a task reads the index of the counter it signals (kernel.py): 0 after its closing barrier, 1
+                # with its opcode (held through the body), 2 before that barrier (launch variants 1 and 2, untimed)
+                SIG=0)
 
 
 def bulk_prefetch_refusal(align: int, weight_bytes: int) -> str | None:
@@ -334,6 +337,9 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
     if blocks["QIX"] not in (0, 1, 2, 3):
         raise MegakernelError(f"block override QIX={blocks['QIX']}: 0, or bits 1 (attention's query rows indexed "
                               "without integer division) and 2 (the cache length requested after them)")
+    if blocks["SIG"] not in (0, 1, 2):
+        raise MegakernelError(f"block override SIG={blocks['SIG']}: 0, 1 or 2 (the signalled counter's index read "
+                              "after the task's closing barrier, with its opcode, or before that barrier)")
     if blocks["APF"] not in (0, 1, 2):
         raise MegakernelError(f"block override APF={blocks['APF']}: 0, 1 (MLA attention's cache rows asked of the L2 "
                               "before the wait) or 2 (GQA's head lines too)")

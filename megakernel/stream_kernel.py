@@ -29,7 +29,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from graph.isa import Buf, decode
-from .ops.common import aligned, ffld, fld, now_ns, off, signal_done, wait_task
+from .ops.common import aligned, ffld, fld, now_ns, off, signal_done, signal_of, wait_task
 from .ops.fields import (FLAG_LINEAR_NORM, FLAG_LINEAR_PAIR, FLAG_LINEAR_RES, FLAG_LINEAR_SILU_MUL, LINEAR_EPS,
                          LINEAR_FLAGS, LINEAR_K, LINEAR_OUT_OFF, LINEAR_R0, LINEAR_R1, LINEAR_RES_OFF, LINEAR_W2_OFF,
                          LINEAR_W_OFF, LINEAR_X_OFF)
@@ -117,7 +117,7 @@ def _consumer(words, queue_ptr, counters, worker_epoch, err, prof, A, ring, read
             gl.store(out_ptr + rb + rows, y, mask=mask)
         gl.thread_barrier()  # every consumer's stores before the release
         if ok == 1:
-            signal_done(word, t, counters, prof, t_begin, t_ready, PROFILE, USE_TIMER)
+            signal_done(signal_of(word), t, counters, prof, t_begin, t_ready, PROFILE, USE_TIMER)
 
 
 @gluon.jit

@@ -377,7 +377,7 @@ def test_block_overrides_that_would_change_the_result_are_refused():
                ({"POLL": 3}, "POLL=3: 0 .a scalar acquire atomic."),
                ({"POLL": 2}, "POLL=2: the Triton interpreter runs no inline PTX"),
                ({"HIN": 2}, "HIN=2: 0 .inputs copied"), ({"EPF": 3}, "EPF=3: 0, 1 .an expert task's first"),
-               ({"QIX": 4}, "QIX=4: 0, or bits 1"),
+               ({"QIX": 4}, "QIX=4: 0, or bits 1"), ({"SIG": 3}, "SIG=3: 0, 1 or 2"),
                ({"POLL": 1}, "POLL=1: the Triton interpreter runs no inline PTX")]
     for override, why in refused:
         with pytest.raises(MegakernelError, match=why):
@@ -495,6 +495,20 @@ def test_attention_query_rows_indexed_without_division_change_nothing(name):
         _compare(cfg, interp, mk, torch.tensor([5, 9]))
         logits.append(mk.result().logits)
     assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
+def test_signalled_counter_read_early_changes_nothing(name):
+    """Launch variant SIG (when a task reads the index of the counter it signals: 0 after its closing barrier, 1 with
+    its opcode, 2 before that barrier) moves one load, not a value: on three workers whose queues wait on earlier
+    ones, every setting equals the interpreter and the three give the same bits."""
+    logits = []
+    for sig in (0, 1, 2):
+        cfg, plan, interp, mk = _pair(name, workers=3, scheduler="blocked", blocks=dict(SIG=sig))
+        assert plan.workers == 3 and mk.blocks["SIG"] == sig
+        _compare(cfg, interp, mk, torch.tensor([3, 7]))
+        logits.append(mk.result().logits)
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[1], logits[2])
 
 
 def test_greedy_argmax_takes_the_first_of_tied_maxima():

@@ -158,10 +158,17 @@ def sm_id(USE_TIMER: tl.constexpr):
 
 
 @triton.jit
-def signal_done(word, t, counters, prof, t_begin, t_ready, PROFILE: tl.constexpr, USE_TIMER: tl.constexpr):
-    """A finished task's release of its counter (call after the barrier that orders every thread's stores) and,
-    with PROFILE, its record (begin, ready, end, SM).  Scalars only: the stream kernel (Gluon) calls it too."""
-    tl.atomic_add(counters + tl.load(word + WORD_SIGNAL).to(tl.int64) * COUNTER_STRIDE, 1, sem="release", scope="gpu")
+def signal_of(word):
+    """The counter a task signals when it is done."""
+    return tl.load(word + WORD_SIGNAL)
+
+
+@triton.jit
+def signal_done(signal, t, counters, prof, t_begin, t_ready, PROFILE: tl.constexpr, USE_TIMER: tl.constexpr):
+    """A finished task's release of its counter `signal` (signal_of(word); call after the barrier that orders every
+    thread's stores) and, with PROFILE, its record (begin, ready, end, SM).  Scalars only: the stream kernel (Gluon)
+    calls it too."""
+    tl.atomic_add(counters + signal.to(tl.int64) * COUNTER_STRIDE, 1, sem="release", scope="gpu")
     if PROFILE:
         rec = prof + t.to(tl.int64) * 4
         tl.store(rec, t_begin)
