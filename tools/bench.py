@@ -324,6 +324,10 @@ def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path,
         time_variant("variant", spec, lambda: Megakernel(plan, None, "cuda", share=mk.mem, config=launch_config(spec)))
     for spec in plan_variants:  # other compile options, same weights and cache
         time_variant("plan_variant", spec, lambda: plan_variant(spec))
+    if variants or plan_variants:  # the default again after its variants (A, B.., A): drift shows as a difference
+        row["megakernel_ms_again"] = time_ms(mk.replay, iters=50, warmup=10)
+        save(row)
+        print(f"{name} T={T}: megakernel again {row['megakernel_ms_again']:.3f} ms", flush=True)
     return row
 
 
