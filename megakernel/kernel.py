@@ -19,7 +19,8 @@ import triton.language as tl
 
 from .ops import (argmax, attention, elementwise, embed, head_matmul, helper, helper_side, linear, mhc, moe, norm, rope,
                   spec)
-from .ops.common import COUNTER_STRIDE, now_ns, prefetch_word_l1, signal_done, signal_of, wait_counter, wait_task
+from .ops.common import (COUNTER_STRIDE, now_ns, prefetch_word_l1, signal_done, signal_of, wait_counter,
+                         wait_task)
 from .ops.fields import (OP_ACCEPT, OP_ARGMAX, OP_ATTENTION, OP_ATTN_COMBINE, OP_CACHE_WRITE, OP_EMBED, OP_EWISE,
                          OP_EXPERT_LINEAR, OP_GATHER, OP_HC_COEFF, OP_HC_EXPAND, OP_HC_HEAD, OP_HEAD_MATMUL, OP_HELPER_CALL,
                          OP_HELPER_RECV, OP_HELPER_SEND, OP_HELPER_WAIT, OP_LINEAR,
@@ -73,10 +74,10 @@ def host_inputs_to_device(HT, HL, HD, I, words, counters, epoch, err, pid, TIMEO
 def head_matmul_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr,
                      MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr,
                      ALIGN: tl.constexpr, TRANS: tl.constexpr, TB: tl.constexpr, WORDS: tl.constexpr,
-                     WPF: tl.constexpr, EF: tl.constexpr, POLL: tl.constexpr):
+                     WPF: tl.constexpr, EF: tl.constexpr, POLL: tl.constexpr, WAITS: tl.constexpr):
     """A HEAD_MATMUL task as a LINEAR one runs: first weights requested, wait, body.  (ok, ready time)."""
     w = head_matmul.prefetch(word, W, BI, BO, ALIGN, TRANS, EF)
-    ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL)
+    ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL, WAITS)
     t_ready = now_ns(USE_TIMER)
     next_word_to_l1(word, t, end, WORDS, WPF)
     if ok == 1:
@@ -89,13 +90,13 @@ def linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS: tl.con
                 MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, BR: tl.constexpr, KC: tl.constexpr,
                 ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr,
                 AHEAD: tl.constexpr, PFD: tl.constexpr, EF: tl.constexpr, WORDS: tl.constexpr, WPF: tl.constexpr,
-                HILO: tl.constexpr, POLL: tl.constexpr, KD: tl.constexpr, BRD: tl.constexpr):
+                HILO: tl.constexpr, POLL: tl.constexpr, KD: tl.constexpr, BRD: tl.constexpr, WAITS: tl.constexpr):
     """A LINEAR task: its first weights requested before the wait (weights never depend on activations),
     then the body.  BRD: the k-major down rows' chunk (DOWN_T), BR whatever the stream's chunk.  (ok, ready time)."""
     w = linear.prefetch(word, W, BR, KC, ALIGN, EF)
     if PFD > 0:
         linear.prefetch_blocks(word, W, BR, ALIGN, PFD, HILO)
-    ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL)
+    ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL, WAITS)
     t_ready = now_ns(USE_TIMER)
     next_word_to_l1(word, t, end, WORDS, WPF)
     if ok == 1:
@@ -108,11 +109,12 @@ def expert_task(word, t, end, counters, epoch, err, pid, W, A, I, MAX_WAITS: tl.
                 MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, BR: tl.constexpr, KC: tl.constexpr,
                 ALIGN: tl.constexpr, TB: tl.constexpr, PF: tl.constexpr, DEPTH: tl.constexpr, ROWVEC: tl.constexpr,
                 AHEAD: tl.constexpr, NARROW: tl.constexpr, PFD: tl.constexpr, EF: tl.constexpr, KD: tl.constexpr,
-                EPF: tl.constexpr, WORDS: tl.constexpr, WPF: tl.constexpr, POLL: tl.constexpr):
+                EPF: tl.constexpr, WORDS: tl.constexpr, WPF: tl.constexpr, POLL: tl.constexpr,
+                WAITS: tl.constexpr):
     """An EXPERT_LINEAR task with EPF: the first weights of the expert its slot holds now requested before the
     wait (a guess the body checks: moe.guess_first_chunk), then the body.  (ok, ready time)."""
     guess, w = moe.guess_first_chunk(word, W, I, BR, KC, ALIGN, EF, EPF)
-    ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL)
+    ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL, WAITS)
     t_ready = now_ns(USE_TIMER)
     next_word_to_l1(word, t, end, WORDS, WPF)
     if ok == 1:
@@ -135,7 +137,8 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                ROWVEC: tl.constexpr, AHEAD: tl.constexpr, NARROW: tl.constexpr, ROUTE1: tl.constexpr, PFD: tl.constexpr,
                EF: tl.constexpr, WPF: tl.constexpr, APF: tl.constexpr, PFK: tl.constexpr, HILO: tl.constexpr,
                HELPER_SIDE: tl.constexpr, ATT_ROPE: tl.constexpr, POLL: tl.constexpr, HIN: tl.constexpr,
-               KD: tl.constexpr, EPF: tl.constexpr, QIX: tl.constexpr, SIG: tl.constexpr):
+               KD: tl.constexpr, EPF: tl.constexpr, QIX: tl.constexpr, SIG: tl.constexpr,
+               WAITS: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
     end = tl.load(queue_ptr + pid + 1)
@@ -165,27 +168,29 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             if NARROW and linear.needs_narrow(word, BR, KC):  # a launch variant: a copy with 4·BR x KC/4 chunks
                 ok, t_ready = linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
                                           MAX_SPINS, USE_TIMER, BR * 4, KC // 4, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD,
-                                          PFD, EF, WORDS, WPF, HILO, POLL, KD, BR)
+                                          PFD, EF, WORDS, WPF, HILO, POLL, KD, BR, WAITS)
             else:
                 ok, t_ready = linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
                                           MAX_SPINS, USE_TIMER, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF,
-                                          WORDS, WPF, HILO, POLL, KD, BR)
+                                          WORDS, WPF, HILO, POLL, KD, BR, WAITS)
         elif op == OP_HEAD_MATMUL:  # a copy per weight layout, so each vectorizes its loads
             if head_matmul.transposed(word):
                 ok, t_ready = head_matmul_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
-                                               MAX_SPINS, USE_TIMER, BIT, BOT, ALIGN, True, TB, WORDS, WPF, EF, POLL)
+                                               MAX_SPINS, USE_TIMER, BIT, BOT, ALIGN, True, TB, WORDS, WPF, EF, POLL,
+                                               WAITS)
             else:
                 ok, t_ready = head_matmul_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
-                                               MAX_SPINS, USE_TIMER, BI, BO, ALIGN, False, TB, WORDS, WPF, EF, POLL)
+                                               MAX_SPINS, USE_TIMER, BI, BO, ALIGN, False, TB, WORDS, WPF, EF, POLL,
+                                               WAITS)
         elif EPF and (op == OP_EXPERT_LINEAR):
             ok, t_ready = expert_task(word, t, end, counters, epoch, err, pid, W, A, I, MAX_WAITS, TIMEOUT_NS,
                                       MAX_SPINS, USE_TIMER, BR, KC, ALIGN, TB, PF, DEPTH, ROWVEC, AHEAD, NARROW, PFD,
-                                      EF, KD, EPF, WORDS, WPF, POLL)
+                                      EF, KD, EPF, WORDS, WPF, POLL, WAITS)
         else:
             if APF:  # a split's cache rows asked of the L2 while it waits
                 if op == OP_ATTENTION:
                     attention.prefetch_split(word, I, C, ALIGN, DMAX, APF, ATT_KIND)
-            ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL)
+            ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL, WAITS)
             t_ready = now_ns(USE_TIMER)
             next_word_to_l1(word, t, end, WORDS, WPF)
             if ok == 1:  # the other opcodes' bodies

@@ -268,7 +268,10 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 QIX=3 if att_kinds == {1} else 0,
                 # when a task reads the index of the counter it signals (kernel.py): 0 after its closing barrier, 1
                 # with its opcode (held through the body), 2 before that barrier (launch variants 1 and 2, untimed)
-                SIG=0)
+                SIG=0,
+                # 1 (a launch variant, untimed): a task's next wait slot read before its current wait's poll
+                # (common.wait_task), so no field load follows its last poll
+                WAITS=0)
 
 
 def bulk_prefetch_refusal(align: int, weight_bytes: int) -> str | None:
@@ -337,6 +340,9 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
     if blocks["QIX"] not in (0, 1, 2, 3):
         raise MegakernelError(f"block override QIX={blocks['QIX']}: 0, or bits 1 (attention's query rows indexed "
                               "without integer division) and 2 (the cache length requested after them)")
+    if blocks["WAITS"] not in (0, 1):
+        raise MegakernelError(f"block override WAITS={blocks['WAITS']}: 0, or 1 (a task's next wait slot read before "
+                              "its current wait's poll)")
     if blocks["SIG"] not in (0, 1, 2):
         raise MegakernelError(f"block override SIG={blocks['SIG']}: 0, 1 or 2 (the signalled counter's index read "
                               "after the task's closing barrier, with its opcode, or before that barrier)")

@@ -259,7 +259,10 @@ class Megakernel(PlanRunner):
     def inject_stall(self, task: int) -> callable:
         """Test hook: make `task` wait on a counter nobody signals; returns a function that undoes it."""
         original = self.words[task].clone()
-        slot = 3 + 2 * (MAX_WAITS - 1)
+        # the first free wait slot (waits fill the slots from the first: graph.isa.encode; WAITS=1 stops reading at
+        # the first empty one), else the last
+        free = [i for i in range(MAX_WAITS) if int(original[3 + 2 * i]) < 0]
+        slot = 3 + 2 * (free[0] if free else MAX_WAITS - 1)
         self.words[task, slot] = stall_counter(self.plan)
         self.words[task, slot + 1] = 1
 

@@ -301,9 +301,12 @@ def test_a_worker_that_never_sees_the_step_inputs_is_a_watchdog_error():
     _compare(cfg, interp, mk, torch.tensor([1, 1]))
 
 
-def test_watchdog_reports_a_stalled_counter_and_recovers():
+@pytest.mark.parametrize("waits", [0, 1])
+def test_watchdog_reports_a_stalled_counter_and_recovers(waits):
+    """A task made to wait on a counter nobody signals (in its first free wait slot) is a watchdog error naming it,
+    and the next step runs; WAITS=1 (the next wait slot read before a poll) polls that slot too."""
     from megakernel.runtime import WatchdogError
-    cfg, plan, interp, mk = _pair("tiny-dense", passes=0)
+    cfg, plan, interp, mk = _pair("tiny-dense", passes=0, blocks=dict(WAITS=waits))
     undo = mk.inject_stall(5)
     with pytest.raises(WatchdogError, match=r"worker 0 timed out at task 5 .*\(the stall test counter\) to reach 1, saw 0"):
         mk.step(torch.zeros(2, 2, dtype=torch.long), torch.tensor([0, 0]))
@@ -378,6 +381,7 @@ def test_block_overrides_that_would_change_the_result_are_refused():
                ({"POLL": 2}, "POLL=2: the Triton interpreter runs no inline PTX"),
                ({"HIN": 2}, "HIN=2: 0 .inputs copied"), ({"EPF": 3}, "EPF=3: 0, 1 .an expert task's first"),
                ({"QIX": 4}, "QIX=4: 0, or bits 1"), ({"SIG": 3}, "SIG=3: 0, 1 or 2"),
+               ({"WAITS": 2}, "WAITS=2: 0, or 1"),
                ({"POLL": 1}, "POLL=1: the Triton interpreter runs no inline PTX")]
     for override, why in refused:
         with pytest.raises(MegakernelError, match=why):
@@ -498,17 +502,21 @@ def test_attention_query_rows_indexed_without_division_change_nothing(name):
 
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
-def test_signalled_counter_read_early_changes_nothing(name):
-    """Launch variant SIG (when a task reads the index of the counter it signals: 0 after its closing barrier, 1 with
-    its opcode, 2 before that barrier) moves one load, not a value: on three workers whose queues wait on earlier
-    ones, every setting equals the interpreter and the three give the same bits."""
+def test_task_fields_read_early_change_nothing(name):
+    """Launch variants SIG (when a task reads the index of the counter it signals: 0 after its closing barrier, 1 with
+    its opcode, 2 before that barrier) and WAITS=1 (a task's next wait slot read before its current wait's poll,
+    masked off past its last wait) move loads, not values: on three workers whose queues wait on earlier ones, with
+    tasks of one and of several waits (tiny-dense's fused plan has none of several: unfused here), every setting
+    equals the interpreter and all give the same bits."""
     logits = []
-    for sig in (0, 1, 2):
-        cfg, plan, interp, mk = _pair(name, workers=3, scheduler="blocked", blocks=dict(SIG=sig))
-        assert plan.workers == 3 and mk.blocks["SIG"] == sig
+    for blocks in (dict(SIG=0, WAITS=0), dict(SIG=1), dict(SIG=2), dict(WAITS=1)):
+        cfg, plan, interp, mk = _pair(name, workers=3, scheduler="blocked", fuse=name != "tiny-dense", blocks=blocks)
+        assert plan.workers == 3 and all(mk.blocks[k] == v for k, v in blocks.items())
+        waits = [len(decode(w).waits) for w in plan.words]
+        assert 1 in waits and max(waits) >= 2
         _compare(cfg, interp, mk, torch.tensor([3, 7]))
         logits.append(mk.result().logits)
-    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[1], logits[2])
+    assert all(torch.equal(logits[0], other) for other in logits[1:])
 
 
 def test_greedy_argmax_takes_the_first_of_tied_maxima():

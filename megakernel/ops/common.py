@@ -273,17 +273,37 @@ def poll_counter(ptr, POLL: tl.constexpr, near=None):
 
 @triton.jit
 def wait_task(word, t, counters, epoch, err, pid, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr,
-              MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, POLL: tl.constexpr = 0):
+              MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, POLL: tl.constexpr = 0, WAITS: tl.constexpr = 0):
     """1 when every wait of the task holds, 0 when this worker must stop (timeout, or another failed).
     A poll (poll_counter) gives every thread the same value, so every thread leaves the loop at the same
-    turn; the bound is decided alike in every thread too (poll_stop), from the 32nd poll."""
+    turn; the bound is decided alike in every thread too (poll_stop), from the 32nd poll.
+    Waits fill the word's slots from the first (graph.isa.encode), a counter of -1 after the last.  WAITS 0 reads
+    a slot after the previous slot's poll, whose acquire invalidated the L1: a task with one wait reads its second
+    slot (-1) from the L2 after its wait.  WAITS 1 (a launch variant) reads the next slot before polling, masked off
+    past the last wait, so no field load follows the last poll."""
     ok = 1
-    for i in tl.static_range(MAX_WAITS):
-        c = tl.load(word + WORD_WAITS + 2 * i)
-        if (c >= 0) & (ok == 1):
-            target = epoch * tl.load(word + WORD_WAITS + 2 * i + 1)
-            ptr = counters + c.to(tl.int64) * COUNTER_STRIDE
-            ok = wait_counter(ptr, target, err, pid, t, c, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL, word)
+    if WAITS == 1:
+        c = tl.load(word + WORD_WAITS)
+        n = tl.load(word + WORD_WAITS + 1)
+        for i in tl.static_range(MAX_WAITS):
+            c_next = tl.cast(-1, tl.int32)  # scalars as tl.cast: these compile inside Gluon too
+            n_next = tl.cast(0, tl.int32)
+            if i + 1 < MAX_WAITS:
+                more = c >= 0
+                c_next = tl.load(word + WORD_WAITS + 2 * (i + 1), mask=more, other=-1)
+                n_next = tl.load(word + WORD_WAITS + 2 * (i + 1) + 1, mask=more, other=0)
+            if (c >= 0) & (ok == 1):
+                ptr = counters + c.to(tl.int64) * COUNTER_STRIDE
+                ok = wait_counter(ptr, epoch * n, err, pid, t, c, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL, word)
+            c = c_next
+            n = n_next
+    else:
+        for i in tl.static_range(MAX_WAITS):
+            c = tl.load(word + WORD_WAITS + 2 * i)
+            if (c >= 0) & (ok == 1):
+                target = epoch * tl.load(word + WORD_WAITS + 2 * i + 1)
+                ptr = counters + c.to(tl.int64) * COUNTER_STRIDE
+                ok = wait_counter(ptr, target, err, pid, t, c, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL, word)
     return ok
 
 
