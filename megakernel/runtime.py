@@ -261,8 +261,7 @@ class Megakernel(PlanRunner):
         original = self.words[task].clone()
         # the first free wait slot (waits fill the slots from the first: graph.isa.encode; WAITS=1 stops reading at
         # the first empty one), else the last
-        free = [i for i in range(MAX_WAITS) if int(original[3 + 2 * i]) < 0]
-        slot = 3 + 2 * (free[0] if free else MAX_WAITS - 1)
+        slot = 3 + 2 * min(len(decode(original.tolist()).waits), MAX_WAITS - 1)
         self.words[task, slot] = stall_counter(self.plan)
         self.words[task, slot + 1] = 1
 

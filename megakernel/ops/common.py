@@ -286,8 +286,6 @@ def wait_task(word, t, counters, epoch, err, pid, MAX_WAITS: tl.constexpr, TIMEO
         c = tl.load(word + WORD_WAITS)
         n = tl.load(word + WORD_WAITS + 1)
         for i in tl.static_range(MAX_WAITS):
-            c_next = tl.cast(-1, tl.int32)  # scalars as tl.cast: these compile inside Gluon too
-            n_next = tl.cast(0, tl.int32)
             if i + 1 < MAX_WAITS:
                 more = c >= 0
                 c_next = tl.load(word + WORD_WAITS + 2 * (i + 1), mask=more, other=-1)
@@ -295,8 +293,9 @@ def wait_task(word, t, counters, epoch, err, pid, MAX_WAITS: tl.constexpr, TIMEO
             if (c >= 0) & (ok == 1):
                 ptr = counters + c.to(tl.int64) * COUNTER_STRIDE
                 ok = wait_counter(ptr, epoch * n, err, pid, t, c, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL, word)
-            c = c_next
-            n = n_next
+            if i + 1 < MAX_WAITS:
+                c = c_next
+                n = n_next
     else:
         for i in tl.static_range(MAX_WAITS):
             c = tl.load(word + WORD_WAITS + 2 * i)
