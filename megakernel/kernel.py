@@ -240,9 +240,9 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                     elif op == OP_HELPER_SEND:
                         helper_side.send_body(word, A, I, HB, USE_TIMER, BD)
         if ok == 1:
-            # SIG (a launch variant): when the signalled counter's index is read.  0, after the barrier below: the
-            # body's stream may have pushed the word's line out of the L1, an L2 round trip before the release; 1,
-            # with the opcode; 2, before the barrier, so the round trip overlaps the warps' arrivals
+            # SIG: when the signalled counter's index is read.  1 (the default), with the opcode; 0, after the
+            # barrier below: the body's stream may have pushed the word's line out of the L1, an L2 round trip
+            # before the release; 2, before the barrier, so the round trip overlaps the warps' arrivals
             if SIG == 2:
                 signal = signal_of(word)
             tl.debug_barrier()  # every thread's stores happen before the release below

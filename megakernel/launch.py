@@ -266,12 +266,13 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # bit 2, the cache length requested after them.  3 where every attention task is MLA: -1.2% on
                 # dsv2-lite, the same bits, a split 0.55 us shorter (H100, docs/PERF.md session 35); GQA's not timed
                 QIX=3 if att_kinds == {1} else 0,
-                # when a task reads the index of the counter it signals (kernel.py): 0 after its closing barrier, 1
-                # with its opcode (held through the body), 2 before that barrier (launch variants 1 and 2, untimed)
-                SIG=0,
-                # 1 (a launch variant, untimed): a task's next wait slot read before its current wait's poll
-                # (common.wait_task), so no field load follows its last poll
-                WAITS=0)
+                # when a task reads the index of the counter it signals (kernel.py): 1 with its opcode (held through
+                # the body); 0 after its closing barrier, 2 before that barrier (launch variants)
+                SIG=1,
+                # 1: a task's next wait slot read before its current wait's poll (common.wait_task), so no field load
+                # follows its last poll; 0 (a launch variant) after it.  With SIG=1: -1.3% on llama-1b, -4.0% on
+                # dsv2-lite, the same bits (H100, docs/PERF.md session 42)
+                WAITS=1)
 
 
 def bulk_prefetch_refusal(align: int, weight_bytes: int) -> str | None:

@@ -279,7 +279,7 @@ def wait_task(word, t, counters, epoch, err, pid, MAX_WAITS: tl.constexpr, TIMEO
     turn; the bound is decided alike in every thread too (poll_stop), from the 32nd poll.
     Waits fill the word's slots from the first (graph.isa.encode), a counter of -1 after the last.  WAITS 0 reads
     a slot after the previous slot's poll, whose acquire invalidated the L1: a task with one wait reads its second
-    slot (-1) from the L2 after its wait.  WAITS 1 (a launch variant) reads the next slot before polling, masked off
+    slot (-1) from the L2 after its wait.  WAITS 1 (the default) reads the next slot before polling, masked off
     past the last wait, so no field load follows the last poll."""
     ok = 1
     if WAITS == 1:
