@@ -505,9 +505,9 @@ def test_attention_query_rows_indexed_without_division_change_nothing(name):
 def test_task_fields_read_early_change_nothing(name):
     """SIG (when a task reads the index of the counter it signals: 1, the default, with its opcode; 0 after its
     closing barrier; 2 before that barrier) and WAITS (1, the default: a task's next wait slot read before its
-    current wait's poll, masked off past its last wait; 0 after it) move loads, not values: on three workers whose queues wait on earlier ones, with
-    tasks of one and of several waits (tiny-dense's fused plan has none of several: unfused here), every setting
-    equals the interpreter and all give the same bits."""
+    current wait's poll, masked off past its last wait; 0 after it) move loads, not values: on three workers whose
+    queues wait on earlier ones, with tasks of one and of several waits (tiny-dense's fused plan has none of several:
+    unfused here), every setting equals the interpreter and all give the same bits."""
     logits = []
     for blocks in (dict(SIG=0, WAITS=0), dict(SIG=1, WAITS=0), dict(SIG=2, WAITS=1), dict(SIG=1, WAITS=1)):
         cfg, plan, interp, mk = _pair(name, workers=3, scheduler="blocked", fuse=name != "tiny-dense", blocks=blocks)
