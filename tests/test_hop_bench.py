@@ -7,7 +7,7 @@ import pytest
 from tools import hop_bench
 
 
-@pytest.mark.parametrize("mode", ["counter", "ll"])
+@pytest.mark.parametrize("mode", ["counter", "ll", "early"])
 def test_each_protocol_hands_over_the_rows(mode):
     bench = hop_bench.HopBench(mode, 64, 1, "cpu")
     assert bench.run(3)["rounds"] == 3
@@ -28,5 +28,7 @@ def test_bad_sizes_modes_and_programs_are_refused():
         hop_bench.HopBench("ll", 48, 1, "cpu")
     with pytest.raises(ValueError, match="programs=65"):
         hop_bench.HopBench("ll", 64, 65, "cpu")
-    with pytest.raises(ValueError, match="mode 'word' polls with inline PTX: GPU only"):
+    with pytest.raises(ValueError, match="mode 'word' uses inline PTX: GPU only"):
         hop_bench.HopBench("word", 64, 1, "cpu")
+    with pytest.raises(ValueError, match="mode 'nc' uses inline PTX: GPU only"):
+        hop_bench.HopBench("nc", 64, 1, "cpu")

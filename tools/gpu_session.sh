@@ -9,7 +9,8 @@
 #   spec     the speculative k sweep (k = 0..7, one graph replay each) and speculative-equals-plain
 #            check on dsv2-lite and llama-1b, each with one MTP layer (tools/spec_sweep.py);
 #   hop      dependency hops alone (tools/hop_bench.py: all to all on 2 programs and one per SM): the kernel's
-#            counter hand-over against an ld.acquire poll and NCCL-style flagged rows, ns a hop (~1 min);
+#            counter hand-over against an ld.acquire poll, NCCL-style flagged rows, the task word's field read
+#            before the wait (early) and through ld.global.nc after it (nc), ns a hop (~1 min);
 #   stream   the weight stream alone (tools/stream_bench.py): GB/s per SM of LINEAR and expert
 #            tasks, default launch beside $STREAM_VARIANTS;
 #   ncu      Nsight Compute's warp-state samples of one step of each of $MODELS (tools/ncu_step.py; the

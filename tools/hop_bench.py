@@ -1,7 +1,7 @@
 """What one dependency hop costs, alone: programs on their own SMs hand activation rows on, hop after hop.
 
-    python tools/hop_bench.py [--rounds 2000] [--programs 2 0] [--sizes 256 2048] [--modes counter ldacq word ll]
-        [--out DIR]
+    python tools/hop_bench.py [--rounds 2000] [--programs 2 0] [--sizes 256 2048]
+        [--modes counter ldacq word ll early nc] [--out DIR]
 
 Every layer of a step is a chain of 6 (llama-1b) to 13 (dsv2-lite) hops: a task's rows reach the L2, its
 counter is released, the next op's tasks see the count, then load the rows.  In session 24's traces a consumer
@@ -19,6 +19,13 @@ one per SM (`--programs 0`), for each way of handing over:
   (the kernel's launch variant POLL=1);
 - word: the same with POLL=2's poll: one thread's acquire load that asks the L1 for the task word's lines while it
   is out, so the field is an L1 hit (GPU only: inline PTX, as ldacq);
+- early: counter's, with the field read before the wait (in a register through it): what a task pays for its
+  fields after its wait, counter's time less this one's (session 37's HOIST read them so, and lost in a step);
+- nc: counter's, with the field read through the non-coherent path (`ld.global.nc`, GPU only: inline PTX).  Task
+  words never change during a launch, so the kernel may read them so.  ptxas may move such a load above an
+  acquire (a lone `ld.acquire` then `ld.global.nc`: `LDG.E.CONSTANT` first), though not out of a poll loop: here
+  it stays after the poll's `LDG.E.STRONG.GPU` + `CCTL.IVALL`, so this mode times whether its line outlives the
+  acquire's L1 invalidation: `early`'s time if it does, `counter`'s if not;
 - ll: no counter (NCCL's LL protocol): each 8-byte word carries a 4-byte value and a 4-byte flag (the hop's
   number), stored together, so a consumer polls the rows themselves and has them when every flag matches: no
   release, no second round trip.  Twice the bytes on the wire.
@@ -47,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megakernel.ops.common import COUNTER_STRIDE, now_ns, poll_counter  # noqa: E402
 
-MODES = {"counter": 0, "ldacq": 1, "ll": 2, "word": 3}  # the counter modes poll with POLL 0, 1 and (word) 2
+MODES = {"counter": 0, "ldacq": 1, "ll": 2, "word": 3, "early": 4, "nc": 5}  # the polls: POLL 1 (ldacq), 2 (word), 0
 MAX_SPINS = 10_000_000
 WORD_FIELD = tl.constexpr(17)  # a field past the word's header, in its first 128-byte line
 
@@ -64,6 +71,15 @@ def wait_count(cnt, target, word, POLL: tl.constexpr, MAX_SPINS: tl.constexpr):
         if spins > MAX_SPINS:
             spins = -1
     return spins
+
+
+@triton.jit
+def load_nc(ptr):
+    """ptr[0] (int32) through the non-coherent path: for memory no one writes during the launch.  Not marked pure,
+    so that LLVM keeps it in the hop where it stands (pure, it would be hoisted out of the hop loop: the same word
+    every hop); ptxas keeps it after the poll's `CCTL.IVALL`, where counter's `LDG` stands (SASS, sm_90)."""
+    return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=False,
+                                     pack=1)
 
 
 @triton.jit
@@ -94,9 +110,14 @@ def take_over(rows, ll, cnt, g, target, d, word, MODE: tl.constexpr, MAX_SPINS: 
             if spins > MAX_SPINS:
                 spins = -1
         vals = (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+    elif MODE == 4:
+        field = tl.load(word + WORD_FIELD)
+        spins = wait_count(cnt, target, word, 0, MAX_SPINS)
+        vals = tl.load(rows + field + d, cache_modifier=".cg")
     else:
-        spins = wait_count(cnt, target, word, 2 if MODE == 3 else MODE, MAX_SPINS)
-        vals = tl.load(rows + tl.load(word + WORD_FIELD) + d, cache_modifier=".cg")
+        spins = wait_count(cnt, target, word, 2 if MODE == 3 else (1 if MODE == 1 else 0), MAX_SPINS)
+        field = load_nc(word + WORD_FIELD) if MODE == 5 else tl.load(word + WORD_FIELD)
+        vals = tl.load(rows + field + d, cache_modifier=".cg")
     return vals, spins
 
 
@@ -148,8 +169,8 @@ class HopBench:
         if not 1 <= programs <= n:
             raise ValueError(f"programs={programs}: 1 to the {n} rows (each writes at least one)")
         interpreted = torch.device(device).type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-        if mode in ("ldacq", "word") and interpreted:
-            raise ValueError(f"mode {mode!r} polls with inline PTX: GPU only (the Triton interpreter runs none)")
+        if mode in ("ldacq", "word", "nc") and interpreted:
+            raise ValueError(f"mode {mode!r} uses inline PTX: GPU only (the Triton interpreter runs none)")
         if torch.device(device).type == "cuda":
             sms = torch.cuda.get_device_properties(device).multi_processor_count
             if programs > sms:
