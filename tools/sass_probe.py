@@ -1,7 +1,8 @@
 """Offline SASS for sm_90 on a machine without a GPU: what a body executes, before spending device time.
 
     python tools/sass_probe.py kernel [--model dsv2-lite] [--plan KEY=V,...] [--lines] [KEY=V,...]...
-        registers, spills, shared memory and 16-byte loads of the whole persistent kernel, with the block sizes
+        registers, spills, shared memory, 16-byte loads and the SASS instruction stream's count and hash (equal
+        hashes: the same code) of the whole persistent kernel, with the block sizes
         launch.launch_blocks() fits to the model's T=1 plan (--plan: plan options as bench.py's --plan-variants
         take them, e.g. expert_mlp=1), then once per variant (block overrides);
         --lines adds instructions, spill loads/stores and barriers per source file and the worst lines;
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import os
 import re
 import subprocess
@@ -217,7 +219,11 @@ def probe_kernel(model: str, variants: list[str], lines: bool = False, plan_spec
         const = kernel_constants(launch_blocks(tasks, torch.bfloat16, config, plan), wait_bound_s(tasks, config),
                                  config, on_cuda=True)
         info, sass = compile_sass(megakernel, pointers, [], const, num_warps)
-        print(f"kernel {model}{' ' + plan_spec if plan_spec else ''} {spec or 'fitted'}: {info}")
+        # the instruction stream's hash: a change meant to leave a kernel alone must leave it equal (debug labels
+        # alone can move ptxas's scheduling: docs/NOTES.md session 42)
+        stream = "\n".join(m.group(2) for m in INSTR.finditer(sass))
+        print(f"kernel {model}{' ' + plan_spec if plan_spec else ''} {spec or 'fitted'}: {info}, "
+              f"{stream.count(chr(10)) + 1} instructions, SASS {hashlib.sha1(stream.encode()).hexdigest()[:12]}")
         if lines:
             print_spills(sass)
         if source:
