@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megakernel.ops.common import COUNTER_STRIDE, load_nc, now_ns, poll_counter  # noqa: E402
 
-MODES = {"counter": 0, "ldacq": 1, "ll": 2, "word": 3, "early": 4, "nc": 5}  # the polls: POLL 1 (ldacq), 2 (word), 0
+MODES = {"counter": 0, "ldacq": 1, "ll": 2, "word": 3, "early": 4, "nc": 5}  # polls: POLL 1 ldacq, 2 word, else 0
 MAX_SPINS = 10_000_000
 WORD_FIELD = tl.constexpr(17)  # a field past the word's header, in its first 128-byte line
 
@@ -101,13 +101,14 @@ def take_over(rows, ll, cnt, g, target, d, word, MODE: tl.constexpr, MAX_SPINS: 
             if spins > MAX_SPINS:
                 spins = -1
         vals = (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-    elif MODE == 4:
-        field = tl.load(word + WORD_FIELD)
-        spins = wait_count(cnt, target, word, 0, MAX_SPINS)
-        vals = tl.load(rows + field + d, cache_modifier=".cg")
     else:
-        spins = wait_count(cnt, target, word, 2 if MODE == 3 else (1 if MODE == 1 else 0), MAX_SPINS)
-        field = load_nc(word + WORD_FIELD) if MODE == 5 else tl.load(word + WORD_FIELD)
+        if MODE == 4:  # early: the field before the wait
+            field = tl.load(word + WORD_FIELD)
+        spins = wait_count(cnt, target, word, 1 if MODE == 1 else (2 if MODE == 3 else 0), MAX_SPINS)
+        if MODE == 5:
+            field = load_nc(word + WORD_FIELD)
+        elif MODE != 4:
+            field = tl.load(word + WORD_FIELD)
         vals = tl.load(rows + field + d, cache_modifier=".cg")
     return vals, spins
 

@@ -221,9 +221,10 @@ def probe_kernel(model: str, variants: list[str], lines: bool = False, plan_spec
         info, sass = compile_sass(megakernel, pointers, [], const, num_warps)
         # the instruction stream's hash: a change meant to leave a kernel alone must leave it equal (debug labels
         # alone can move ptxas's scheduling: docs/NOTES.md session 42)
-        stream = "\n".join(m.group(2) for m in INSTR.finditer(sass))
+        stream = [m.group(2) for m in INSTR.finditer(sass)]
+        digest = hashlib.sha1("\n".join(stream).encode()).hexdigest()[:12]
         print(f"kernel {model}{' ' + plan_spec if plan_spec else ''} {spec or 'fitted'}: {info}, "
-              f"{stream.count(chr(10)) + 1} instructions, SASS {hashlib.sha1(stream.encode()).hexdigest()[:12]}")
+              f"{len(stream)} instructions, SASS {digest}")
         if lines:
             print_spills(sass)
         if source:
