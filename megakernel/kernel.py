@@ -138,7 +138,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                EF: tl.constexpr, WPF: tl.constexpr, APF: tl.constexpr, PFK: tl.constexpr, HILO: tl.constexpr,
                HELPER_SIDE: tl.constexpr, ATT_ROPE: tl.constexpr, POLL: tl.constexpr, HIN: tl.constexpr,
                KD: tl.constexpr, EPF: tl.constexpr, QIX: tl.constexpr, SIG: tl.constexpr,
-               WAITS: tl.constexpr, NC: tl.constexpr):
+               WAITS: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
     end = tl.load(queue_ptr + pid + 1)
@@ -152,8 +152,6 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
     t = start
     while (t < end) & (ok == 1):
         word = words + t.to(tl.int64) * WORDS
-        if NC == 1:  # a launch variant: the bodies' fields through ld.global.nc (common.fld)
-            word = word.to(tl.pointer_type(tl.int32, const=True))
         t_begin = now_ns(USE_TIMER)
         op = tl.load(word)
         if SIG == 1:  # the counter to signal, read with the opcode (an L1 hit: WPF) and held through the body

@@ -272,10 +272,7 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # 1: a task's next wait slot read before its current wait's poll (common.wait_task), so no field load
                 # follows its last poll; 0 (a launch variant) after it.  With SIG=1: -1.3% on llama-1b, -4.0% on
                 # dsv2-lite, the same bits (H100, docs/PERF.md session 42)
-                WAITS=1,
-                # 1 (a launch variant, untimed, GPU only): a body's task-word fields read through the non-coherent
-                # path (common.fld), whose L1 lines may outlive a poll's invalidation (tools/hop_bench.py nc)
-                NC=0)
+                WAITS=1)
 
 
 def bulk_prefetch_refusal(align: int, weight_bytes: int) -> str | None:
@@ -347,11 +344,6 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
     if blocks["WAITS"] not in (0, 1):
         raise MegakernelError(f"block override WAITS={blocks['WAITS']}: 0, or 1 (a task's next wait slot read before "
                               "its current wait's poll)")
-    if blocks["NC"] not in (0, 1):
-        raise MegakernelError(f"block override NC={blocks['NC']}: 0, or 1 (task-word fields read through "
-                              "ld.global.nc)")
-    if blocks["NC"] and INTERPRET:
-        raise MegakernelError("block override NC=1: the Triton interpreter runs no inline PTX")
     if blocks["SIG"] not in (0, 1, 2):
         raise MegakernelError(f"block override SIG={blocks['SIG']}: 0, 1 or 2 (the signalled counter's index read "
                               "after the task's closing barrier, with its opcode, or before that barrier)")

@@ -133,13 +133,13 @@ def test_gqa_cache_prefetch_on_llama_1b():
     """The default kernel (APF=2: a GQA split's head lines asked of the L2 before its wait), APF=0 (no cache
     prefetch), PFK (a LINEAR task's next weights asked of the L2 before its wait), STAGES=3 (two key blocks in
     flight), QIX=3 (the query rows indexed without integer division), SIG=0 with WAITS=0 (the signalled counter's
-    index read after the body, a wait slot after the previous poll: the defaults before session 42), SIG=2 (that
-    index read before the closing barrier) and NC=1 (task-word fields through ld.global.nc) give the same logits bit
-    for bit on llama-1b's shapes (4 layers, B=2, a cache longer than a split): a prefetch moves no value, and an
-    address past the cache would show up as a fault here (or under compute-sanitizer)."""
+    index read after the body, a wait slot after the previous poll: the defaults before session 42) and SIG=2 (that
+    index read before the closing barrier) give the same logits bit for bit on llama-1b's shapes (4 layers, B=2, a
+    cache longer than a split): a prefetch moves no value, and an address past the cache would show up as a fault
+    here (or under compute-sanitizer)."""
     want, got = _variant_logits("llama-1b", 2, 1024, [700, 1000],
                                 [dict(APF=0), dict(PFK=256), dict(STAGES=3), dict(QIX=3), dict(SIG=0, WAITS=0),
-                                 dict(SIG=2), dict(NC=1)])
+                                 dict(SIG=2)])
     for blocks, logits in got:
         assert torch.equal(logits, want), blocks
 

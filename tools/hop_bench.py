@@ -52,7 +52,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megakernel.ops.common import COUNTER_STRIDE, load_nc, now_ns, poll_counter  # noqa: E402
+from megakernel.ops.common import COUNTER_STRIDE, now_ns, poll_counter  # noqa: E402
 
 MODES = {"counter": 0, "ldacq": 1, "ll": 2, "word": 3, "early": 4, "nc": 5}  # polls: POLL 1 ldacq, 2 word, else 0
 MAX_SPINS = 10_000_000
@@ -71,6 +71,15 @@ def wait_count(cnt, target, word, POLL: tl.constexpr, MAX_SPINS: tl.constexpr):
         if spins > MAX_SPINS:
             spins = -1
     return spins
+
+
+@triton.jit
+def load_nc(ptr):
+    """ptr[0] (int32) through the non-coherent path: for memory no one writes during the launch.  Not marked pure,
+    so that LLVM keeps it in the hop where it stands (pure, it would be hoisted out of the hop loop: the same word
+    every hop); ptxas keeps it after the poll's `CCTL.IVALL`, where counter's `LDG` stands (SASS, sm_90)."""
+    return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=False,
+                                     pack=1)
 
 
 @triton.jit

@@ -13,46 +13,23 @@ ERR_PER_WORKER = tl.constexpr(5)
 
 
 @triton.jit
-def load_nc(ptr):
-    """ptr[0] (int32) through the non-coherent path (`ld.global.nc`), for memory nothing writes during the launch.
-    Launch variant NC=1 reads task words so (the kernel makes `word` a const pointer): that path's L1 lines may
-    outlive a poll's acquire, which invalidates the L1 (tools/hop_bench.py's mode nc times whether they do).  Not
-    marked pure: LLVM would hoist a pure one out of a loop that reads the same word every turn (hop_bench's)."""
-    return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=False,
-                                     pack=1)
-
-
-# The field readers below test `word`'s type in place, not through a shared helper: with NC=0 they must stay the
-# one load they were, as an extra call level changes the default kernel's SASS (ptxas schedules around the
-# inlined call's debug labels), which only a GPU run could vouch for.
-@triton.jit
 def fld(word, IDX: tl.constexpr):
     """A 32-bit integer field."""
-    if word.dtype.is_const():
-        return load_nc(word + IDX)
-    else:
-        return tl.load(word + IDX)
+    return tl.load(word + IDX)
 
 
 @triton.jit
 def off(word, IDX: tl.constexpr):
     """A 64-bit offset field (low word, high word)."""
-    if word.dtype.is_const():
-        lo = load_nc(word + IDX).to(tl.int64) & 0xFFFFFFFF
-        hi = load_nc(word + IDX + 1).to(tl.int64)
-    else:
-        lo = tl.load(word + IDX).to(tl.int64) & 0xFFFFFFFF
-        hi = tl.load(word + IDX + 1).to(tl.int64)
+    lo = tl.load(word + IDX).to(tl.int64) & 0xFFFFFFFF
+    hi = tl.load(word + IDX + 1).to(tl.int64)
     return lo | (hi << 32)
 
 
 @triton.jit
 def ffld(word, IDX: tl.constexpr):
     """A float field (stored as its bit pattern)."""
-    if word.dtype.is_const():
-        return load_nc(word + IDX).to(tl.float32, bitcast=True)
-    else:
-        return tl.load(word + IDX).to(tl.float32, bitcast=True)
+    return tl.load(word + IDX).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -284,8 +261,7 @@ def poll_counter(ptr, POLL: tl.constexpr, near=None):
     elif POLL == 2:  # every thread runs it: thread 0 polls and asks for the lines, a shared word tells the rest.
         # prefetch_word_l1's two prefetches, written here because they must sit between the poll and the store that
         # waits for it; the second line's address is an operand (near + 32 ints), as [$2+128] was computed only
-        # after that store (SASS).  `near` as a plain pointer, as ptr is (NC=1 makes task words const pointers)
-        near = near.to(ptr.dtype)
+        # after that store (SASS)
         return tl.inline_asm_elementwise(
             "{ .shared .align 4 .b32 seen; .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
             "@p ld.acquire.gpu.global.b32 t, [$1]; @p prefetch.global.L1 [$2]; @p prefetch.global.L1 [$3]; "
