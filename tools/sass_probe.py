@@ -5,11 +5,13 @@
         hashes: the same code) of the whole persistent kernel, with the block sizes
         launch.launch_blocks() fits to the model's T=1 plan (--plan: plan options as bench.py's --plan-variants
         take them, e.g. expert_mlp=1), then once per variant (block overrides);
-        --lines adds instructions, spill loads/stores and barriers per source file and the worst lines;
+        --lines adds instructions, spill loads/stores and barriers per source file and the worst lines, and per
+        loop of the weight stream which instruction first waits on its weight loads' scoreboard (print_weight_waits);
         --source FILE:LO-HI prints those source lines' instructions in address order (what a body's loads wait on)
     python tools/sass_probe.py stream [--lines] [KEY=V,...]...
         the weight stream alone (ops/linear.stream_chunks, bf16 weights): its hot loop's instructions
-        by opcode, per variant (BR, KC, TB: tokens per weight chunk, DEPTH: chunks in flight, PFD: L2 prefetch distance); --lines adds them by source line
+        by opcode and the first wait on its weight loads' scoreboard, per variant (BR, KC, TB: tokens per weight
+        chunk, DEPTH: chunks in flight, PFD: L2 prefetch distance); --lines adds them by source line
     python tools/sass_probe.py attention [--lines] [KEY=V,...]...
         ATTENTION's body alone (GQA, bf16 cache, llama-1b's T=1 block sizes by default: BM=16, BJ=128, DMAX=64,
         STAGES=2, 8 warps): its key-block loop's instructions by opcode, barriers and shared-memory traffic
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import hashlib
+import inspect
 import os
 import re
 import subprocess
@@ -78,7 +81,10 @@ def compile_sass(fn, pointers: dict, scalars: list[str], const: dict, num_warps:
         ptx.write_text(k.asm["ptx"])
         res = subprocess.run([BIN / "ptxas", "-v", "-lineinfo", "--gpu-name=sm_90a", ptx, "-o", obj],
                              capture_output=True, text=True, check=True)
-        sass = subprocess.run([BIN / "nvdisasm", "-g", "-c", obj], capture_output=True, text=True, check=True).stdout
+        # -hex: each instruction's encoding, whose control bits say which scoreboard a load sets and which an
+        # instruction waits on (scoreboards())
+        sass = subprocess.run([BIN / "nvdisasm", "-g", "-hex", "-c", obj], capture_output=True, text=True,
+                              check=True).stdout
     info = " ".join(re.findall(r"Used \d+ registers|\d+ bytes spill stores|\d+ bytes stack frame", res.stderr))
     return info + f" | {k.metadata.shared} B shared | {k.asm['ptx'].count('ld.global.v4')} ld.global.v4 in PTX", sass
 
@@ -117,8 +123,82 @@ def sass_lines(sass: str, labels: dict | None = None) -> list[tuple[int, str, st
     return items
 
 
-def loops(sass: str) -> list[list[tuple[str, str]]]:
-    """(source line, instruction) of each backward branch's span, widest first."""
+HEX = re.compile(r"/\*\s*0x([0-9a-f]{16})\s*\*/")
+
+
+def scoreboards(sass: str) -> dict[int, tuple[int, int, int]]:
+    """offset -> (scoreboard the instruction sets when it writes, when it has read its operands, wait mask) from
+    `nvdisasm -hex` output (sm_90's 128-bit encoding: the control bits are the top 23 of the second 64-bit word;
+    7 = none).  A variable-latency instruction (a global load) counts up one of six scoreboards and down when it
+    completes; an instruction that waits on a scoreboard stalls until *every* instruction counted on it has
+    completed (this kernel has no DEPBAR.LE that waits for some), so a load a chunk ahead is only in flight
+    across a wait if its scoreboard differs from that wait's."""
+    out, lines = {}, sass.splitlines()
+    for k, line in enumerate(lines[:-1]):
+        m = INSTR.match(line)
+        hi = HEX.search(lines[k + 1]) if m else None
+        if hi and not INSTR.match(lines[k + 1]):
+            h = int(hi.group(1), 16)
+            out[int(m.group(1), 16)] = ((h >> 46) & 7, (h >> 49) & 7, (h >> 52) & 0x3F)
+    return out
+
+
+def source_lines(fn) -> tuple[str, range]:
+    """A @triton.jit function's file name and line numbers, as nvdisasm -g names them."""
+    lines, first = inspect.getsourcelines(fn.fn)
+    return Path(inspect.getsourcefile(fn.fn)).name, range(first, first + len(lines))
+
+
+def first_waits(sass: str, span: list[tuple[int, str, str]], loads) -> list[tuple[int, str, int, str, int]]:
+    """For each global load in span (a loop body, in address order) of the function `loads` (a @triton.jit
+    function, e.g. linear.weight_rows): (its offset, its source line, its scoreboard, the source line and opcode of the first
+    instruction after it, going round the loop, that waits on that scoreboard, and how many instructions that wait
+    comes before the first one that reads what the load wrote).  A chunk requested a step ahead is in flight
+    through the step's multiply only if that count is 0: a wait before its first reader (on a scoreboard it
+    shares with another load) drains it early, and the instructions between run with nothing in flight."""
+    sb = scoreboards(sass)
+    name, numbers = source_lines(loads)
+    found = []
+    for i, (addr, where, ins) in enumerate(span):
+        f, _, ln = where.partition(":")
+        if opcode(ins) != "LDG" or f != name or not ln.isdigit() or int(ln) not in numbers:
+            continue
+        bar, dest = sb.get(addr, (7, 7, 0))[0], loaded_registers(ins)
+        after = span[i + 1:] + span[:i + 1]
+        drain = next((k for k, (a2, _, _) in enumerate(after) if sb.get(a2, (7, 7, 0))[2] >> bar & 1), None)
+        reader = next((k for k, (_, _, ins2) in enumerate(after) if dest & read_registers(ins2)), None)
+        if drain is not None:
+            gap = reader - drain if reader is not None and reader > drain else 0
+            found.append((addr, where, bar, f"{after[drain][1]} {opcode(after[drain][2])}", gap))
+    return found
+
+
+def loaded_registers(ins: str) -> set[int]:
+    """The registers a load writes: its first operand, 1, 2 or 4 of them by its width (.64, .128)."""
+    m = re.search(r"LDG\S*\s+R(\d+)", ins)
+    if not m:
+        return set()
+    width = 4 if ".128" in ins.split()[0 if not ins.startswith("@") else 1] else 2 if ".64" in ins else 1
+    return set(range(int(m.group(1)), int(m.group(1)) + width))
+
+
+def read_registers(ins: str) -> set[int]:
+    """The registers an instruction reads (its operands after the first; a store's all), as numbers; a 64-bit
+    address operand (R28.64) names two."""
+    body = re.sub(r"^@!?U?P\w+\s+", "", ins)
+    op, _, operands = body.partition(" ")
+    parts = [p.strip() for p in operands.split(",")]
+    if not op.startswith(("ST", "RED", "ATOM")):
+        parts = parts[1:]
+    regs = set()
+    for part in parts:
+        for m in re.finditer(r"\bR(\d+)(\.64)?", part):
+            regs.update({int(m.group(1)), int(m.group(1)) + 1} if m.group(2) else {int(m.group(1))})
+    return regs
+
+
+def loop_spans(sass: str) -> list[list[tuple[int, str, str]]]:
+    """(offset, source line, instruction) of each backward branch's span, widest first."""
     labels = {}
     items = sass_lines(sass, labels)
     spans = set()
@@ -126,8 +206,12 @@ def loops(sass: str) -> list[list[tuple[str, str]]]:
         m = re.search(r"BRA.*`\(\.(L_x_\d+)\)", ins)
         if m and labels.get(m.group(1), addr) < addr:
             spans.add((labels[m.group(1)], addr))
-    return [[(w, ins) for addr, w, ins in items if a <= addr <= b]
-            for a, b in sorted(spans, key=lambda span: span[0] - span[1])]
+    return [[item for item in items if a <= item[0] <= b] for a, b in sorted(spans, key=lambda span: span[0] - span[1])]
+
+
+def loops(sass: str) -> list[list[tuple[str, str]]]:
+    """(source line, instruction) of each backward branch's span, widest first."""
+    return [[(w, ins) for _, w, ins in span] for span in loop_spans(sass)]
 
 
 def hot_loop(sass: str) -> list[tuple[str, str]]:
@@ -151,10 +235,28 @@ def probe_stream(variants: list[str], lines: bool) -> None:
         ops = collections.Counter(opcode(ins) for _, ins in loop)
         print(f"stream {spec or 'default'} ({const}): {info}")
         print(f"  hot loop {len(loop)} instructions: " + ", ".join(f"{o} {n}" for o, n in ops.most_common(16)))
+        print_weight_waits(sass, loop_spans(sass)[:1])
         if lines:
             by_line = collections.Counter(w for w, _ in loop)
             for w, n in sorted(by_line.items(), key=lambda kv: -kv[1])[:20]:
                 print(f"    {w:28s} {n}")
+
+
+def print_weight_waits(sass: str, spans: list[list[tuple[int, str, str]]]) -> None:
+    """Per loop that loads weight chunks (linear.weight_rows): which instruction first waits for them.  The
+    stream requests step i+1's chunk before multiplying step i's; if an instruction of step i waits on the
+    chunk's scoreboard, the chunk is drained there and the next one is not in flight during the multiply."""
+    gaps = collections.defaultdict(list)
+    for span in spans:
+        for addr, where, bar, wait, gap in first_waits(sass, span, linear.weight_rows):
+            # each load is read in the narrowest loop around it
+            if min((s for s in spans if s[0][0] <= addr <= s[-1][0]), key=len) is span:
+                gaps[(span[0][0], f"{where} sb{bar}", wait)].append(gap)
+    for (start, load, wait), gap in sorted(gaps.items()):
+        early = [g for g in gap if g]
+        what = (f"{len(early)} of them {min(early)}-{max(early)} instructions before their first reader (drained "
+                "early)") if early else "their first reader"
+        print(f"  loop at {start:x}: {len(gap)} weight loads ({load}) first waited on at {wait}: {what}")
 
 
 def probe_attention(variants: list[str], lines: bool) -> None:
@@ -227,6 +329,7 @@ def probe_kernel(model: str, variants: list[str], lines: bool = False, plan_spec
               f"{len(stream)} instructions, SASS {digest}")
         if lines:
             print_spills(sass)
+            print_weight_waits(sass, loop_spans(sass))
         if source:
             print_source_sass(sass, source)
 
