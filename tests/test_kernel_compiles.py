@@ -161,23 +161,23 @@ except SystemExit as e:
     assert "FILE:LO-HI" in str(e), e
 # scoreboards: every weight load of the hot loop sets one of the six, and some instruction of the loop waits on it
 waits = sp.first_waits(sass, sp.loop_spans(sass)[0], sp.linear.weight_rows)
-assert len(waits) >= 16 and all(bar < 6 and gap >= 0 for _, _, bar, _, gap in waits), waits[:3]
-# the decoding and the drain rule on a hand-made loop: a weight load on scoreboard 5, an instruction that waits on
-# 5 without reading its registers (a drain), then its reader; and a load whose first waiter reads it
+assert len(waits) >= 16 and all(bar < 6 and gap is not None and gap >= 0 for _, _, bar, _, gap in waits), waits[:3]
+# the decoding and the drain rule on a hand-made loop: a weight load on scoreboard 5, then an instruction that
+# waits on 5 without reading the load's registers (a drain, when it waits), then the load's reader
 name, lines = sp.source_lines(sp.linear.weight_rows)
 def ins(addr, text, wbar=7, wait=0):
-    return (f"        /*{addr:04x}*/                   {text} ;   /* 0x0000000000000000 */\n"
-            f"                                                   /* 0x{(wbar << 46) | (7 << 49) | (wait << 52):016x} */")
-fake = "\n".join([".L_x_1:", f'\t//## File "/x/{name}", line {lines[1]}', ins(0x10, "LDG.E.64 R10, desc[UR4][R2.64]", 5),
-                  '\t//## File "/x/other.py", line 7', ins(0x20, "FADD R3, R4, R5", wait=1 << 5),
-                  ins(0x30, "FMUL R6, R10, R4"), ins(0x40, "BRA `(.L_x_1)")])
-assert sp.scoreboards(fake) == {0x10: (5, 7, 0), 0x20: (7, 7, 32), 0x30: (7, 7, 0), 0x40: (7, 7, 0)}, sp.scoreboards(fake)
-span = sp.loop_spans(fake)[0]
-assert sp.first_waits(fake, span, sp.linear.weight_rows) == [(0x10, f"{name}:{lines[1]}", 5, "other.py:7 FADD", 1)]
-fake = fake.replace(f"0x{(7 << 46) | (7 << 49) | (32 << 52):016x}", f"0x{(7 << 46) | (7 << 49):016x}")
-fake = fake.replace("FMUL R6, R10, R4 ;   /* 0x0000000000000000 */\n                                                   /* 0x"
-                    f"{(7 << 46) | (7 << 49):016x}", "FMUL R6, R10, R4 ;   /* 0x0000000000000000 */\n"
-                    f"                                                   /* 0x{(7 << 46) | (7 << 49) | (32 << 52):016x}")
+    control = (wbar << 46) | (7 << 49) | (wait << 52)
+    return f"  /*{addr:04x}*/  {text} ;  /* 0x0000000000000000 */\n  /* 0x{control:016x} */"
+def fake_loop(fadd_wait, fmul_wait):
+    return "\n".join([".L_x_1:", f'\t//## File "/x/{name}", line {lines[1]}',
+                      ins(0x10, "LDG.E.64 R10, desc[UR4][R2.64]", wbar=5), '\t//## File "/x/other.py", line 7',
+                      ins(0x20, "FADD R3, R4, R5", wait=fadd_wait), ins(0x30, "FMUL R6, R10, R4", wait=fmul_wait),
+                      ins(0x40, "BRA `(.L_x_1)")])
+fake = fake_loop(1 << 5, 0)
+assert sp.scoreboards(fake) == {0x10: (5, 7, 0), 0x20: (7, 7, 32), 0x30: (7, 7, 0), 0x40: (7, 7, 0)}, fake
+assert sp.first_waits(fake, sp.loop_spans(fake)[0], sp.linear.weight_rows) == [
+    (0x10, f"{name}:{lines[1]}", 5, "other.py:7 FADD", 1)]
+fake = fake_loop(0, 1 << 5)  # the reader is the first to wait: no drain
 assert sp.first_waits(fake, sp.loop_spans(fake)[0], sp.linear.weight_rows)[0][3:] == ("other.py:7 FMUL", 0)
 print("ok", len(rows))
 """

@@ -149,13 +149,14 @@ def source_lines(fn) -> tuple[str, range]:
     return Path(inspect.getsourcefile(fn.fn)).name, range(first, first + len(lines))
 
 
-def first_waits(sass: str, span: list[tuple[int, str, str]], loads) -> list[tuple[int, str, int, str, int]]:
+def first_waits(sass: str, span: list[tuple[int, str, str]], loads) -> list[tuple[int, str, int, str, int | None]]:
     """For each global load in span (a loop body, in address order) of the function `loads` (a @triton.jit
-    function, e.g. linear.weight_rows): (its offset, its source line, its scoreboard, the source line and opcode of the first
-    instruction after it, going round the loop, that waits on that scoreboard, and how many instructions that wait
-    comes before the first one that reads what the load wrote).  A chunk requested a step ahead is in flight
-    through the step's multiply only if that count is 0: a wait before its first reader (on a scoreboard it
-    shares with another load) drains it early, and the instructions between run with nothing in flight."""
+    function, e.g. linear.weight_rows): its offset, source line and scoreboard; the source line and opcode of the
+    first instruction after it, going round the loop, that waits on that scoreboard; and how many instructions
+    that wait comes before the first one that reads what the load wrote (None: no reader in the loop).  A chunk
+    requested a step ahead is in flight through the step's multiply only if that count is 0: a wait before its
+    first reader (on a scoreboard it shares with another load) drains it early, and the instructions between run
+    with nothing in flight."""
     sb = scoreboards(sass)
     name, numbers = source_lines(loads)
     found = []
@@ -168,18 +169,18 @@ def first_waits(sass: str, span: list[tuple[int, str, str]], loads) -> list[tupl
         drain = next((k for k, (a2, _, _) in enumerate(after) if sb.get(a2, (7, 7, 0))[2] >> bar & 1), None)
         reader = next((k for k, (_, _, ins2) in enumerate(after) if dest & read_registers(ins2)), None)
         if drain is not None:
-            gap = reader - drain if reader is not None and reader > drain else 0
+            gap = None if reader is None else max(0, reader - drain)
             found.append((addr, where, bar, f"{after[drain][1]} {opcode(after[drain][2])}", gap))
     return found
 
 
 def loaded_registers(ins: str) -> set[int]:
     """The registers a load writes: its first operand, 1, 2 or 4 of them by its width (.64, .128)."""
-    m = re.search(r"LDG\S*\s+R(\d+)", ins)
+    m = re.match(r"(?:@!?U?P\w+\s+)?(LDG\S*)\s+R(\d+)", ins)
     if not m:
         return set()
-    width = 4 if ".128" in ins.split()[0 if not ins.startswith("@") else 1] else 2 if ".64" in ins else 1
-    return set(range(int(m.group(1)), int(m.group(1)) + width))
+    width = 4 if ".128" in m.group(1) else 2 if ".64" in m.group(1) else 1
+    return set(range(int(m.group(2)), int(m.group(2)) + width))
 
 
 def read_registers(ins: str) -> set[int]:
@@ -255,7 +256,7 @@ def print_weight_waits(sass: str, spans: list[list[tuple[int, str, str]]]) -> No
     for (start, load, wait), gap in sorted(gaps.items()):
         early = [g for g in gap if g]
         what = (f"{len(early)} of them {min(early)}-{max(early)} instructions before their first reader (drained "
-                "early)") if early else "their first reader"
+                "early)") if early else "their first reader" if None not in gap else "no reader in this loop"
         print(f"  loop at {start:x}: {len(gap)} weight loads ({load}) first waited on at {wait}: {what}")
 
 
