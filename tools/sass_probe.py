@@ -149,15 +149,16 @@ def source_lines(fn) -> tuple[str, range]:
     return Path(inspect.getsourcefile(fn.fn)).name, range(first, first + len(lines))
 
 
-def first_waits(sass: str, span: list[tuple[int, str, str]], loads) -> list[tuple[int, str, int, str, int | None]]:
+def first_waits(sass: str, span: list[tuple[int, str, str]], loads,
+                sb: dict | None = None) -> list[tuple[int, str, int, str, int | None]]:
     """For each global load in span (a loop body, in address order) of the function `loads` (a @triton.jit
     function, e.g. linear.weight_rows): its offset, source line and scoreboard; the source line and opcode of the
     first instruction after it, going round the loop, that waits on that scoreboard; and how many instructions
     that wait comes before the first one that reads what the load wrote (None: no reader in the loop).  A chunk
     requested a step ahead is in flight through the step's multiply only if that count is 0: a wait before its
     first reader (on a scoreboard it shares with another load) drains it early, and the instructions between run
-    with nothing in flight."""
-    sb = scoreboards(sass)
+    with nothing in flight.  sb: scoreboards(sass), if the caller has it."""
+    sb = scoreboards(sass) if sb is None else sb
     name, numbers = source_lines(loads)
     found = []
     for i, (addr, where, ins) in enumerate(span):
@@ -176,7 +177,7 @@ def first_waits(sass: str, span: list[tuple[int, str, str]], loads) -> list[tupl
 
 def loaded_registers(ins: str) -> set[int]:
     """The registers a load writes: its first operand, 1, 2 or 4 of them by its width (.64, .128)."""
-    m = re.match(r"(?:@!?U?P\w+\s+)?(LDG\S*)\s+R(\d+)", ins)
+    m = re.match(r"(LDG\S*)\s+R(\d+)", unpredicated(ins))
     if not m:
         return set()
     width = 4 if ".128" in m.group(1) else 2 if ".64" in m.group(1) else 1
@@ -186,8 +187,7 @@ def loaded_registers(ins: str) -> set[int]:
 def read_registers(ins: str) -> set[int]:
     """The registers an instruction reads (its operands after the first; a store's all), as numbers; a 64-bit
     address operand (R28.64) names two."""
-    body = re.sub(r"^@!?U?P\w+\s+", "", ins)
-    op, _, operands = body.partition(" ")
+    op, _, operands = unpredicated(ins).partition(" ")
     parts = [p.strip() for p in operands.split(",")]
     if not op.startswith(("ST", "RED", "ATOM")):
         parts = parts[1:]
@@ -220,8 +220,13 @@ def hot_loop(sass: str) -> list[tuple[str, str]]:
     return (loops(sass) or [[]])[0]
 
 
+def unpredicated(ins: str) -> str:
+    """The instruction without its guard predicate (@P0, @!UP1)."""
+    return re.sub(r"^@!?U?P\w+\s+", "", ins)
+
+
 def opcode(ins: str) -> str:
-    return re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]
+    return unpredicated(ins).split()[0].split(".")[0]
 
 
 def parse_variant(spec: str) -> dict:
@@ -247,9 +252,9 @@ def print_weight_waits(sass: str, spans: list[list[tuple[int, str, str]]]) -> No
     """Per loop that loads weight chunks (linear.weight_rows): which instruction first waits for them.  The
     stream requests step i+1's chunk before multiplying step i's; if an instruction of step i waits on the
     chunk's scoreboard, the chunk is drained there and the next one is not in flight during the multiply."""
-    gaps = collections.defaultdict(list)
+    gaps, sb = collections.defaultdict(list), scoreboards(sass)
     for span in spans:
-        for addr, where, bar, wait, gap in first_waits(sass, span, linear.weight_rows):
+        for addr, where, bar, wait, gap in first_waits(sass, span, linear.weight_rows, sb):
             # each load is read in the narrowest loop around it
             if min((s for s in spans if s[0][0] <= addr <= s[-1][0]), key=len) is span:
                 gaps[(span[0][0], f"{where} sb{bar}", wait)].append(gap)
