@@ -14,7 +14,8 @@
         chunk, DEPTH: chunks in flight, PFD: L2 prefetch distance); --lines adds them by source line
     python tools/sass_probe.py attention [--lines] [KEY=V,...]...
         ATTENTION's body alone (GQA, bf16 cache, llama-1b's T=1 block sizes by default: BM=16, BJ=128, DMAX=64,
-        STAGES=2, 8 warps): its key-block loop's instructions by opcode, barriers and shared-memory traffic
+        STAGES=2, 8 warps): its key-block loop's instructions by opcode, barriers and shared-memory traffic;
+        --lines adds them by source line and where the next key block's loads are first waited on
 
 How the weight stream was rebuilt in session 4 (docs/PERF.md): ncu said ~730 instructions per 4 KB a
 warp streams; this tool showed where they came from (a cross-warp reduction per chunk, divisions,
@@ -248,13 +249,14 @@ def probe_stream(variants: list[str], lines: bool) -> None:
                 print(f"    {w:28s} {n}")
 
 
-def print_weight_waits(sass: str, spans: list[list[tuple[int, str, str]]]) -> None:
-    """Per loop that loads weight chunks (linear.weight_rows): which instruction first waits for them.  The
-    stream requests step i+1's chunk before multiplying step i's; if an instruction of step i waits on the
-    chunk's scoreboard, the chunk is drained there and the next one is not in flight during the multiply."""
+def print_weight_waits(sass: str, spans: list[list[tuple[int, str, str]]], loads=None, what_loads="weight") -> None:
+    """Per loop that loads weight chunks (linear.weight_rows, or the @triton.jit function `loads`): which
+    instruction first waits for them.  The stream requests step i+1's chunk before multiplying step i's; if an
+    instruction of step i waits on the chunk's scoreboard, the chunk is drained there and the next one is not in
+    flight during the multiply."""
     gaps, sb = collections.defaultdict(list), scoreboards(sass)
     for span in spans:
-        for addr, where, bar, wait, gap in first_waits(sass, span, linear.weight_rows, sb):
+        for addr, where, bar, wait, gap in first_waits(sass, span, loads or linear.weight_rows, sb):
             # each load is read in the narrowest loop around it
             if min((s for s in spans if s[0][0] <= addr <= s[-1][0]), key=len) is span:
                 gaps[(span[0][0], f"{where} sb{bar}", wait)].append(gap)
@@ -262,17 +264,18 @@ def print_weight_waits(sass: str, spans: list[list[tuple[int, str, str]]]) -> No
         early = [g for g in gap if g]
         what = (f"{len(early)} of them {min(early)}-{max(early)} instructions before their first reader (drained "
                 "early)") if early else "their first reader" if None not in gap else "no reader in this loop"
-        print(f"  loop at {start:x}: {len(gap)} weight loads ({load}) first waited on at {wait}: {what}")
+        print(f"  loop at {start:x}: {len(gap)} {what_loads} loads ({load}) first waited on at {wait}: {what}")
 
 
 def probe_attention(variants: list[str], lines: bool) -> None:
     """The narrowest loop with tensor-core instructions: one key block (ATTENTION's inner loop)."""
     for spec in variants or [""]:
-        const = {**dict(BM=16, BJ=128, DMAX=64, RMAX=16, STAGES=2, ALIGN=8, KIND=2, EF=0), **parse_variant(spec)}
+        const = {**dict(BM=16, BJ=128, DMAX=64, RMAX=16, STAGES=2, ALIGN=8, KIND=2, EF=0, QIX=0), **parse_variant(spec)}
         num_warps = const.pop("num_warps", 8)
         info, sass = compile_sass(attention_probe, *ATTENTION_PROBE_ARGS, const, num_warps)
-        with_mma = [lp for lp in loops(sass) if any(opcode(ins) in ("HMMA", "HGMMA") for _, ins in lp)]
-        block = min(with_mma, key=len) if with_mma else []
+        with_mma = [lp for lp in loop_spans(sass) if any(opcode(ins) in ("HMMA", "HGMMA") for _, _, ins in lp)]
+        span = min(with_mma, key=len) if with_mma else []
+        block = [(w, ins) for _, w, ins in span]
         ops = collections.Counter(opcode(ins) for _, ins in block)
         print(f"attention {spec or 'default'} ({const}, {num_warps} warps): {info}")
         print(f"  key-block loop {len(block)} instructions; barriers {ops['BAR']}, shared stores {ops['STS']}, "
@@ -283,6 +286,8 @@ def probe_attention(variants: list[str], lines: bool) -> None:
             by_line = collections.Counter(w for w, _ in block)
             for w, n in sorted(by_line.items(), key=lambda kv: -kv[1])[:20]:
                 print(f"    {w:28s} {n}")
+            # the next key block, requested before this one's arithmetic (STAGES 2): in flight through it?
+            print_weight_waits(sass, [span] if span else [], attention.kv_block, "key-block")
 
 
 def print_spills(sass: str) -> None:
