@@ -90,7 +90,8 @@ def linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS: tl.con
                 MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, BR: tl.constexpr, KC: tl.constexpr,
                 ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr,
                 AHEAD: tl.constexpr, PFD: tl.constexpr, EF: tl.constexpr, WORDS: tl.constexpr, WPF: tl.constexpr,
-                HILO: tl.constexpr, POLL: tl.constexpr, KD: tl.constexpr, BRD: tl.constexpr, WAITS: tl.constexpr):
+                HILO: tl.constexpr, POLL: tl.constexpr, KD: tl.constexpr, BRD: tl.constexpr, WAITS: tl.constexpr,
+                PIN: tl.constexpr = 0):
     """A LINEAR task: its first weights requested before the wait (weights never depend on activations),
     then the body.  BRD: the k-major down rows' chunk (DOWN_T), BR whatever the stream's chunk.  (ok, ready time)."""
     w = linear.prefetch(word, W, BR, KC, ALIGN, EF)
@@ -100,7 +101,7 @@ def linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS: tl.con
     t_ready = now_ns(USE_TIMER)
     next_word_to_l1(word, t, end, WORDS, WPF)
     if ok == 1:
-        linear.body(word, W, A, w, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, HILO, KD, BRD)
+        linear.body(word, W, A, w, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, HILO, KD, BRD, PIN)
     return ok, t_ready
 
 
@@ -110,7 +111,7 @@ def expert_task(word, t, end, counters, epoch, err, pid, W, A, I, MAX_WAITS: tl.
                 ALIGN: tl.constexpr, TB: tl.constexpr, PF: tl.constexpr, DEPTH: tl.constexpr, ROWVEC: tl.constexpr,
                 AHEAD: tl.constexpr, NARROW: tl.constexpr, PFD: tl.constexpr, EF: tl.constexpr, KD: tl.constexpr,
                 EPF: tl.constexpr, WORDS: tl.constexpr, WPF: tl.constexpr, POLL: tl.constexpr,
-                WAITS: tl.constexpr):
+                WAITS: tl.constexpr, PIN: tl.constexpr = 0):
     """An EXPERT_LINEAR task with EPF: the first weights of the expert its slot holds now requested before the
     wait (a guess the body checks: moe.guess_first_chunk), then the body.  (ok, ready time)."""
     guess, w = moe.guess_first_chunk(word, W, I, BR, KC, ALIGN, EF, EPF)
@@ -118,7 +119,8 @@ def expert_task(word, t, end, counters, epoch, err, pid, W, A, I, MAX_WAITS: tl.
     t_ready = now_ns(USE_TIMER)
     next_word_to_l1(word, t, end, WORDS, WPF)
     if ok == 1:
-        moe.expert_body(word, W, A, I, BR, KC, ALIGN, TB, PF, DEPTH, ROWVEC, AHEAD, NARROW, PFD, EF, KD, EPF, guess, w)
+        moe.expert_body(word, W, A, I, BR, KC, ALIGN, TB, PF, DEPTH, ROWVEC, AHEAD, NARROW, PFD, EF, KD, EPF, guess, w,
+                        PIN)
     return ok, t_ready
 
 
@@ -138,7 +140,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
                EF: tl.constexpr, WPF: tl.constexpr, APF: tl.constexpr, PFK: tl.constexpr, HILO: tl.constexpr,
                HELPER_SIDE: tl.constexpr, ATT_ROPE: tl.constexpr, POLL: tl.constexpr, HIN: tl.constexpr,
                KD: tl.constexpr, EPF: tl.constexpr, QIX: tl.constexpr, SIG: tl.constexpr,
-               WAITS: tl.constexpr):
+               WAITS: tl.constexpr, PIN: tl.constexpr):
     pid = tl.program_id(0)
     start = tl.load(queue_ptr + pid)
     end = tl.load(queue_ptr + pid + 1)
@@ -172,7 +174,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             else:
                 ok, t_ready = linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
                                           MAX_SPINS, USE_TIMER, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF,
-                                          WORDS, WPF, HILO, POLL, KD, BR, WAITS)
+                                          WORDS, WPF, HILO, POLL, KD, BR, WAITS, PIN)
         elif op == OP_HEAD_MATMUL:  # a copy per weight layout, so each vectorizes its loads
             if head_matmul.transposed(word):
                 ok, t_ready = head_matmul_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS, TIMEOUT_NS,
@@ -185,7 +187,7 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
         elif EPF and (op == OP_EXPERT_LINEAR):
             ok, t_ready = expert_task(word, t, end, counters, epoch, err, pid, W, A, I, MAX_WAITS, TIMEOUT_NS,
                                       MAX_SPINS, USE_TIMER, BR, KC, ALIGN, TB, PF, DEPTH, ROWVEC, AHEAD, NARROW, PFD,
-                                      EF, KD, EPF, WORDS, WPF, POLL, WAITS)
+                                      EF, KD, EPF, WORDS, WPF, POLL, WAITS, PIN)
         else:
             if APF:  # a split's cache rows asked of the L2 while it waits
                 if op == OP_ATTENTION:
@@ -195,7 +197,8 @@ def megakernel(words, queue_ptr, counters, worker_epoch, err, prof, W, WF, A, I,
             next_word_to_l1(word, t, end, WORDS, WPF)
             if ok == 1:  # the other opcodes' bodies
                 if (EPF == 0) and (op == OP_EXPERT_LINEAR):
-                    moe.expert_body(word, W, A, I, BR, KC, ALIGN, TB, PF, DEPTH, ROWVEC, AHEAD, NARROW, PFD, EF, KD)
+                    moe.expert_body(word, W, A, I, BR, KC, ALIGN, TB, PF, DEPTH, ROWVEC, AHEAD, NARROW, PFD, EF, KD,
+                                    PIN=PIN)
                 elif op == OP_RMSNORM:
                     norm.body(word, W, A, I, C, BN)
                 elif op == OP_ATTENTION:

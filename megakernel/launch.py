@@ -272,7 +272,10 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # 1: a task's next wait slot read before its current wait's poll (common.wait_task), so no field load
                 # follows its last poll; 0 (a launch variant) after it.  With SIG=1: -1.3% on llama-1b, -4.0% on
                 # dsv2-lite, the same bits (H100, docs/PERF.md session 42)
-                WAITS=1)
+                WAITS=1,
+                # 1 (a launch variant, inline PTX): one-token LINEAR and expert slices with K <= KC stream through
+                # linear.stream_pinned, the next weight chunk in flight through the multiply (docs/PERF.md session 44)
+                PIN=0)
 
 
 def bulk_prefetch_refusal(align: int, weight_bytes: int) -> str | None:
@@ -344,6 +347,12 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
     if blocks["WAITS"] not in (0, 1):
         raise MegakernelError(f"block override WAITS={blocks['WAITS']}: 0, or 1 (a task's next wait slot read before "
                               "its current wait's poll)")
+    if blocks["PIN"] not in (0, 1):
+        raise MegakernelError(f"block override PIN={blocks['PIN']}: 0, or 1 (one-token slices with K <= KC stream "
+                              "with the next weight chunk in flight through the multiply)")
+    if blocks["PIN"] and INTERPRET:
+        raise MegakernelError("block override PIN=1: the Triton interpreter runs no inline PTX (its CTA barrier's "
+                              "count)")
     if blocks["SIG"] not in (0, 1, 2):
         raise MegakernelError(f"block override SIG={blocks['SIG']}: 0, 1 or 2 (the signalled counter's index read "
                               "after the task's closing barrier, with its opcode, or before that barrier)")

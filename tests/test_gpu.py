@@ -119,14 +119,25 @@ def test_launch_variants_on_dsv2_lite():
     stream's deeper prefetches (PFD: L2 prefetch of the row blocks ahead; DEPTH=2: a second chunk in
     registers), EF=2 (per-head matmul weights and attention's cache rows evict-first too) and EPF (an expert
     task's first chunk requested before its wait for the expert its slot held then; EPF=2 guesses from the next
-    slot, so every chunk is requested again) and QIX=3 (MLA's query rows indexed without integer division, the cache
-    length requested after them) give the same logits bit for bit; NARROW (K = 1408 and 2816 slices
+    slot, so every chunk is requested again), QIX=3 (MLA's query rows indexed without integer division, the cache
+    length requested after them) and PIN=1 (one-token slices through linear.stream_pinned) give the same logits bit
+    for bit; NARROW (K = 1408 and 2816 slices
     in 4·BR x KC/4 chunks) sums each row's K in other chunks, so within fp32 rounding of them."""
     exact = [dict(AHEAD=0, ROUTE1=0), dict(PFD=2), dict(DEPTH=2, PFD=1), dict(EF=0, WPF=0, APF=0, PFK=0), dict(EF=2),
-             dict(PFK=256), dict(EPF=1), dict(EPF=2), dict(QIX=3)]
+             dict(PFK=256), dict(EPF=1), dict(EPF=2), dict(QIX=3), dict(PIN=1)]
     want, got = _variant_logits("dsv2-lite", 1, 256, [200], exact + [dict(NARROW=1)])
     for blocks, logits in got:
         assert torch.equal(logits, want) if blocks in exact else rel_err(logits, want) <= 1e-5, blocks
+
+
+@pytest.mark.parametrize("name", ["llama-1b", "dsv2-lite"])
+def test_pinned_stream_gives_the_same_bits(name):
+    """Launch variant PIN=1 (one-token LINEAR and expert slices with K <= KC through linear.stream_pinned: the
+    activation chunk loaded once, the next weight chunk requested above the multiply) sums what the default stream
+    sums in the same order: the same logits bit for bit at B=1, where every slice is one token (4 layers)."""
+    want, got = _variant_logits(name, 1, 1024, [700], [dict(PIN=1)])
+    for blocks, logits in got:
+        assert torch.equal(logits, want), blocks
 
 
 def test_gqa_cache_prefetch_on_llama_1b():
@@ -139,7 +150,7 @@ def test_gqa_cache_prefetch_on_llama_1b():
     here (or under compute-sanitizer)."""
     want, got = _variant_logits("llama-1b", 2, 1024, [700, 1000],
                                 [dict(APF=0), dict(PFK=256), dict(STAGES=3), dict(QIX=3), dict(SIG=0, WAITS=0),
-                                 dict(SIG=2)])
+                                 dict(SIG=2), dict(PIN=1)])
     for blocks, logits in got:
         assert torch.equal(logits, want), blocks
 

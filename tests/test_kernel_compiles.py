@@ -22,7 +22,7 @@ const = dict(WORDS=WORDS, MAX_WAITS=MAX_WAITS, TIMEOUT_NS=250_000_000, MAX_SPINS
              BR=8, KC=2048, STAGES=2, BD=256, BH=32, BM=16, BJ=32, DMAX=512, RMAX=64, BI=64, BO=128, BIT=256, BOT=64,
              BE=256, BP=256, BW=32, BSC=16, BCW=64, BN=2048, BK=8, CPF=1, SAMPLE=1, BV=1024, TB=8, PF=2, DEPTH=2, ALIGN=8, BT=16, DOT_PREC="tf32",
              ATT_KIND=0, ROWVEC=1, AHEAD=1, NARROW=1, ROUTE1=1, PFD=0, EF=0, WPF=0, APF=0, PFK=0,
-             HILO=1, HELPER_SIDE=1, ATT_ROPE=1, POLL=0, HIN=1, KD=2048, EPF=0, QIX=0, SIG=1, WAITS=1)
+             HILO=1, HELPER_SIDE=1, ATT_ROPE=1, POLL=0, HIN=1, KD=2048, EPF=0, QIX=0, SIG=1, WAITS=1, PIN=0)
 sig.update({k: "constexpr" for k in const})
 # pointers are 16-byte aligned, as Triton's JIT finds them at launch
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(15)}
@@ -51,6 +51,8 @@ one.update(POLL=1, HIN=0)
 # signalled counter's index read before the closing barrier (SIG=2; the default reads it with the opcode), and a
 # wait slot read after the previous slot's poll (WAITS=0; the default reads it before)
 one.update(EPF=1, QIX=3, SIG=2, WAITS=0)
+# and one-token slices streamed with the next chunk pinned above the multiply by a counting CTA barrier (PIN=1)
+one.update(PIN=1)
 """
 
 # three kernels, each its own process so they compile side by side (~60 s each on one core)
@@ -83,7 +85,7 @@ copy = triton.compile(ASTSource(fn=copy_rows, signature={"src": "*fp32", "src_ld
 assert "ld.acquire.sys.global.b32" in copy.asm["ptx"]
 assert "prefetch.global.L2 " not in ptx  # the variants' hints are off: the default stream is unchanged
 assert "ld.acquire.gpu.global.b32" not in ptx  # nor is the default's poll (POLL=0)
-assert "evict_first" not in ptx and "prefetch.global.L1" not in ptx
+assert "evict_first" not in ptx and "prefetch.global.L1" not in ptx and "bar.red.popc" not in ptx
 print("shared", k.metadata.shared)
 """,
          "variants": COMMON + ONE_TOKEN + r"""
@@ -93,6 +95,7 @@ assert k1.asm["ptx"].count("cp.async.bulk.prefetch.L2.global") >= 5, k1.asm["ptx
 assert "prefetch.global.L1" in k1.asm["ptx"] and "evict_first" in k1.asm["ptx"]
 assert "prefetch.global.L2 " in k1.asm["ptx"]
 assert "ld.acquire.gpu.global.b32" in k1.asm["ptx"]  # POLL=1's waits
+assert "bar.red.popc.u32" in k1.asm["ptx"]  # PIN=1's stream
 print("bulk", k1.asm["ptx"].count("cp.async.bulk.prefetch.L2.global"))
 """,
          "gqa": COMMON + ONE_TOKEN + r"""

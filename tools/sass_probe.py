@@ -11,7 +11,8 @@
     python tools/sass_probe.py stream [--lines] [KEY=V,...]...
         the weight stream alone (ops/linear.stream_chunks, bf16 weights): its hot loop's instructions
         by opcode and the first wait on its weight loads' scoreboard, per variant (BR, KC, TB: tokens per weight
-        chunk, DEPTH: chunks in flight, PFD: L2 prefetch distance); --lines adds them by source line
+        chunk, DEPTH: chunks in flight, PFD: L2 prefetch distance, PIN=1: linear.stream_pinned instead); --lines
+        adds them by source line
     python tools/sass_probe.py attention [--lines] [KEY=V,...]...
         ATTENTION's body alone (GQA, bf16 cache, llama-1b's T=1 block sizes by default: BM=16, BJ=128, DMAX=64,
         STAGES=2, 8 warps): its key-block loop's instructions by opcode, barriers and shared-memory traffic;
@@ -54,12 +55,20 @@ INSTR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 @triton.jit
 def stream_probe(W, A, I, x_off, x_ld, xrows_div, n_rows, out_off, out_ld, res_off, res_ld, use_res, w_off, w2_off,
                  two, r0, r1, K, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
-                 DEPTH: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr, PFD: tl.constexpr):
-    """A LINEAR task's stream with runtime sizes, offsets rounded to ALIGN as the kernel's are."""
+                 DEPTH: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr, PFD: tl.constexpr,
+                 PIN: tl.constexpr = 0):
+    """A LINEAR task's stream with runtime sizes, offsets rounded to ALIGN as the kernel's are (PIN 1: the
+    pinned stream alone, linear.stream_pinned, whatever the sizes)."""
     w = linear.first_chunk(W + (w_off // ALIGN) * ALIGN, r0, r1, K, BR, KC, ALIGN)
-    linear.stream_chunks(A + (x_off // ALIGN) * ALIGN, x_ld, I, xrows_div, n_rows, A + out_off, out_ld, A + res_off,
-                         res_ld, use_res != 0, W + (w_off // ALIGN) * ALIGN, W + (w2_off // ALIGN) * ALIGN, two != 0,
-                         r0, r1, K, w, False, 0.0, BR, KC, ALIGN, TB, DEPTH, 16, ROWVEC, AHEAD, PFD)
+    if PIN:
+        linear.stream_pinned(A + (x_off // ALIGN) * ALIGN, x_ld, I, xrows_div, A + out_off, out_ld, A + res_off,
+                             res_ld, use_res != 0, W + (w_off // ALIGN) * ALIGN, W + (w2_off // ALIGN) * ALIGN,
+                             two != 0, r0, r1, K, w, False, 0.0, BR, KC, ALIGN, 16, ROWVEC)
+    else:
+        linear.stream_chunks(A + (x_off // ALIGN) * ALIGN, x_ld, I, xrows_div, n_rows, A + out_off, out_ld,
+                             A + res_off, res_ld, use_res != 0, W + (w_off // ALIGN) * ALIGN,
+                             W + (w2_off // ALIGN) * ALIGN, two != 0, r0, r1, K, w, False, 0.0, BR, KC, ALIGN, TB,
+                             DEPTH, 16, ROWVEC, AHEAD, PFD)
 
 
 def compile_kernel(fn, pointers: dict, scalars: list[str], const: dict, num_warps: int = 8):
@@ -236,7 +245,7 @@ def parse_variant(spec: str) -> dict:
 
 def probe_stream(variants: list[str], lines: bool) -> None:
     for spec in variants or [""]:
-        const = {**dict(BR=8, KC=2048, ALIGN=8, TB=1, DEPTH=1, ROWVEC=0, AHEAD=0, PFD=0), **parse_variant(spec)}
+        const = {**dict(BR=8, KC=2048, ALIGN=8, TB=1, DEPTH=1, ROWVEC=0, AHEAD=0, PFD=0, PIN=0), **parse_variant(spec)}
         info, sass = compile_sass(stream_probe, *STREAM_PROBE_ARGS, const)
         loop = hot_loop(sass)
         ops = collections.Counter(opcode(ins) for _, ins in loop)

@@ -316,6 +316,76 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
 
 
 @triton.jit
+def pin_barrier():
+    """0 in every thread, from a CTA barrier that counts no thread (bar.red.popc of a false predicate): no load
+    crosses the barrier, and what depends on its result cannot be scheduled above it (ptxas moves arithmetic
+    across a plain bar.sync).  Inline PTX: GPU only."""
+    return tl.inline_asm_elementwise("{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.ne.u32 p, t, t; bar.red.popc.u32 $0, 0, p; }",
+                                     "=r", [], dtype=tl.uint32, is_pure=False, pack=1)
+
+
+@triton.jit
+def pinnable(n_rows, K, KC: tl.constexpr, TB: tl.constexpr, ROWVEC: tl.constexpr):
+    """Whether stream_pinned runs a slice: one token (its activation chunk is then every step's) and K <= KC."""
+    return (n_rows == 1) & (K <= KC) & (TB == 1) & (ROWVEC > 0)
+
+
+@triton.jit
+def stream_pinned(x_ptr, x_ld, xrows_ptr, xrows_div, out_ptr, out_ld, res_ptr, res_ld, use_res, w_ptr, w2_ptr, two,
+                  r0, r1, K, w, norm, eps, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, BN: tl.constexpr,
+                  ROWVEC: tl.constexpr, EF: tl.constexpr = 0, HILO: tl.constexpr = 0, pair=False):
+    """stream_chunks' result for one token and K <= KC (pinnable), with the next chunk in flight through the
+    multiply (launch variant PIN).  In stream_chunks' SASS it is not: an SM_90 wait on a scoreboard waits for every
+    load counted on it and ptxas counts all of a loop's loads on one, so the multiply's wait for the activation
+    chunk (reloaded every step) drains the chunk requested just before it, or ptxas issues that request only after
+    the multiply; a step then takes the multiply plus a load's latency (tools/sass_probe.py's weight waits).  Here
+    the activation chunk is loaded once, before the loop; the next chunk is requested first and a CTA barrier keeps
+    the request above the multiply (no load crosses it); and every step ends with a wait on the chunk it requested
+    (the residual's load, predicated off where it adds nothing: use_res must be a run-time value, or the load
+    compiles away), so the next step's multiply waits for nothing.
+    The same sums in the same order as stream_chunks (one token, TB 1): the same bits."""
+    nsub = 1 + two.to(tl.int32)
+    total = tl.cdiv(r1 - r0, BR) * nsub
+    orow, xrow = list_rows(r0 * 0, True, xrows_ptr, xrows_div)
+    x = act_chunk(x_ptr, xrow, x_ld, 0, K, BR, KC, ALIGN)
+    scale = 1.0
+    if norm:
+        scale = tl.sum(norm_scales(x_ptr, x_ld, xrows_ptr, xrows_div, 0, 1, K, eps, 1, BN, ALIGN), axis=0)
+    zero = r0 * 0
+    sub, blk = zero, zero
+    gate = tl.zeros((BR,), tl.float32)
+    for i in tl.range(total, loop_unroll_factor=1):  # unrolled by 2: 360 B spilled in dsv2-lite's kernel, not 216
+        sub_a = sub + 1
+        wrap = sub_a == nsub
+        sub_a = tl.where(wrap, 0, sub_a)
+        blk_a = blk + wrap.to(tl.int32)
+        w_next = weight_rows(tl.where(sub_a == 1, w2_ptr, w_ptr), r0 + blk_a * BR, r1, K, 0, BR, KC, ALIGN, EF)
+        part = chunk_dot(w | pin_barrier(), x, w_ptr, BR, KC, ALIGN)
+        rows1 = r0 + blk * BR + tl.arange(0, BR)
+        m1 = rows1 < r1
+        done = sub == nsub - 1
+        res = tl.load(res_ptr + orow * res_ld + rows1, mask=m1 & use_res & done, other=0.0)
+        if done:  # the rows are complete
+            y1 = part * scale
+            if two:
+                if HILO:
+                    y1 = tl.where(pair, gate * scale + y1, silu(gate * scale) * y1)
+                else:
+                    y1 = silu(gate * scale) * y1
+            y1 += res
+            dst = out_ptr + orow.to(tl.int64) * out_ld + rows1
+            if ROWVEC == 2:
+                store_in_place(dst, y1, m1)
+            else:
+                tl.store(dst, y1, mask=m1)
+        else:  # a gate (or high-part) step: its sums wait for the up rows; res (0 here) is the step's wait
+            gate = part + res * 0.0
+        w = w_next
+        sub = sub_a
+        blk = blk_a
+
+
+@triton.jit
 def narrow(rows, K, BR: tl.constexpr, KC: tl.constexpr):
     """Launch variant NARROW: whether a slice of `rows` rows loads at least a fifth fewer weights in 4·BR x
     KC/4 chunks than in BR x KC ones.  A chunk reads whole KC-wide rows (past K it reads the next row's
@@ -422,20 +492,47 @@ def pair_flag(flags, HILO: tl.constexpr):
 @triton.jit
 def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
          DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr, PFD: tl.constexpr = 0,
-         EF: tl.constexpr = 0, HILO: tl.constexpr = 0, KD: tl.constexpr = 0, BRD: tl.constexpr = 8):
+         EF: tl.constexpr = 0, HILO: tl.constexpr = 0, KD: tl.constexpr = 0, BRD: tl.constexpr = 8,
+         PIN: tl.constexpr = 0):
     """KD > 0: the plan has DOWN_T tasks (fusion rules expert_mlp, dense_mlp), whose k-major down rows of up to KD
     columns are compiled in (down_rows), BRD rows a chunk: the launch's BR, also where launch variant NARROW
-    streams this task's gate|up in 4·BR-row chunks (4·BR k-major rows spilled 3.7 KB, offline)."""
+    streams this task's gate|up in 4·BR-row chunks (4·BR k-major rows spilled 3.7 KB, offline).  PIN 1 (a launch
+    variant): a one-token task with K <= KC streams through stream_pinned."""
     flags = fld(word, LINEAR_FLAGS)
+    if PIN:
+        if pinnable(fld(word, LINEAR_N), fld(word, LINEAR_K), KC, TB, ROWVEC):
+            stream_pinned(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0,
+                          A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
+                          fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), aligned_base(W, word, LINEAR_W_OFF, ALIGN),
+                          aligned_base(W, word, LINEAR_W2_OFF, ALIGN), streams_two(flags, HILO), fld(word, LINEAR_R0),
+                          fld(word, LINEAR_R1), fld(word, LINEAR_K), w, has(flags, FLAG_LINEAR_NORM),
+                          ffld(word, LINEAR_EPS), BR, KC, ALIGN, BN, ROWVEC, EF, HILO, pair_flag(flags, HILO))
+        else:
+            whole_task_stream(word, W, A, w, flags, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, HILO)
+    else:  # the call as it stood before PIN (an extra inlined level moves ptxas's schedule: NOTES session 42)
+        stream_chunks(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
+                      A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
+                      fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), aligned_base(W, word, LINEAR_W_OFF, ALIGN),
+                      aligned_base(W, word, LINEAR_W2_OFF, ALIGN), streams_two(flags, HILO), fld(word, LINEAR_R0),
+                      fld(word, LINEAR_R1), fld(word, LINEAR_K), w, has(flags, FLAG_LINEAR_NORM),
+                      ffld(word, LINEAR_EPS), BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, HILO,
+                      pair_flag(flags, HILO))
+    if KD > 0:
+        if has(flags, FLAG_LINEAR_DOWN_T):
+            down_rows(word, W, A, KD, BRD, ALIGN, EF)
+
+
+@triton.jit
+def whole_task_stream(word, W, A, w, flags, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
+                      DEPTH: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr,
+                      PFD: tl.constexpr, EF: tl.constexpr, HILO: tl.constexpr):
+    """A LINEAR task's stream_chunks, its arguments read from the task word."""
     stream_chunks(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0, fld(word, LINEAR_N),
                   A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
                   fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), aligned_base(W, word, LINEAR_W_OFF, ALIGN),
                   aligned_base(W, word, LINEAR_W2_OFF, ALIGN), streams_two(flags, HILO), fld(word, LINEAR_R0),
                   fld(word, LINEAR_R1), fld(word, LINEAR_K), w, has(flags, FLAG_LINEAR_NORM), ffld(word, LINEAR_EPS),
                   BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, HILO, pair_flag(flags, HILO))
-    if KD > 0:
-        if has(flags, FLAG_LINEAR_DOWN_T):
-            down_rows(word, W, A, KD, BRD, ALIGN, EF)
 
 
 @triton.jit

@@ -30,7 +30,7 @@ from .fields import (EXPERT_LINEAR_E, EXPERT_LINEAR_FLAGS, EXPERT_LINEAR_K, EXPE
                      ROUTE_SCALE, ROUTE_SC_BUF, ROUTE_SC_OFF, ROUTE_ST_OFF, ROUTE_TOPK, ROUTE_TOPK_GROUP,
                      ROUTE_WTS_OFF)
 from .kmajor import down_partials
-from .linear import aligned_base, first_chunk, narrow, prefetch_rows, stream_chunks
+from .linear import aligned_base, first_chunk, narrow, pinnable, prefetch_rows, stream_chunks, stream_pinned
 
 
 def reference_route(task, mem) -> None:
@@ -297,7 +297,7 @@ def slot_table(ids, st, P, E, S, BE: tl.constexpr, BP: tl.constexpr):
 def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
                 PF: tl.constexpr, DEPTH: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr,
                 NARROW: tl.constexpr, PFD: tl.constexpr = 0, EF: tl.constexpr = 0, KD: tl.constexpr = 0,
-                EPF: tl.constexpr = 0, guess=-1, w_guess=0):
+                EPF: tl.constexpr = 0, guess=-1, w_guess=0, PIN: tl.constexpr = 0):
     """NARROW 1 (a launch variant): a slice that linear.narrow() picks streams 4·BR x KC/4 chunks.  KD > 0: the plan
     has DOWN_T tasks (fusion rule expert_mlp), whose k-major down rows of up to KD columns are compiled in.
     EPF > 0: w_guess is the first chunk of expert `guess`, requested before the wait (guess_first_chunk); the
@@ -331,8 +331,16 @@ def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.con
                 w = w_guess
             else:  # no guess, or a stale one: the chunk requested now
                 w = first_chunk(w_ptr, r0, r1, K, BR, KC, ALIGN, EF)
-            expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K, w, BR, KC, ALIGN,
-                          TB, DEPTH, ROWVEC, AHEAD, PFD, EF)
+            if PIN:
+                if pinnable(count, K, KC, TB, ROWVEC):
+                    pinned_expert_stream(word, A, st, S, slot, N, kk, flags, w_ptr, w2_ptr, two, r0, r1, K, w, BR, KC,
+                                         ALIGN, ROWVEC, EF)
+                else:
+                    expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K, w, BR,
+                                  KC, ALIGN, TB, DEPTH, ROWVEC, AHEAD, PFD, EF)
+            else:
+                expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K, w, BR, KC,
+                              ALIGN, TB, DEPTH, ROWVEC, AHEAD, PFD, EF)
         if KD > 0:
             if has(flags, FLAG_EXPERT_LINEAR_DOWN_T):
                 expert_down(word, W, A, st, S, slot, N, kk, count, base, r0, r1, K, KD, BR, ALIGN, EF)
@@ -401,6 +409,18 @@ def expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two,
     stream_chunks(aligned_base(A, word, EXPERT_LINEAR_X_OFF, ALIGN), fld(word, EXPERT_LINEAR_X_LD), pairs, div,
                   count, o_ptr, o_ld, o_ptr, o_ld, False, w_ptr, w2_ptr, two, r0, r1, K, w, False, 0.0, BR, KC,
                   ALIGN, TB, DEPTH, 16, ROWVEC, AHEAD, PFD, EF)
+
+
+@triton.jit
+def pinned_expert_stream(word, A, st, S, slot, N, kk, flags, w_ptr, w2_ptr, two, r0, r1, K, w, BR: tl.constexpr,
+                         KC: tl.constexpr, ALIGN: tl.constexpr, ROWVEC: tl.constexpr, EF: tl.constexpr = 0):
+    """expert_stream's slice for a slot of one pair (launch variant PIN: linear.stream_pinned).  No residual: its
+    flag is a run-time False (r0 < 0), so that its predicated load stays as each step's wait (stream_pinned)."""
+    div = tl.where(has(flags, FLAG_EXPERT_LINEAR_GATHER), kk, 1)
+    o_ptr, o_ld = A + off(word, EXPERT_LINEAR_OUT_OFF), fld(word, EXPERT_LINEAR_OUT_LD)
+    stream_pinned(aligned_base(A, word, EXPERT_LINEAR_X_OFF, ALIGN), fld(word, EXPERT_LINEAR_X_LD),
+                  st + 2 * S + slot * (N * kk), div, o_ptr, o_ld, o_ptr, o_ld, r0 < 0, w_ptr, w2_ptr, two, r0, r1, K,
+                  w, False, 0.0, BR, KC, ALIGN, 16, ROWVEC, EF)
 
 
 @triton.jit
