@@ -351,6 +351,9 @@ def stream_pinned(x_ptr, x_ld, xrows_ptr, xrows_div, out_ptr, out_ld, res_ptr, r
     scale = 1.0
     if norm:
         scale = tl.sum(norm_scales(x_ptr, x_ld, xrows_ptr, xrows_div, 0, 1, K, eps, 1, BN, ALIGN), axis=0)
+    # the first chunk (requested before the task's wait) and the activations waited for before the loop: else
+    # the first multiply's wait would drain the second chunk, requested just before it
+    w = w | pin_barrier()
     zero = r0 * 0
     sub, blk = zero, zero
     gate = tl.zeros((BR,), tl.float32)
