@@ -388,6 +388,74 @@ def stream_pinned(x_ptr, x_ld, xrows_ptr, xrows_div, out_ptr, out_ld, res_ptr, r
         blk = blk_a
 
 
+PIN_BLOCKS: tl.constexpr = tl.constexpr(8)  # stream_pinned_k: row blocks whose sums wait in registers (64 rows at BR 8)
+
+
+@triton.jit
+def pinnable_k(n_rows, K, rows, two, BR: tl.constexpr, KC: tl.constexpr, TB: tl.constexpr, ROWVEC: tl.constexpr):
+    """Whether stream_pinned_k runs a slice: one token, K > KC, one matrix, at most PIN_BLOCKS row blocks."""
+    return (n_rows == 1) & (K > KC) & (rows <= PIN_BLOCKS * BR) & (two == 0) & (TB == 1) & (ROWVEC > 0)
+
+
+@triton.jit
+def prefetch_lines_l1(ptrs):
+    """The 128-byte line of each pointer asked of this SM's L1 (no register waits for it).  Compiled only."""
+    tl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def stream_pinned_k(x_ptr, x_ld, out_ptr, out_ld, res_ptr, res_ld, use_res, w_ptr, r0, r1, K, w, norm, eps,
+                    BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr,
+                    EF: tl.constexpr = 0):
+    """stream_pinned for K > KC (pinnable_k: a one-token LINEAR of up to PIN_BLOCKS row blocks, e.g. a down
+    projection): steps run K chunk by K chunk, each over the task's row blocks, so one activation chunk serves
+    several steps, and the blocks' sums wait in registers until the last K chunk.  The next K chunk's activations
+    are asked of the L1 a step before they are loaded, at that chunk's boundary, and waited for there, before the
+    next weights are requested.  Each row's K chunks are summed in stream_chunks' order: the same bits."""
+    nk = tl.cdiv(K, KC)
+    nblk = tl.cdiv(r1 - r0, BR)
+    zero = r0 * 0
+    x = act_chunk(x_ptr, zero, x_ld, 0, K, BR, KC, ALIGN)
+    scale = 1.0
+    if norm:
+        scale = tl.sum(norm_scales(x_ptr, x_ld, x_ptr, 0, zero, 1, K, eps, 1, BN, ALIGN), axis=0)
+    w = w | pin_barrier()  # the first chunk and the activations waited for before the loop (stream_pinned)
+    nb = tl.arange(0, PIN_BLOCKS)[:, None]
+    acc = tl.zeros((PIN_BLOCKS, BR), tl.float32)
+    kc, blk = zero, zero
+    for i in tl.range(nk * nblk, loop_unroll_factor=1):
+        blk_a = blk + 1
+        wrap = blk_a == nblk
+        blk_a = tl.where(wrap, 0, blk_a)
+        kc_a = kc + wrap.to(tl.int32)
+        w_next = weight_rows(w_ptr, r0 + blk_a * BR, r1, K, kc_a * KC, BR, KC, ALIGN, EF)
+        turn = wrap & (kc_a < nk)  # the last row block of this K chunk: the next chunk's activations follow it
+        if turn:
+            prefetch_lines_l1(x_ptr + kc_a * KC + tl.arange(0, KC // 32) * 32)
+        part = chunk_dot(w | pin_barrier(), x, w_ptr, BR, KC, ALIGN)
+        rows1 = r0 + blk * BR + tl.arange(0, BR)
+        m1 = rows1 < r1
+        last = kc == nk - 1
+        res = tl.load(res_ptr + rows1, mask=m1 & use_res & last, other=0.0)
+        acc = tl.where(nb == blk, acc + part[None, :], acc)
+        if last:  # the block's rows are complete
+            y1 = tl.sum(tl.where(nb == blk, acc, 0.0), axis=0) * scale + res
+            dst = out_ptr + rows1
+            if ROWVEC == 2:
+                store_in_place(dst, y1, m1)
+            else:
+                tl.store(dst, y1, mask=m1)
+        else:  # res (0 here) is the step's wait for the chunk it requested
+            acc = acc + res[None, :] * 0.0
+        if turn:  # the next K chunk's activations (L1 hits), waited for before the next weights are requested
+            x = act_chunk(x_ptr, zero, x_ld, kc_a * KC, K, BR, KC, ALIGN)
+            w_next = w_next | pin_barrier()
+        w = w_next
+        kc = kc_a
+        blk = blk_a
+
+
 @triton.jit
 def narrow(rows, K, BR: tl.constexpr, KC: tl.constexpr):
     """Launch variant NARROW: whether a slice of `rows` rows loads at least a fifth fewer weights in 4·BR x
@@ -503,7 +571,15 @@ def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr,
     variant): a one-token task with K <= KC streams through stream_pinned."""
     flags = fld(word, LINEAR_FLAGS)
     if PIN:
-        if pinnable(fld(word, LINEAR_N), fld(word, LINEAR_K), KC, TB, ROWVEC):
+        if pinnable_k(fld(word, LINEAR_N), fld(word, LINEAR_K), fld(word, LINEAR_R1) - fld(word, LINEAR_R0),
+                      streams_two(flags, HILO), BR, KC, TB, ROWVEC):
+            stream_pinned_k(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD),
+                            A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
+                            fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES),
+                            aligned_base(W, word, LINEAR_W_OFF, ALIGN), fld(word, LINEAR_R0), fld(word, LINEAR_R1),
+                            fld(word, LINEAR_K), w, has(flags, FLAG_LINEAR_NORM), ffld(word, LINEAR_EPS), BR, KC, ALIGN,
+                            BN, ROWVEC, EF)
+        elif pinnable(fld(word, LINEAR_N), fld(word, LINEAR_K), KC, TB, ROWVEC):
             stream_pinned(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0,
                           A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
                           fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), aligned_base(W, word, LINEAR_W_OFF, ALIGN),
