@@ -320,8 +320,9 @@ def pin_barrier():
     """0 in every thread, from a CTA barrier that counts no thread (bar.red.popc of a false predicate): no load
     crosses the barrier, and what depends on its result cannot be scheduled above it (ptxas moves arithmetic
     across a plain bar.sync).  Inline PTX: GPU only."""
-    return tl.inline_asm_elementwise("{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.ne.u32 p, t, t; bar.red.popc.u32 $0, 0, p; }",
-                                     "=r", [], dtype=tl.uint32, is_pure=False, pack=1)
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.ne.u32 p, t, t; bar.red.popc.u32 $0, 0, p; }",
+        "=r", [], dtype=tl.uint32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -432,7 +433,7 @@ def stream_pinned_k(x_ptr, x_ld, out_ptr, out_ld, res_ptr, res_ld, use_res, w_pt
         w_next = weight_rows(w_ptr, r0 + blk_a * BR, r1, K, kc_a * KC, BR, KC, ALIGN, EF)
         turn = wrap & (kc_a < nk)  # the last row block of this K chunk: the next chunk's activations follow it
         if turn:
-            prefetch_lines_l1(x_ptr + kc_a * KC + tl.arange(0, KC // 32) * 32)
+            prefetch_lines_l1(x_ptr + kc_a * KC + tl.minimum(tl.arange(0, KC // 32) * 32, K - 1 - kc_a * KC))
         part = chunk_dot(w | pin_barrier(), x, w_ptr, BR, KC, ALIGN)
         rows1 = r0 + blk * BR + tl.arange(0, BR)
         m1 = rows1 < r1
