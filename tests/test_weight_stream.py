@@ -38,23 +38,44 @@ def _stream_kernel(W, A, I, K, n_rows, xrows_div, x_ld, r0, r1, out_off, res_off
                          TB, DEPTH, BN, ROWVEC, AHEAD, PFD)
 
 
+@triton.jit
+def _pinned_kernel(W, A, I, K, n_rows, xrows_div, x_ld, r0, r1, out_off, res_off, w_off, w2_off, flags, eps,
+                   BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr,
+                   BN: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr, PFD: tl.constexpr,
+                   PINNED: tl.constexpr):
+    """_stream_kernel's slice as launch variant PIN streams it (linear.body's choice; an expert slice's rows come
+    from a list): linear.stream_pinned_k or stream_pinned where they take it, stream_chunks elsewhere."""
+    w = linear.first_chunk(W + w_off, r0, r1, K, BR, KC, ALIGN)
+    two, res, norm = (flags & 1) != 0, (flags & 2) != 0, (flags & 4) != 0
+    if linear.pinnable_k(n_rows, K, r1 - r0, two, BR, KC, TB, ROWVEC) & (xrows_div == 0):
+        linear.stream_pinned_k(A, x_ld, A + out_off, r1, A + res_off, r1, res, W + w_off, r0, r1, K, w, norm, eps, BR,
+                               KC, ALIGN, BN, ROWVEC, 0, PINNED)
+    elif linear.pinnable(n_rows, K, KC, TB, ROWVEC):
+        linear.stream_pinned(A, x_ld, I, xrows_div, A + out_off, r1, A + res_off, r1, res, W + w_off, W + w2_off, two,
+                             r0, r1, K, w, norm, eps, BR, KC, ALIGN, BN, ROWVEC, 0, 0, False, PINNED)
+    else:
+        linear.stream_chunks(A, x_ld, I, xrows_div, n_rows, A + out_off, r1, A + res_off, r1, res, W + w_off,
+                             W + w2_off, two, r0, r1, K, w, norm, eps, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD)
+
+
 def _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res, norm, depth=1, eps=1e-5, rowvec=0, ahead=0,
-         pfd=0):
+         pfd=0, pinned=None):
     g = torch.Generator().manual_seed(K + R + N)
     w1 = torch.randn(R, K, generator=g).to(dtype)
     w2 = torch.randn(R, K, generator=g).to(dtype)
     nan = torch.full((GUARD,), float("nan"), dtype=dtype)
     W = torch.cat([nan, w1.reshape(-1), w2.reshape(-1), torch.full((STREAM_SLACK,), 7.0, dtype=dtype), nan])
-    x = torch.randn(N + 1, K, generator=g)
+    x = torch.randn(max(N + 1, 3) if listed else N + 1, K, generator=g)  # listed rows 4, 1, 3 read x rows 2, 0, 1
     r = torch.randn(8, R, generator=g)
     rows = torch.tensor([4, 1, 3][:N], dtype=torch.int32) if listed else torch.arange(N, dtype=torch.int32)
     A = torch.cat([x.reshape(-1), torch.full((8 * R,), float("nan")), r.reshape(-1)])
     W, A, dev_rows = W.to(device), A.to(device), rows.to(device)
     # flags: bit 0 gate|up, bit 1 residual, bit 2 norm; + 8 so no argument is a literal 1 (Triton would make
     # it a constexpr)
-    _stream_kernel[(1,)](W, A, dev_rows, K, N, 2 if listed else 0, K, r0, R, x.numel(), x.numel() + 8 * R, GUARD,
-                         GUARD + R * K, 8 + int(two) + 2 * int(res) + 4 * int(norm), eps, BR=BR, KC=KC, ALIGN=8,
-                         TB=tb, DEPTH=depth, BN=BN, ROWVEC=rowvec, AHEAD=ahead, PFD=pfd, num_warps=8)
+    kernel, pin = (_stream_kernel, {}) if pinned is None else (_pinned_kernel, dict(PINNED=pinned))
+    kernel[(1,)](W, A, dev_rows, K, N, 2 if listed else 0, K, r0, R, x.numel(), x.numel() + 8 * R, GUARD,
+                 GUARD + R * K, 8 + int(two) + 2 * int(res) + 4 * int(norm), eps, BR=BR, KC=KC, ALIGN=8,
+                 TB=tb, DEPTH=depth, BN=BN, ROWVEC=rowvec, AHEAD=ahead, PFD=pfd, num_warps=8, **pin)
     xs = (x[rows.long() // 2] if listed else x[:N]).double()
     scale = torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + eps) if norm else 1.0
     want = (xs @ w1[r0:].double().T) * scale
@@ -87,6 +108,25 @@ def test_weight_stream_irregular_shapes(device, tb, depth, rowvec, ahead, dtype,
     untouched = torch.ones(8, dtype=torch.bool)
     untouched[rows.long()] = False
     assert out[untouched].isnan().all() and out[:, :r0].isnan().all()  # no other row or column written
+
+
+# one-token shapes for the pinned streams: K <= KC (stream_pinned: plain, residual, odd steps, gate|up with a norm,
+# an expert's listed row), K > KC (stream_pinned_k: K chunk by K chunk over 2 and 5 row blocks, a residual, a norm)
+PIN_SHAPES = [(64, 16, 0, 1, 64, 8, False, False, False, False), (64, 8, 0, 1, 64, 8, False, False, True, False),
+              (40, 24, 0, 1, 64, 8, False, False, False, False), (96, 21, 3, 1, 64, 8, True, False, False, True),
+              (1408, 40, 0, 1, 2048, 8, True, True, False, False), (8192, 24, 8, 1, 2048, 8, False, False, True, True),
+              (200, 40, 2, 1, 64, 8, False, False, True, False)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", PIN_SHAPES)
+def test_pinned_streams_sum_what_the_stream_sums(device, shape):
+    """Launch variant PIN's streams (linear.stream_pinned, stream_pinned_k) against stream_chunks on one-token
+    slices, bit for bit, and nothing else written: under the interpreter without their barriers (PINNED 0: inline
+    PTX), on the GPU with them.  ROWVEC 1 (ROWVEC 2's stores are inline PTX too)."""
+    want, rows, _ = _run(device, 1, torch.bfloat16, *shape, rowvec=1)
+    got, _, _ = _run(device, 1, torch.bfloat16, *shape, rowvec=1, pinned=int(device == "cuda"))
+    assert torch.equal(want.nan_to_num(), got.nan_to_num()) and torch.equal(want.isnan(), got.isnan()), shape
 
 
 @pytest.mark.gpu

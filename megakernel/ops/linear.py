@@ -326,6 +326,16 @@ def pin_barrier():
 
 
 @triton.jit
+def pin(PINNED: tl.constexpr):
+    """pin_barrier() where PINNED, else 0 with no barrier: the same sums in an order ptxas may change (the
+    interpreter's, which runs no inline PTX: tests/test_weight_stream.py checks the pinned streams' sums there)."""
+    if PINNED:
+        return pin_barrier()
+    else:
+        return tl.cast(0, tl.uint32)
+
+
+@triton.jit
 def pinnable(n_rows, K, KC: tl.constexpr, TB: tl.constexpr, ROWVEC: tl.constexpr):
     """Whether stream_pinned runs a slice: one token (its activation chunk is then every step's) and K <= KC."""
     return (n_rows == 1) & (K <= KC) & (TB == 1) & (ROWVEC > 0)
@@ -334,7 +344,8 @@ def pinnable(n_rows, K, KC: tl.constexpr, TB: tl.constexpr, ROWVEC: tl.constexpr
 @triton.jit
 def stream_pinned(x_ptr, x_ld, xrows_ptr, xrows_div, out_ptr, out_ld, res_ptr, res_ld, use_res, w_ptr, w2_ptr, two,
                   r0, r1, K, w, norm, eps, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, BN: tl.constexpr,
-                  ROWVEC: tl.constexpr, EF: tl.constexpr = 0, HILO: tl.constexpr = 0, pair=False):
+                  ROWVEC: tl.constexpr, EF: tl.constexpr = 0, HILO: tl.constexpr = 0, pair=False,
+                  PINNED: tl.constexpr = 1):
     """stream_chunks' result for one token and K <= KC (pinnable), with the next chunk in flight through the
     multiply (launch variant PIN).  In stream_chunks' SASS it is not: an SM_90 wait on a scoreboard waits for every
     load counted on it and ptxas counts all of a loop's loads on one, so the multiply's wait for the activation
@@ -354,7 +365,7 @@ def stream_pinned(x_ptr, x_ld, xrows_ptr, xrows_div, out_ptr, out_ld, res_ptr, r
         scale = tl.sum(norm_scales(x_ptr, x_ld, xrows_ptr, xrows_div, 0, 1, K, eps, 1, BN, ALIGN), axis=0)
     # the first chunk (requested before the task's wait) and the activations waited for before the loop: else
     # the first multiply's wait would drain the second chunk, requested just before it
-    w = w | pin_barrier()
+    w = w | pin(PINNED)
     zero = r0 * 0
     sub, blk = zero, zero
     gate = tl.zeros((BR,), tl.float32)
@@ -364,7 +375,7 @@ def stream_pinned(x_ptr, x_ld, xrows_ptr, xrows_div, out_ptr, out_ld, res_ptr, r
         sub_a = tl.where(wrap, 0, sub_a)
         blk_a = blk + wrap.to(tl.int32)
         w_next = weight_rows(tl.where(sub_a == 1, w2_ptr, w_ptr), r0 + blk_a * BR, r1, K, 0, BR, KC, ALIGN, EF)
-        part = chunk_dot(w | pin_barrier(), x, w_ptr, BR, KC, ALIGN)
+        part = chunk_dot(w | pin(PINNED), x, w_ptr, BR, KC, ALIGN)
         rows1 = r0 + blk * BR + tl.arange(0, BR)
         m1 = rows1 < r1
         done = sub == nsub - 1
@@ -408,7 +419,7 @@ def prefetch_lines_l1(ptrs):
 @triton.jit
 def stream_pinned_k(x_ptr, x_ld, out_ptr, out_ld, res_ptr, res_ld, use_res, w_ptr, r0, r1, K, w, norm, eps,
                     BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr,
-                    EF: tl.constexpr = 0):
+                    EF: tl.constexpr = 0, PINNED: tl.constexpr = 1):
     """stream_pinned for K > KC (pinnable_k: a one-token LINEAR of up to PIN_BLOCKS row blocks, e.g. a down
     projection): steps run K chunk by K chunk, each over the task's row blocks, so one activation chunk serves
     several steps, and the blocks' sums wait in registers until the last K chunk.  The next K chunk's activations
@@ -421,7 +432,7 @@ def stream_pinned_k(x_ptr, x_ld, out_ptr, out_ld, res_ptr, res_ld, use_res, w_pt
     scale = 1.0
     if norm:
         scale = tl.sum(norm_scales(x_ptr, x_ld, x_ptr, 0, zero, 1, K, eps, 1, BN, ALIGN), axis=0)
-    w = w | pin_barrier()  # the first chunk and the activations waited for before the loop (stream_pinned)
+    w = w | pin(PINNED)  # the first chunk and the activations waited for before the loop (stream_pinned)
     nb = tl.arange(0, PIN_BLOCKS)[:, None]
     acc = tl.zeros((PIN_BLOCKS, BR), tl.float32)
     kc, blk = zero, zero
@@ -432,9 +443,9 @@ def stream_pinned_k(x_ptr, x_ld, out_ptr, out_ld, res_ptr, res_ld, use_res, w_pt
         kc_a = kc + wrap.to(tl.int32)
         w_next = weight_rows(w_ptr, r0 + blk_a * BR, r1, K, kc_a * KC, BR, KC, ALIGN, EF)
         turn = wrap & (kc_a < nk)  # the last row block of this K chunk: the next chunk's activations follow it
-        if turn:
+        if PINNED and turn:
             prefetch_lines_l1(x_ptr + kc_a * KC + tl.minimum(tl.arange(0, KC // 32) * 32, K - 1 - kc_a * KC))
-        part = chunk_dot(w | pin_barrier(), x, w_ptr, BR, KC, ALIGN)
+        part = chunk_dot(w | pin(PINNED), x, w_ptr, BR, KC, ALIGN)
         rows1 = r0 + blk * BR + tl.arange(0, BR)
         m1 = rows1 < r1
         last = kc == nk - 1
@@ -451,7 +462,7 @@ def stream_pinned_k(x_ptr, x_ld, out_ptr, out_ld, res_ptr, res_ld, use_res, w_pt
             acc = acc + res[None, :] * 0.0
         if turn:  # the next K chunk's activations (L1 hits), waited for before the next weights are requested
             x = act_chunk(x_ptr, zero, x_ld, kc_a * KC, K, BR, KC, ALIGN)
-            w_next = w_next | pin_barrier()
+            w_next = w_next | pin(PINNED)
         w = w_next
         kc = kc_a
         blk = blk_a
