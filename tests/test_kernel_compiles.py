@@ -182,6 +182,9 @@ assert sp.first_waits(fake, sp.loop_spans(fake)[0], sp.linear.weight_rows) == [
     (0x10, f"{name}:{lines[1]}", 5, "other.py:7 FADD", 1)]
 fake = fake_loop(0, 1 << 5)  # the reader is the first to wait: no drain
 assert sp.first_waits(fake, sp.loop_spans(fake)[0], sp.linear.weight_rows)[0][3:] == ("other.py:7 FMUL", 0)
+# the multiply-adds a load's latency overlaps: those before its first waiter (the FFMA here; not the waiting FMUL)
+fake = fake.replace("FADD R3, R4, R5", "FFMA R3, R4, R5, R3")
+assert sp.fmas_in_flight(fake, sp.loop_spans(fake)[0], sp.linear.weight_rows) == {0x10: 1}
 print("ok", len(rows))
 """
 

@@ -6,7 +6,9 @@
         launch.launch_blocks() fits to the model's T=1 plan (--plan: plan options as bench.py's --plan-variants
         take them, e.g. expert_mlp=1), then once per variant (block overrides);
         --lines adds instructions, spill loads/stores and barriers per source file and the worst lines, and per
-        loop of the weight stream which instruction first waits on its weight loads' scoreboard (print_weight_waits);
+        loop of the weight stream which instruction first waits on its weight loads' scoreboard and across how
+        many of the loop's multiply-adds they are in flight (print_weight_waits, fmas_in_flight: 0-10 of a step's
+        64 in every stream_chunks loop of both models' kernels; 64-74 in PIN's);
         --source FILE:LO-HI prints those source lines' instructions in address order (what a body's loads wait on)
     python tools/sass_probe.py stream [--lines] [KEY=V,...]...
         the weight stream alone (ops/linear.stream_chunks, bf16 weights): its hot loop's instructions
@@ -185,6 +187,25 @@ def first_waits(sass: str, span: list[tuple[int, str, str]], loads,
     return found
 
 
+def fmas_in_flight(sass: str, span: list[tuple[int, str, str]], loads, sb: dict | None = None) -> dict[int, int]:
+    """For each global load in span of the function `loads` (as first_waits): how many of the loop's FFMA and
+    FMUL instructions come between it and the first instruction that waits on its scoreboard, going round the
+    loop: the arithmetic its latency overlaps.  A chunk requested a step ahead that overlaps none of the
+    multiply (requested after it, or drained before it) costs its whole latency in series with the step."""
+    sb = scoreboards(sass) if sb is None else sb
+    name, numbers = source_lines(loads)
+    out = {}
+    for i, (addr, where, ins) in enumerate(span):
+        f, _, ln = where.partition(":")
+        if opcode(ins) != "LDG" or f != name or not ln.isdigit() or int(ln) not in numbers:
+            continue
+        bar = sb.get(addr, (7, 7, 0))[0]
+        after = span[i + 1:] + span[:i + 1]
+        drain = next((k for k, (a2, _, _) in enumerate(after) if sb.get(a2, (7, 7, 0))[2] >> bar & 1), len(after))
+        out[addr] = sum(opcode(x) in ("FFMA", "FMUL") for _, _, x in after[:drain])
+    return out
+
+
 def loaded_registers(ins: str) -> set[int]:
     """The registers a load writes: its first operand, 1, 2 or 4 of them by its width (.64, .128)."""
     m = re.match(r"(LDG\S*)\s+R(\d+)", unpredicated(ins))
@@ -263,17 +284,21 @@ def print_weight_waits(sass: str, spans: list[list[tuple[int, str, str]]], loads
     instruction first waits for them.  The stream requests step i+1's chunk before multiplying step i's; if an
     instruction of step i waits on the chunk's scoreboard, the chunk is drained there and the next one is not in
     flight during the multiply."""
-    gaps, sb = collections.defaultdict(list), scoreboards(sass)
+    gaps, fmas, sb = collections.defaultdict(list), collections.defaultdict(list), scoreboards(sass)
     for span in spans:
+        flight = fmas_in_flight(sass, span, loads or linear.weight_rows, sb)
         for addr, where, bar, wait, gap in first_waits(sass, span, loads or linear.weight_rows, sb):
             # each load is read in the narrowest loop around it
             if min((s for s in spans if s[0][0] <= addr <= s[-1][0]), key=len) is span:
                 gaps[(span[0][0], f"{where} sb{bar}", wait)].append(gap)
+                fmas[(span[0][0], f"{where} sb{bar}", wait)].append(flight[addr])
     for (start, load, wait), gap in sorted(gaps.items()):
         early = [g for g in gap if g]
         what = (f"{len(early)} of them {min(early)}-{max(early)} instructions before their first reader (drained "
                 "early)") if early else "their first reader" if None not in gap else "no reader in this loop"
-        print(f"  loop at {start:x}: {len(gap)} {what_loads} loads ({load}) first waited on at {wait}: {what}")
+        over = fmas[(start, load, wait)]
+        print(f"  loop at {start:x}: {len(gap)} {what_loads} loads ({load}) first waited on at {wait}: {what}; "
+              f"in flight across {min(over)}-{max(over)} FFMA/FMUL")
 
 
 def probe_attention(variants: list[str], lines: bool) -> None:
