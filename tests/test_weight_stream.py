@@ -111,11 +111,11 @@ def test_weight_stream_irregular_shapes(device, tb, depth, rowvec, ahead, dtype,
 
 
 # one-token shapes for the pinned streams: K <= KC (stream_pinned: plain, residual, odd steps, gate|up with a norm,
-# an expert's listed row), K > KC (stream_pinned_k: K chunk by K chunk over 2 and 5 row blocks, a residual, a norm)
+# an expert's listed row), K > KC (stream_pinned_k: 2, 5 and 15 row blocks, a residual, a norm)
 PIN_SHAPES = [(64, 16, 0, 1, 64, 8, False, False, False, False), (64, 8, 0, 1, 64, 8, False, False, True, False),
               (40, 24, 0, 1, 64, 8, False, False, False, False), (96, 21, 3, 1, 64, 8, True, False, False, True),
               (1408, 40, 0, 1, 2048, 8, True, True, False, False), (8192, 24, 8, 1, 2048, 8, False, False, True, True),
-              (200, 40, 2, 1, 64, 8, False, False, True, False)]
+              (200, 40, 2, 1, 64, 8, False, False, True, False), (200, 120, 0, 1, 64, 8, False, False, False, False)]
 
 
 @pytest.mark.parametrize("device", DEVICES)

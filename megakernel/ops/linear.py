@@ -400,13 +400,10 @@ def stream_pinned(x_ptr, x_ld, xrows_ptr, xrows_div, out_ptr, out_ld, res_ptr, r
         blk = blk_a
 
 
-PIN_BLOCKS: tl.constexpr = tl.constexpr(8)  # stream_pinned_k: row blocks whose sums wait in registers (64 rows at BR 8)
-
-
 @triton.jit
 def pinnable_k(n_rows, K, rows, two, BR: tl.constexpr, KC: tl.constexpr, TB: tl.constexpr, ROWVEC: tl.constexpr):
-    """Whether stream_pinned_k runs a slice: one token, K > KC, one matrix, at most PIN_BLOCKS row blocks."""
-    return (n_rows == 1) & (K > KC) & (rows <= PIN_BLOCKS * BR) & (two == 0) & (TB == 1) & (ROWVEC > 0)
+    """Whether stream_pinned_k runs a slice: one token, K > KC, one matrix (rows: any number)."""
+    return (n_rows == 1) & (K > KC) & (two == 0) & (TB == 1) & (ROWVEC > 0)
 
 
 @triton.jit
@@ -420,50 +417,45 @@ def prefetch_lines_l1(ptrs):
 def stream_pinned_k(x_ptr, x_ld, out_ptr, out_ld, res_ptr, res_ld, use_res, w_ptr, r0, r1, K, w, norm, eps,
                     BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr,
                     EF: tl.constexpr = 0, PINNED: tl.constexpr = 1):
-    """stream_pinned for K > KC (pinnable_k: a one-token LINEAR of up to PIN_BLOCKS row blocks, e.g. a down
-    projection): steps run K chunk by K chunk, each over the task's row blocks, so one activation chunk serves
-    several steps, and the blocks' sums wait in registers until the last K chunk.  The next K chunk's activations
-    are asked of the L1 a step before they are loaded, at that chunk's boundary, and waited for there, before the
-    next weights are requested.  Each row's K chunks are summed in stream_chunks' order: the same bits."""
+    """stream_pinned for K > KC (pinnable_k: a one-token LINEAR, e.g. a down projection): stream_chunks' steps
+    (row block by row block, each over its K chunks), each step's activation chunk asked of the L1 a step ahead
+    (no register holds it) and loaded, and waited for, at the step's end, before the next weights are requested.
+    Each row's K chunks are summed in stream_chunks' order: the same bits."""
     nk = tl.cdiv(K, KC)
-    nblk = tl.cdiv(r1 - r0, BR)
     zero = r0 * 0
     x = act_chunk(x_ptr, zero, x_ld, 0, K, BR, KC, ALIGN)
     scale = 1.0
     if norm:
         scale = tl.sum(norm_scales(x_ptr, x_ld, x_ptr, 0, zero, 1, K, eps, 1, BN, ALIGN), axis=0)
     w = w | pin(PINNED)  # the first chunk and the activations waited for before the loop (stream_pinned)
-    nb = tl.arange(0, PIN_BLOCKS)[:, None]
-    acc = tl.zeros((PIN_BLOCKS, BR), tl.float32)
+    acc = tl.zeros((BR,), tl.float32)
     kc, blk = zero, zero
-    for i in tl.range(nk * nblk, loop_unroll_factor=1):
-        blk_a = blk + 1
-        wrap = blk_a == nblk
-        blk_a = tl.where(wrap, 0, blk_a)
-        kc_a = kc + wrap.to(tl.int32)
+    for i in tl.range(tl.cdiv(r1 - r0, BR) * nk, loop_unroll_factor=1):
+        kc_a = kc + 1
+        wrap = kc_a == nk
+        kc_a = tl.where(wrap, 0, kc_a)
+        blk_a = blk + wrap.to(tl.int32)
         w_next = weight_rows(w_ptr, r0 + blk_a * BR, r1, K, kc_a * KC, BR, KC, ALIGN, EF)
-        turn = wrap & (kc_a < nk)  # the last row block of this K chunk: the next chunk's activations follow it
-        if PINNED and turn:
+        if PINNED:
             prefetch_lines_l1(x_ptr + kc_a * KC + tl.minimum(tl.arange(0, KC // 32) * 32, K - 1 - kc_a * KC))
         part = chunk_dot(w | pin(PINNED), x, w_ptr, BR, KC, ALIGN)
+        acc = tl.where(kc == 0, 0.0, acc) + part
         rows1 = r0 + blk * BR + tl.arange(0, BR)
         m1 = rows1 < r1
         last = kc == nk - 1
         res = tl.load(res_ptr + rows1, mask=m1 & use_res & last, other=0.0)
-        acc = tl.where(nb == blk, acc + part[None, :], acc)
         if last:  # the block's rows are complete
-            y1 = tl.sum(tl.where(nb == blk, acc, 0.0), axis=0) * scale + res
+            y1 = acc * scale + res
             dst = out_ptr + rows1
             if ROWVEC == 2:
                 store_in_place(dst, y1, m1)
             else:
                 tl.store(dst, y1, mask=m1)
         else:  # res (0 here) is the step's wait for the chunk it requested
-            acc = acc + res[None, :] * 0.0
-        if turn:  # the next K chunk's activations (L1 hits), waited for before the next weights are requested
-            x = act_chunk(x_ptr, zero, x_ld, kc_a * KC, K, BR, KC, ALIGN)
-            w_next = w_next | pin(PINNED)
-        w = w_next
+            acc = acc + res * 0.0
+        # the next step's activations (L1 hits), waited for before its weights are requested
+        x = act_chunk(x_ptr, zero, x_ld, kc_a * KC, K, BR, KC, ALIGN)
+        w = w_next | pin(PINNED)
         kc = kc_a
         blk = blk_a
 
