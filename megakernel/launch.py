@@ -273,8 +273,9 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # follows its last poll; 0 (a launch variant) after it.  With SIG=1: -1.3% on llama-1b, -4.0% on
                 # dsv2-lite, the same bits (H100, docs/PERF.md session 42)
                 WAITS=1,
-                # 1 (a launch variant, inline PTX): one-token LINEAR and expert slices with K <= KC stream through
-                # linear.stream_pinned, the next weight chunk in flight through the multiply (docs/PERF.md session 44)
+                # 1 (a launch variant, inline PTX): one-token LINEAR and expert slices stream through
+                # linear.stream_pinned / stream_pinned_k, the next weight chunk in flight through the multiply
+                # (docs/PERF.md session 44: -1.3% / +1.9% on an H100 before the K > KC loop; not yet on an H200)
                 PIN=0)
 
 
@@ -348,8 +349,8 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
         raise MegakernelError(f"block override WAITS={blocks['WAITS']}: 0, or 1 (a task's next wait slot read before "
                               "its current wait's poll)")
     if blocks["PIN"] not in (0, 1):
-        raise MegakernelError(f"block override PIN={blocks['PIN']}: 0, or 1 (one-token slices with K <= KC stream "
-                              "with the next weight chunk in flight through the multiply)")
+        raise MegakernelError(f"block override PIN={blocks['PIN']}: 0, or 1 (one-token slices stream with the next "
+                              "weight chunk in flight through the multiply)")
     if blocks["PIN"] and INTERPRET:
         raise MegakernelError("block override PIN=1: the Triton interpreter runs no inline PTX (its CTA barrier's "
                               "count)")

@@ -572,7 +572,7 @@ def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr,
     """KD > 0: the plan has DOWN_T tasks (fusion rules expert_mlp, dense_mlp), whose k-major down rows of up to KD
     columns are compiled in (down_rows), BRD rows a chunk: the launch's BR, also where launch variant NARROW
     streams this task's gate|up in 4·BR-row chunks (4·BR k-major rows spilled 3.7 KB, offline).  PIN 1 (a launch
-    variant): a one-token task with K <= KC streams through stream_pinned."""
+    variant): a one-token task streams through stream_pinned (K <= KC) or stream_pinned_k (one matrix, K > KC)."""
     flags = fld(word, LINEAR_FLAGS)
     if PIN:
         if pinnable_k(fld(word, LINEAR_N), fld(word, LINEAR_K), fld(word, LINEAR_R1) - fld(word, LINEAR_R0),
