@@ -586,10 +586,11 @@ def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr,
         elif pinnable(fld(word, LINEAR_N), fld(word, LINEAR_K), KC, TB, ROWVEC):
             stream_pinned(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0,
                           A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
-                          fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES), aligned_base(W, word, LINEAR_W_OFF, ALIGN),
-                          aligned_base(W, word, LINEAR_W2_OFF, ALIGN), streams_two(flags, HILO), fld(word, LINEAR_R0),
-                          fld(word, LINEAR_R1), fld(word, LINEAR_K), w, has(flags, FLAG_LINEAR_NORM),
-                          ffld(word, LINEAR_EPS), BR, KC, ALIGN, BN, ROWVEC, EF, HILO, pair_flag(flags, HILO))
+                          fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES),
+                          aligned_base(W, word, LINEAR_W_OFF, ALIGN), aligned_base(W, word, LINEAR_W2_OFF, ALIGN),
+                          streams_two(flags, HILO), fld(word, LINEAR_R0), fld(word, LINEAR_R1), fld(word, LINEAR_K), w,
+                          has(flags, FLAG_LINEAR_NORM), ffld(word, LINEAR_EPS), BR, KC, ALIGN, BN, ROWVEC, EF, HILO,
+                          pair_flag(flags, HILO))
         else:
             whole_task_stream(word, W, A, w, flags, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, HILO)
     else:  # the call as it stood before PIN (an extra inlined level moves ptxas's schedule: NOTES session 42)
