@@ -161,25 +161,34 @@ def source_lines(fn) -> tuple[str, range]:
     return Path(inspect.getsourcefile(fn.fn)).name, range(first, first + len(lines))
 
 
-def first_waits(sass: str, span: list[tuple[int, str, str]], loads,
-                sb: dict | None = None) -> list[tuple[int, str, int, str, int | None]]:
+def load_drains(sass: str, span: list[tuple[int, str, str]], loads, sb: dict | None = None):
     """For each global load in span (a loop body, in address order) of the function `loads` (a @triton.jit
-    function, e.g. linear.weight_rows): its offset, source line and scoreboard; the source line and opcode of the
-    first instruction after it, going round the loop, that waits on that scoreboard; and how many instructions
-    that wait comes before the first one that reads what the load wrote (None: no reader in the loop).  A chunk
-    requested a step ahead is in flight through the step's multiply only if that count is 0: a wait before its
-    first reader (on a scoreboard it shares with another load) drains it early, and the instructions between run
-    with nothing in flight.  sb: scoreboards(sass), if the caller has it."""
+    function, e.g. linear.weight_rows): (its offset, source line, instruction, scoreboard, the loop's instructions
+    after it going round, the index there of the first that waits on its scoreboard, or None).  sb:
+    scoreboards(sass), if the caller has it."""
     sb = scoreboards(sass) if sb is None else sb
     name, numbers = source_lines(loads)
-    found = []
     for i, (addr, where, ins) in enumerate(span):
         f, _, ln = where.partition(":")
         if opcode(ins) != "LDG" or f != name or not ln.isdigit() or int(ln) not in numbers:
             continue
-        bar, dest = sb.get(addr, (7, 7, 0))[0], loaded_registers(ins)
+        bar = sb.get(addr, (7, 7, 0))[0]
         after = span[i + 1:] + span[:i + 1]
         drain = next((k for k, (a2, _, _) in enumerate(after) if sb.get(a2, (7, 7, 0))[2] >> bar & 1), None)
+        yield addr, where, ins, bar, after, drain
+
+
+def first_waits(sass: str, span: list[tuple[int, str, str]], loads,
+                sb: dict | None = None) -> list[tuple[int, str, int, str, int | None]]:
+    """For each load of load_drains: its offset, source line and scoreboard; the source line and opcode of the
+    first instruction after it, going round the loop, that waits on that scoreboard; and how many instructions
+    that wait comes before the first one that reads what the load wrote (None: no reader in the loop).  A chunk
+    requested a step ahead is in flight through the step's multiply only if that count is 0: a wait before its
+    first reader (on a scoreboard it shares with another load) drains it early, and the instructions between run
+    with nothing in flight."""
+    found = []
+    for addr, where, ins, bar, after, drain in load_drains(sass, span, loads, sb):
+        dest = loaded_registers(ins)
         reader = next((k for k, (_, _, ins2) in enumerate(after) if dest & read_registers(ins2)), None)
         if drain is not None:
             gap = None if reader is None else max(0, reader - drain)
@@ -188,22 +197,12 @@ def first_waits(sass: str, span: list[tuple[int, str, str]], loads,
 
 
 def fmas_in_flight(sass: str, span: list[tuple[int, str, str]], loads, sb: dict | None = None) -> dict[int, int]:
-    """For each global load in span of the function `loads` (as first_waits): how many of the loop's FFMA and
-    FMUL instructions come between it and the first instruction that waits on its scoreboard, going round the
-    loop: the arithmetic its latency overlaps.  A chunk requested a step ahead that overlaps none of the
-    multiply (requested after it, or drained before it) costs its whole latency in series with the step."""
-    sb = scoreboards(sass) if sb is None else sb
-    name, numbers = source_lines(loads)
-    out = {}
-    for i, (addr, where, ins) in enumerate(span):
-        f, _, ln = where.partition(":")
-        if opcode(ins) != "LDG" or f != name or not ln.isdigit() or int(ln) not in numbers:
-            continue
-        bar = sb.get(addr, (7, 7, 0))[0]
-        after = span[i + 1:] + span[:i + 1]
-        drain = next((k for k, (a2, _, _) in enumerate(after) if sb.get(a2, (7, 7, 0))[2] >> bar & 1), len(after))
-        out[addr] = sum(opcode(x) in ("FFMA", "FMUL") for _, _, x in after[:drain])
-    return out
+    """For each load of load_drains: how many of the loop's FFMA and FMUL instructions come between it and the
+    first instruction that waits on its scoreboard, going round the loop: the arithmetic its latency overlaps.  A
+    chunk requested a step ahead that overlaps none of the multiply (requested after it, or drained before it)
+    costs its whole latency in series with the step."""
+    return {addr: sum(opcode(x) in ("FFMA", "FMUL") for _, _, x in after[:len(after) if drain is None else drain])
+            for addr, _, _, _, after, drain in load_drains(sass, span, loads, sb)}
 
 
 def loaded_registers(ins: str) -> set[int]:
