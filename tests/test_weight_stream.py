@@ -47,7 +47,7 @@ def _pinned_kernel(W, A, I, K, n_rows, xrows_div, x_ld, r0, r1, out_off, res_off
     from a list): linear.stream_pinned_k or stream_pinned where they take it, stream_chunks elsewhere."""
     w = linear.first_chunk(W + w_off, r0, r1, K, BR, KC, ALIGN)
     two, res, norm = (flags & 1) != 0, (flags & 2) != 0, (flags & 4) != 0
-    if linear.pinnable_k(n_rows, K, r1 - r0, two, BR, KC, TB, ROWVEC) & (xrows_div == 0):
+    if linear.pinnable_k(n_rows, K, two, KC, TB, ROWVEC) & (xrows_div == 0):
         linear.stream_pinned_k(A, x_ld, A + out_off, r1, A + res_off, r1, res, W + w_off, r0, r1, K, w, norm, eps, BR,
                                KC, ALIGN, BN, ROWVEC, 0, PINNED)
     elif linear.pinnable(n_rows, K, KC, TB, ROWVEC):

@@ -336,6 +336,16 @@ def pin(PINNED: tl.constexpr):
 
 
 @triton.jit
+def store_rows(dst, y, m, ROWVEC: tl.constexpr):
+    """A pinned stream's finished rows: stored in place from the sums' layout (ROWVEC 2, inline PTX) or by
+    tl.store."""
+    if ROWVEC == 2:
+        store_in_place(dst, y, m)
+    else:
+        tl.store(dst, y, mask=m)
+
+
+@triton.jit
 def pinnable(n_rows, K, KC: tl.constexpr, TB: tl.constexpr, ROWVEC: tl.constexpr):
     """Whether stream_pinned runs a slice: one token (its activation chunk is then every step's) and K <= KC."""
     return (n_rows == 1) & (K <= KC) & (TB == 1) & (ROWVEC > 0)
@@ -358,15 +368,15 @@ def stream_pinned(x_ptr, x_ld, xrows_ptr, xrows_div, out_ptr, out_ld, res_ptr, r
     The same sums in the same order as stream_chunks (one token, TB 1): the same bits."""
     nsub = 1 + two.to(tl.int32)
     total = tl.cdiv(r1 - r0, BR) * nsub
-    orow, xrow = list_rows(r0 * 0, True, xrows_ptr, xrows_div)
+    zero = r0 * 0
+    orow, xrow = list_rows(zero, True, xrows_ptr, xrows_div)
     x = act_chunk(x_ptr, xrow, x_ld, 0, K, BR, KC, ALIGN)
     scale = 1.0
     if norm:
-        scale = tl.sum(norm_scales(x_ptr, x_ld, xrows_ptr, xrows_div, 0, 1, K, eps, 1, BN, ALIGN), axis=0)
+        scale = tl.sum(norm_scales(x_ptr, x_ld, xrows_ptr, xrows_div, zero, 1, K, eps, 1, BN, ALIGN), axis=0)
     # the first chunk (requested before the task's wait) and the activations waited for before the loop: else
     # the first multiply's wait would drain the second chunk, requested just before it
     w = w | pin(PINNED)
-    zero = r0 * 0
     sub, blk = zero, zero
     gate = tl.zeros((BR,), tl.float32)
     for i in tl.range(total, loop_unroll_factor=1):  # unrolled by 2: 360 B spilled in dsv2-lite's kernel, not 216
@@ -387,12 +397,7 @@ def stream_pinned(x_ptr, x_ld, xrows_ptr, xrows_div, out_ptr, out_ld, res_ptr, r
                     y1 = tl.where(pair, gate * scale + y1, silu(gate * scale) * y1)
                 else:
                     y1 = silu(gate * scale) * y1
-            y1 += res
-            dst = out_ptr + orow.to(tl.int64) * out_ld + rows1
-            if ROWVEC == 2:
-                store_in_place(dst, y1, m1)
-            else:
-                tl.store(dst, y1, mask=m1)
+            store_rows(out_ptr + orow.to(tl.int64) * out_ld + rows1, y1 + res, m1, ROWVEC)
         else:  # a gate (or high-part) step: its sums wait for the up rows; res (0 here) is the step's wait
             gate = part + res * 0.0
         w = w_next
@@ -401,8 +406,8 @@ def stream_pinned(x_ptr, x_ld, xrows_ptr, xrows_div, out_ptr, out_ld, res_ptr, r
 
 
 @triton.jit
-def pinnable_k(n_rows, K, rows, two, BR: tl.constexpr, KC: tl.constexpr, TB: tl.constexpr, ROWVEC: tl.constexpr):
-    """Whether stream_pinned_k runs a slice: one token, K > KC, one matrix (rows: any number)."""
+def pinnable_k(n_rows, K, two, KC: tl.constexpr, TB: tl.constexpr, ROWVEC: tl.constexpr):
+    """Whether stream_pinned_k runs a slice: one token, K > KC, one matrix."""
     return (n_rows == 1) & (K > KC) & (two == 0) & (TB == 1) & (ROWVEC > 0)
 
 
@@ -419,8 +424,9 @@ def stream_pinned_k(x_ptr, x_ld, out_ptr, out_ld, res_ptr, res_ld, use_res, w_pt
                     EF: tl.constexpr = 0, PINNED: tl.constexpr = 1):
     """stream_pinned for K > KC (pinnable_k: a one-token LINEAR, e.g. a down projection): stream_chunks' steps
     (row block by row block, each over its K chunks), each step's activation chunk asked of the L1 a step ahead
-    (no register holds it) and loaded, and waited for, at the step's end, before the next weights are requested.
-    Each row's K chunks are summed in stream_chunks' order: the same bits."""
+    (no register holds it) and loaded at the step's end, where the step waits for it and for the chunk it
+    requested (the pin on that chunk), before the next weights are requested.  Each row's K chunks are summed in
+    stream_chunks' order: the same bits."""
     nk = tl.cdiv(K, KC)
     zero = r0 * 0
     x = act_chunk(x_ptr, zero, x_ld, 0, K, BR, KC, ALIGN)
@@ -442,18 +448,10 @@ def stream_pinned_k(x_ptr, x_ld, out_ptr, out_ld, res_ptr, res_ld, use_res, w_pt
         acc = tl.where(kc == 0, 0.0, acc) + part
         rows1 = r0 + blk * BR + tl.arange(0, BR)
         m1 = rows1 < r1
-        last = kc == nk - 1
-        res = tl.load(res_ptr + rows1, mask=m1 & use_res & last, other=0.0)
-        if last:  # the block's rows are complete
-            y1 = acc * scale + res
-            dst = out_ptr + rows1
-            if ROWVEC == 2:
-                store_in_place(dst, y1, m1)
-            else:
-                tl.store(dst, y1, mask=m1)
-        else:  # res (0 here) is the step's wait for the chunk it requested
-            acc = acc + res * 0.0
-        # the next step's activations (L1 hits), waited for before its weights are requested
+        if kc == nk - 1:  # the block's rows are complete
+            res = tl.load(res_ptr + rows1, mask=m1 & use_res, other=0.0)
+            store_rows(out_ptr + rows1, acc * scale + res, m1, ROWVEC)
+        # the next step's activations (L1 hits), waited for with this step's request before the next one
         x = act_chunk(x_ptr, zero, x_ld, kc_a * KC, K, BR, KC, ALIGN)
         w = w_next | pin(PINNED)
         kc = kc_a
@@ -575,8 +573,7 @@ def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr,
     variant): a one-token task streams through stream_pinned (K <= KC) or stream_pinned_k (one matrix, K > KC)."""
     flags = fld(word, LINEAR_FLAGS)
     if PIN:
-        if pinnable_k(fld(word, LINEAR_N), fld(word, LINEAR_K), fld(word, LINEAR_R1) - fld(word, LINEAR_R0),
-                      streams_two(flags, HILO), BR, KC, TB, ROWVEC):
+        if pinnable_k(fld(word, LINEAR_N), fld(word, LINEAR_K), streams_two(flags, HILO), KC, TB, ROWVEC):
             stream_pinned_k(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD),
                             A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
                             fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES),
