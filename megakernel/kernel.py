@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .ops import (argmax, attention, elementwise, embed, head_matmul, helper, helper_side, linear, mhc, moe, norm, rope,
                   spec)
-from .ops.common import (COUNTER_STRIDE, now_ns, prefetch_word_l1, signal_done, signal_of, wait_counter,
+from .ops.common import (COUNTER_STRIDE, now_ns, prefetch_word_l1, signal_done, signal_of, wait_counter, wait_slots,
                          wait_task)
 from .ops.fields import (OP_ACCEPT, OP_ARGMAX, OP_ATTENTION, OP_ATTN_COMBINE, OP_CACHE_WRITE, OP_EMBED, OP_EWISE,
                          OP_EXPERT_LINEAR, OP_GATHER, OP_HC_COEFF, OP_HC_EXPAND, OP_HC_HEAD, OP_HEAD_MATMUL, OP_HELPER_CALL,
@@ -76,8 +76,9 @@ def head_matmul_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS: t
                      ALIGN: tl.constexpr, TRANS: tl.constexpr, TB: tl.constexpr, WORDS: tl.constexpr,
                      WPF: tl.constexpr, EF: tl.constexpr, POLL: tl.constexpr, WAITS: tl.constexpr):
     """A HEAD_MATMUL task as a LINEAR one runs: first weights requested, wait, body.  (ok, ready time)."""
-    w = head_matmul.prefetch(word, W, BI, BO, ALIGN, TRANS, EF)
-    ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL, WAITS)
+    slots = wait_slots(word) if WAITS == 2 else None
+    w = head_matmul.prefetch(word, W, BI, BO, ALIGN, TRANS, EF, slots)
+    ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL, WAITS, slots)
     t_ready = now_ns(USE_TIMER)
     next_word_to_l1(word, t, end, WORDS, WPF)
     if ok == 1:
@@ -94,10 +95,11 @@ def linear_task(word, t, end, counters, epoch, err, pid, W, A, MAX_WAITS: tl.con
                 PIN: tl.constexpr = 0):
     """A LINEAR task: its first weights requested before the wait (weights never depend on activations),
     then the body.  BRD: the k-major down rows' chunk (DOWN_T), BR whatever the stream's chunk.  (ok, ready time)."""
-    w = linear.prefetch(word, W, BR, KC, ALIGN, EF)
+    slots = wait_slots(word) if WAITS == 2 else None
+    w = linear.prefetch(word, W, BR, KC, ALIGN, EF, slots)
     if PFD > 0:
         linear.prefetch_blocks(word, W, BR, ALIGN, PFD, HILO)
-    ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL, WAITS)
+    ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL, WAITS, slots)
     t_ready = now_ns(USE_TIMER)
     next_word_to_l1(word, t, end, WORDS, WPF)
     if ok == 1:

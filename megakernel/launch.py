@@ -345,9 +345,10 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
     if blocks["QIX"] not in (0, 1, 2, 3):
         raise MegakernelError(f"block override QIX={blocks['QIX']}: 0, or bits 1 (attention's query rows indexed "
                               "without integer division) and 2 (the cache length requested after them)")
-    if blocks["WAITS"] not in (0, 1):
-        raise MegakernelError(f"block override WAITS={blocks['WAITS']}: 0, or 1 (a task's next wait slot read before "
-                              "its current wait's poll)")
+    if blocks["WAITS"] not in (0, 1, 2):
+        raise MegakernelError(f"block override WAITS={blocks['WAITS']}: 0, 1 (a task's next wait slot read before "
+                              "its current wait's poll) or 2 (and a weight task's first two slots before its first "
+                              "weights)")
     if blocks["PIN"] not in (0, 1):
         raise MegakernelError(f"block override PIN={blocks['PIN']}: 0, or 1 (one-token slices stream with the next "
                               "weight chunk in flight through the multiply)")

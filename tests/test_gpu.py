@@ -140,6 +140,16 @@ def test_pinned_stream_gives_the_same_bits(name):
         assert torch.equal(logits, want), blocks
 
 
+@pytest.mark.parametrize("name", ["llama-1b", "dsv2-lite"])
+def test_wait_slots_before_weights_give_the_same_bits(name):
+    """Launch variant WAITS=2 (a LINEAR or HEAD_MATMUL task's first two wait slots read before its first weights,
+    so its poll's compare does not wait for them) moves no value: the same logits bit for bit, at B=2 with a cache
+    longer than a split (4 layers)."""
+    want, got = _variant_logits(name, 2, 1024, [700, 1000], [dict(WAITS=2)])
+    for blocks, logits in got:
+        assert torch.equal(logits, want), blocks
+
+
 def test_gqa_cache_prefetch_on_llama_1b():
     """The default kernel (APF=2: a GQA split's head lines asked of the L2 before its wait), APF=0 (no cache
     prefetch), PFK (a LINEAR task's next weights asked of the L2 before its wait), STAGES=3 (two key blocks in

@@ -301,14 +301,18 @@ def test_a_worker_that_never_sees_the_step_inputs_is_a_watchdog_error():
     _compare(cfg, interp, mk, torch.tensor([1, 1]))
 
 
-@pytest.mark.parametrize("waits", [0, 1])
+@pytest.mark.parametrize("waits", [0, 1, 2])
 def test_watchdog_reports_a_stalled_counter_and_recovers(waits):
     """A task made to wait on a counter nobody signals (in its first free wait slot) is a watchdog error naming it,
-    and the next step runs; WAITS=1 (the next wait slot read before a poll) polls that slot too."""
+    and the next step runs; WAITS=1 (the next wait slot read before a poll) polls that slot too, and so does WAITS=2
+    (a weight task's first two slots read before its weights)."""
     from megakernel.runtime import WatchdogError
+    from graph.isa import decode
     cfg, plan, interp, mk = _pair("tiny-dense", passes=0, blocks=dict(WAITS=waits))
-    undo = mk.inject_stall(5)
-    with pytest.raises(WatchdogError, match=r"worker 0 timed out at task 5 .*\(the stall test counter\) to reach 1, saw 0"):
+    # WAITS=2 reads the slots before a weight task's weights: a LINEAR's second slot (the wait after its first)
+    t = 5 if waits < 2 else next(i for i, w in enumerate(plan.words) if decode(w).op.name == "LINEAR")
+    undo = mk.inject_stall(t)
+    with pytest.raises(WatchdogError, match=rf"worker 0 timed out at task {t} .*\(the stall test counter\) to reach 1, saw 0"):
         mk.step(torch.zeros(2, 2, dtype=torch.long), torch.tensor([0, 0]))
     undo()
     _compare(cfg, interp, mk, torch.tensor([1, 1]))
@@ -381,7 +385,7 @@ def test_block_overrides_that_would_change_the_result_are_refused():
                ({"POLL": 2}, "POLL=2: the Triton interpreter runs no inline PTX"),
                ({"HIN": 2}, "HIN=2: 0 .inputs copied"), ({"EPF": 3}, "EPF=3: 0, 1 .an expert task's first"),
                ({"QIX": 4}, "QIX=4: 0, or bits 1"), ({"SIG": 3}, "SIG=3: 0, 1 or 2"),
-               ({"WAITS": 2}, "WAITS=2: 0, or 1"), ({"PIN": 2}, "PIN=2: 0, or 1"),
+               ({"WAITS": 3}, "WAITS=3: 0, 1 "), ({"PIN": 2}, "PIN=2: 0, or 1"),
                ({"PIN": 1}, "PIN=1: the Triton interpreter runs no inline PTX"),
                ({"POLL": 1}, "POLL=1: the Triton interpreter runs no inline PTX")]
     for override, why in refused:

@@ -273,16 +273,33 @@ def poll_counter(ptr, POLL: tl.constexpr, near=None):
 
 @triton.jit
 def wait_task(word, t, counters, epoch, err, pid, MAX_WAITS: tl.constexpr, TIMEOUT_NS: tl.constexpr,
-              MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, POLL: tl.constexpr = 0, WAITS: tl.constexpr = 0):
+              MAX_SPINS: tl.constexpr, USE_TIMER: tl.constexpr, POLL: tl.constexpr = 0, WAITS: tl.constexpr = 0,
+              slots=None):
     """1 when every wait of the task holds, 0 when this worker must stop (timeout, or another failed).
     A poll (poll_counter) gives every thread the same value, so every thread leaves the loop at the same
     turn; the bound is decided alike in every thread too (poll_stop), from the 32nd poll.
     Waits fill the word's slots from the first (graph.isa.encode), a counter of -1 after the last.  WAITS 0 reads
     a slot after the previous slot's poll, whose acquire invalidated the L1: a task with one wait reads its second
     slot (-1) from the L2 after its wait.  WAITS 1 (the default) reads the next slot before polling, masked off
-    past the last wait, so no field load follows the last poll."""
+    past the last wait, so no field load follows the last poll.  slots (WAITS 2, tasks that request weights before
+    their wait): the first two slots, already read by wait_slots."""
     ok = 1
-    if WAITS == 1:
+    if slots is not None:  # WAITS 2: the first two slots read before the task's first weights (wait_slots)
+        if slots[0] >= 0:
+            ok = wait_counter(counters + slots[0].to(tl.int64) * COUNTER_STRIDE, epoch * slots[1], err, pid, t,
+                              slots[0], TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL, word)
+        # nested, so a task with one wait reads no slot after its poll: ptxas would count that read on the weights'
+        # scoreboard, and the slot's compare would wait for the weights
+        if (slots[2] >= 0) & (ok == 1):
+            ok = wait_counter(counters + slots[2].to(tl.int64) * COUNTER_STRIDE, epoch * slots[3], err, pid, t,
+                              slots[2], TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL, word)
+            for i in tl.static_range(2, MAX_WAITS):  # any further slots, as WAITS 0 reads them
+                c = tl.load(word + WORD_WAITS + 2 * i)
+                if (c >= 0) & (ok == 1):
+                    target = epoch * tl.load(word + WORD_WAITS + 2 * i + 1)
+                    ok = wait_counter(counters + c.to(tl.int64) * COUNTER_STRIDE, target, err, pid, t, c, TIMEOUT_NS,
+                                      MAX_SPINS, USE_TIMER, POLL, word)
+    elif WAITS >= 1:
         c = tl.load(word + WORD_WAITS)
         n = tl.load(word + WORD_WAITS + 1)
         for i in tl.static_range(MAX_WAITS):
@@ -304,6 +321,26 @@ def wait_task(word, t, counters, epoch, err, pid, MAX_WAITS: tl.constexpr, TIMEO
                 ptr = counters + c.to(tl.int64) * COUNTER_STRIDE
                 ok = wait_counter(ptr, target, err, pid, t, c, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL, word)
     return ok
+
+
+@triton.jit
+def wait_slots(word):
+    """A task's first two wait slots (counter, count, next counter, next count), read before its first weights are
+    requested (launch variant WAITS 2).  ptxas puts a task's global loads on one scoreboard, so the poll's compare,
+    which waits for these loads, waited for the weight chunk requested before them too (sass_probe: the weight
+    loads first waited on at the target's multiply): the chunk's latency, then the poll's, in series."""
+    c = tl.load(word + WORD_WAITS)
+    n = tl.load(word + WORD_WAITS + 1)
+    more = c >= 0
+    return (c, n, tl.load(word + WORD_WAITS + 2, mask=more, other=-1), tl.load(word + WORD_WAITS + 3, mask=more, other=0))
+
+
+@triton.jit
+def after_slots(x, slots):
+    """x, made to depend on the slots' values (always x: counts are >= 0, counters >= -1), so the weight loads
+    that use it go out only once the slots have arrived (an L1 hit: the word's lines are there, WPF) and
+    no later wait on the slots' scoreboard waits for the weights."""
+    return tl.minimum(x, x + slots[1] + slots[3] + (slots[0] + 1) + (slots[2] + 1))
 
 
 @triton.jit

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import aligned, fld, has, off
+from .common import after_slots, aligned, fld, has, off
 from .fields import (FLAG_HEAD_MATMUL_TRANS, HEAD_MATMUL_FLAGS, HEAD_MATMUL_H0, HEAD_MATMUL_H1,
                      HEAD_MATMUL_IN_DIM, HEAD_MATMUL_N, HEAD_MATMUL_O0, HEAD_MATMUL_O1, HEAD_MATMUL_OUT_HS, HEAD_MATMUL_OUT_LD,
                      HEAD_MATMUL_OUT_OFF, HEAD_MATMUL_W_HS, HEAD_MATMUL_W_LD, HEAD_MATMUL_W_OFF, HEAD_MATMUL_X_COL0,
@@ -75,10 +75,13 @@ def transposed(word):
 
 @triton.jit
 def prefetch(word, W, BI: tl.constexpr, BO: tl.constexpr, ALIGN: tl.constexpr, TRANS: tl.constexpr,
-             EF: tl.constexpr = 0):
+             EF: tl.constexpr = 0, slots=None):
     """The task's first weight tile, requested before its dependency wait (weights never depend on
-    activations): a q_absorb task is a single tile, so its wait hides all of its weight latency."""
+    activations): a q_absorb task is a single tile, so its wait hides all of its weight latency.  slots: its
+    wait slots, read first (WAITS 2: common.wait_slots)."""
     w_ptr, w_hs, w_ld, h0, h1, i_dim, o0, o1, N = task_fields(word, W, ALIGN)
+    if slots is not None:
+        o1 = after_slots(o1, slots)
     nib, nob = tl.cdiv(i_dim, BI), tl.cdiv(o1 - o0, BO)
     return weight_tile(0, 1, h0, nob, nib, 1, w_ptr, w_hs, w_ld, i_dim, o0, o1, BI, BO, TRANS, EF)
 

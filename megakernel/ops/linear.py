@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .common import aligned, ffld, fld, has, off, prefetch_l2, silu
+from .common import after_slots, aligned, ffld, fld, has, off, prefetch_l2, silu
 from .fields import (FLAG_LINEAR_DOWN_T, FLAG_LINEAR_NORM, FLAG_LINEAR_PAIR, FLAG_LINEAR_RES, FLAG_LINEAR_SILU_MUL,
                      LINEAR_EPS, LINEAR_FLAGS, LINEAR_K, LINEAR_N, LINEAR_OUT_LD, LINEAR_OUT_OFF, LINEAR_R0, LINEAR_R1,
                      LINEAR_RES_LD, LINEAR_RES_OFF, LINEAR_SLICE, LINEAR_W2_OFF, LINEAR_W_OFF, LINEAR_WD_OFF,
@@ -538,8 +538,11 @@ def needs_narrow(word, BR: tl.constexpr, KC: tl.constexpr):
 
 
 @triton.jit
-def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, EF: tl.constexpr = 0):
-    """A LINEAR task's first weight chunk, requested before its dependency wait."""
+def prefetch(word, W, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, EF: tl.constexpr = 0, slots=None):
+    """A LINEAR task's first weight chunk, requested before its dependency wait (after its wait slots: WAITS 2)."""
+    if slots is not None:
+        return first_chunk(aligned_base(W, word, LINEAR_W_OFF, ALIGN), fld(word, LINEAR_R0),
+                           after_slots(fld(word, LINEAR_R1), slots), fld(word, LINEAR_K), BR, KC, ALIGN, EF)
     return first_chunk(aligned_base(W, word, LINEAR_W_OFF, ALIGN), fld(word, LINEAR_R0), fld(word, LINEAR_R1),
                        fld(word, LINEAR_K), BR, KC, ALIGN, EF)
 
