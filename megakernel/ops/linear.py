@@ -336,6 +336,18 @@ def pin(PINNED: tl.constexpr):
 
 
 @triton.jit
+def scaled(part, scale, PINNED: tl.constexpr):
+    """part * scale rounded on its own, as stream_chunks rounds it before adding the residual: ptxas fuses a plain
+    multiply and the add after it into one FFMA here (one rounding: other bits), but never a mul.rn.  The
+    interpreter (PINNED 0) fuses nothing."""
+    if PINNED:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [part, tl.zeros_like(part) + scale],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return part * scale
+
+
+@triton.jit
 def store_rows(dst, y, m, ROWVEC: tl.constexpr):
     """A pinned stream's finished rows: stored in place from the sums' layout (ROWVEC 2, inline PTX) or by
     tl.store."""
@@ -391,7 +403,7 @@ def stream_pinned(x_ptr, x_ld, xrows_ptr, xrows_div, out_ptr, out_ld, res_ptr, r
         done = sub == nsub - 1
         res = tl.load(res_ptr + orow * res_ld + rows1, mask=m1 & use_res & done, other=0.0)
         if done:  # the rows are complete
-            y1 = part * scale
+            y1 = scaled(part, scale, PINNED)
             if two:
                 if HILO:
                     y1 = tl.where(pair, gate * scale + y1, silu(gate * scale) * y1)
@@ -450,7 +462,7 @@ def stream_pinned_k(x_ptr, x_ld, out_ptr, out_ld, res_ptr, res_ld, use_res, w_pt
         m1 = rows1 < r1
         if kc == nk - 1:  # the block's rows are complete
             res = tl.load(res_ptr + rows1, mask=m1 & use_res, other=0.0)
-            store_rows(out_ptr + rows1, acc * scale + res, m1, ROWVEC)
+            store_rows(out_ptr + rows1, scaled(acc, scale, PINNED) + res, m1, ROWVEC)
         # the next step's activations (L1 hits), waited for with this step's request before the next one
         x = act_chunk(x_ptr, zero, x_ld, kc_a * KC, K, BR, KC, ALIGN)
         w = w_next | pin(PINNED)
