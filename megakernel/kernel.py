@@ -116,8 +116,9 @@ def expert_task(word, t, end, counters, epoch, err, pid, W, A, I, MAX_WAITS: tl.
                 WAITS: tl.constexpr, PIN: tl.constexpr = 0):
     """An EXPERT_LINEAR task with EPF: the first weights of the expert its slot holds now requested before the
     wait (a guess the body checks: moe.guess_first_chunk), then the body.  (ok, ready time)."""
-    guess, w = moe.guess_first_chunk(word, W, I, BR, KC, ALIGN, EF, EPF)
-    ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL, WAITS)
+    slots = wait_slots(word) if WAITS == 2 else None
+    guess, w = moe.guess_first_chunk(word, W, I, BR, KC, ALIGN, EF, EPF, slots)
+    ok = wait_task(word, t, counters, epoch, err, pid, MAX_WAITS, TIMEOUT_NS, MAX_SPINS, USE_TIMER, POLL, WAITS, slots)
     t_ready = now_ns(USE_TIMER)
     next_word_to_l1(word, t, end, WORDS, WPF)
     if ok == 1:

@@ -347,8 +347,8 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
                               "without integer division) and 2 (the cache length requested after them)")
     if blocks["WAITS"] not in (0, 1, 2):
         raise MegakernelError(f"block override WAITS={blocks['WAITS']}: 0, 1 (a task's next wait slot read before "
-                              "its current wait's poll) or 2 (and a weight task's first two slots before its first "
-                              "weights)")
+                              "its current wait's poll) or 2 (and a task's first two slots before the first weights "
+                              "it requests before its wait: LINEAR, HEAD_MATMUL, EXPERT_LINEAR with EPF)")
     if blocks["PIN"] not in (0, 1):
         raise MegakernelError(f"block override PIN={blocks['PIN']}: 0, or 1 (one-token slices stream with the next "
                               "weight chunk in flight through the multiply)")

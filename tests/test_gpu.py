@@ -143,9 +143,9 @@ def test_pinned_stream_gives_the_same_bits(name):
 @pytest.mark.parametrize("name", ["llama-1b", "dsv2-lite"])
 def test_wait_slots_before_weights_give_the_same_bits(name):
     """Launch variant WAITS=2 (a LINEAR or HEAD_MATMUL task's first two wait slots read before its first weights,
-    so its poll's compare does not wait for them) moves no value: the same logits bit for bit, at B=2 with a cache
-    longer than a split (4 layers)."""
-    want, got = _variant_logits(name, 2, 1024, [700, 1000], [dict(WAITS=2)])
+    so its poll's compare does not wait for them; with EPF=1 an expert task's guessed first chunk too) moves no
+    value: the same logits bit for bit, at B=2 with a cache longer than a split (4 layers)."""
+    want, got = _variant_logits(name, 2, 1024, [700, 1000], [dict(WAITS=2), dict(WAITS=2, EPF=1)])
     for blocks, logits in got:
         assert torch.equal(logits, want), blocks
 

@@ -170,16 +170,18 @@ def test_kernel_one_token_route_from_registers():
     _compare(cfg, interp, mk, torch.tensor([5]))
 
 
-@pytest.mark.parametrize("T,B,epf,rules", [(2, 2, 1, DEFAULT_RULES), (2, 2, 2, DEFAULT_RULES), (1, 1, 2, DEFAULT_RULES),
-                                           (1, 1, 2, DEFAULT_RULES + ("expert_mlp",))])
-def test_kernel_expert_weights_guessed_before_the_wait(T, B, epf, rules):
+@pytest.mark.parametrize("T,B,epf,rules,waits", [(2, 2, 1, DEFAULT_RULES, 1), (2, 2, 2, DEFAULT_RULES, 1),
+                                                 (1, 1, 2, DEFAULT_RULES, 1),
+                                                 (1, 1, 2, DEFAULT_RULES + ("expert_mlp",), 1),
+                                                 (2, 2, 2, DEFAULT_RULES, 2)])
+def test_kernel_expert_weights_guessed_before_the_wait(T, B, epf, rules, waits):
     """Launch variant EPF: an expert task requests its first weight chunk before its wait, for the expert its slot
     holds then, and streams it only if the slot still holds that expert after the wait.  The interpreter runs the
     route before the experts, so EPF=1 guesses right (or, for an empty slot, nothing); EPF=2 (a test hook) guesses
     from the next slot, so the chunk is requested again after the wait, and the last slot reads the table's next
-    word (a count, not an expert id)."""
-    cfg, plan, interp, mk = _pair("tiny-moe", T=T, B=B, blocks=dict(EPF=epf, TB=1, ROWVEC=1) if T == 1 else
-                                  dict(EPF=epf), rules=rules)
+    word (a count, not an expert id).  WAITS=2: the task's wait slots read before the guess."""
+    cfg, plan, interp, mk = _pair("tiny-moe", T=T, B=B, blocks=dict(EPF=epf, TB=1, ROWVEC=1, WAITS=waits) if T == 1 else
+                                  dict(EPF=epf, WAITS=waits), rules=rules)
     assert mk.blocks["EPF"] == epf
     _compare(cfg, interp, mk, torch.tensor([3, 9][:B]))
 

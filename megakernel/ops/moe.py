@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .common import aligned, ffld, fld, has, off
+from .common import after_slots, aligned, ffld, fld, has, off
 from .fields import (EXPERT_LINEAR_E, EXPERT_LINEAR_FLAGS, EXPERT_LINEAR_K, EXPERT_LINEAR_MAP_BUF,
                      EXPERT_LINEAR_MAP_OFF, EXPERT_LINEAR_N, EXPERT_LINEAR_OUT_LD, EXPERT_LINEAR_OUT_OFF,
                      EXPERT_LINEAR_R0, EXPERT_LINEAR_R1, EXPERT_LINEAR_S, EXPERT_LINEAR_SLICE, EXPERT_LINEAR_SLOT,
@@ -364,7 +364,7 @@ def block_of(word, where, ALIGN: tl.constexpr):
 
 @triton.jit
 def guess_first_chunk(word, W, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, EF: tl.constexpr,
-                      EPF: tl.constexpr):
+                      EPF: tl.constexpr, slots=None):
     """EPF (a launch variant): (guess, its first weight chunk) for an EXPERT_LINEAR task, requested before the
     dependency wait, as a LINEAR task's first chunk is, for the expert the task's slot holds now.  The route that
     writes the slot table may not have run yet (the table then holds another step's or layer's experts): the body
@@ -372,13 +372,16 @@ def guess_first_chunk(word, W, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.
     stale guess costs one chunk of bandwidth, never a wrong sum.  Guessing reads the table without acquiring it:
     any int may be there, so only an expert id below E is taken, and helper plans (an expert map) take none;
     where there is no guess (-1) one row of expert 0 is read, 1/BR of a chunk.  EPF 2 guesses from the next slot
-    (a test hook: the stale guess's path, which the Triton interpreter, running the route first, never takes)."""
+    (a test hook: the stale guess's path, which the Triton interpreter, running the route first, never takes).
+    slots: the task's wait slots, read first (WAITS 2: common.wait_slots)."""
     slot = fld(word, EXPERT_LINEAR_SLOT) + (1 if EPF == 2 else 0)
     guess = tl.load(I + off(word, EXPERT_LINEAR_ST_OFF) + slot, cache_modifier=".cg")
     usable = (guess >= 0) & (guess < fld(word, EXPERT_LINEAR_E)) & (fld(word, EXPERT_LINEAR_MAP_BUF) < 0)
     guess = tl.where(usable, guess, -1)
     r0 = fld(word, EXPERT_LINEAR_R0)
     r1 = tl.where(usable, fld(word, EXPERT_LINEAR_R1), r0 + 1)
+    if slots is not None:
+        r1 = after_slots(r1, slots)
     base = block_of(word, tl.maximum(guess, 0), ALIGN)  # no map: see above
     return guess, first_chunk(aligned_base(W, word, EXPERT_LINEAR_W_OFF, ALIGN) + base, r0, r1,
                               fld(word, EXPERT_LINEAR_K), BR, KC, ALIGN, EF)
