@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
