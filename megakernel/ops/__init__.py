@@ -3,7 +3,8 @@ interpreter, in PyTorch) beside its GPU body.  REFERENCE maps opcode names to th
 
 from __future__ import annotations
 
-from . import argmax, attention, elementwise, embed, head_matmul, helper, helper_side, linear, mhc, moe, norm, rope, spec
+from . import (argmax, attention, elementwise, embed, head_matmul, helper, helper_side, linear, mhc, moe, norm, rope,
+               spec)
 
 REFERENCE = {
     "EMBED": embed.reference,

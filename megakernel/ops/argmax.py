@@ -7,7 +7,8 @@ import triton.language as tl
 
 from .common import fld, has, off
 from .fields import (ARGMAX_C0, ARGMAX_C1, ARGMAX_FLAGS, ARGMAX_LG_LD, ARGMAX_LG_OFF, ARGMAX_N, ARGMAX_NPARTS,
-                     ARGMAX_OUT_LD, ARGMAX_OUT_OFF, ARGMAX_PART, ARGMAX_PI_OFF, ARGMAX_PV_OFF, FLAG_ARGMAX_FINAL, FLAG_ARGMAX_PARTIAL)
+                     ARGMAX_OUT_LD, ARGMAX_OUT_OFF, ARGMAX_PART, ARGMAX_PI_OFF, ARGMAX_PV_OFF, FLAG_ARGMAX_FINAL,
+                     FLAG_ARGMAX_PARTIAL)
 
 
 def reference(task, mem) -> None:
@@ -33,7 +34,8 @@ def reference(task, mem) -> None:
 # ---- GPU body ----------------------------------------------------------------------------
 @triton.jit
 def body(word, A, I, BD: tl.constexpr):
-    flags, N, nparts, part = fld(word, ARGMAX_FLAGS), fld(word, ARGMAX_N), fld(word, ARGMAX_NPARTS), fld(word, ARGMAX_PART)
+    flags, N = fld(word, ARGMAX_FLAGS), fld(word, ARGMAX_N)
+    nparts, part = fld(word, ARGMAX_NPARTS), fld(word, ARGMAX_PART)
     lg_off, lg_ld, pv_off = off(word, ARGMAX_LG_OFF), fld(word, ARGMAX_LG_LD), off(word, ARGMAX_PV_OFF)
     pv, pi, out = A + pv_off, I + off(word, ARGMAX_PI_OFF), I + off(word, ARGMAX_OUT_OFF)
     partial = has(flags, FLAG_ARGMAX_PARTIAL)

@@ -22,7 +22,8 @@ from .fields import (ATTENTION_B, ATTENTION_CACHE_OFF, ATTENTION_CL_OFF, ATTENTI
                      ATTENTION_Q_LD, ATTENTION_Q_OFF, ATTENTION_ROPE_DIM, ATTENTION_S, ATTENTION_SCALE, ATTENTION_SPLIT,
                      ATTENTION_SPLIT_LEN, ATTENTION_T, ATTENTION_V_COL0, ATTENTION_WIDTH, ATTN_COMBINE_B,
                      ATTN_COMBINE_C0, ATTN_COMBINE_C1, ATTN_COMBINE_DIM, ATTN_COMBINE_H0, ATTN_COMBINE_H1,
-                     ATTN_COMBINE_LSE_OFF, ATTN_COMBINE_NHEADS, ATTN_COMBINE_NSPLITS, ATTN_COMBINE_OP_OFF, ATTN_COMBINE_OUT_LD, ATTN_COMBINE_OUT_OFF,
+                     ATTN_COMBINE_LSE_OFF, ATTN_COMBINE_NHEADS, ATTN_COMBINE_NSPLITS, ATTN_COMBINE_OP_OFF,
+                     ATTN_COMBINE_OUT_LD, ATTN_COMBINE_OUT_OFF,
                      ATTN_COMBINE_T, FLAG_ATTENTION_MLA, FLAG_ATTENTION_ROPE,
                      ATTENTION_KN_LD, ATTENTION_KN_OFF, ATTENTION_TAB_OFF, ATTENTION_VN_OFF)
 from .rope import rotate
@@ -165,17 +166,17 @@ def split_of(word, A, I, C, mla, ALIGN: tl.constexpr):
     """A task's sizes and pointers (mla: a constant where the plan has one kind)."""
     T, S, b = fld(word, ATTENTION_T), fld(word, ATTENTION_S), fld(word, ATTENTION_B)
     width = aligned(fld(word, ATTENTION_WIDTH), ALIGN)
-    h0, h1, nh, ns = fld(word, ATTENTION_H0), fld(word, ATTENTION_H1), fld(word, ATTENTION_NHEADS), fld(word, ATTENTION_NSPLITS)
+    h0, h1 = fld(word, ATTENTION_H0), fld(word, ATTENTION_H1)
+    nh, ns = fld(word, ATTENTION_NHEADS), fld(word, ATTENTION_NSPLITS)
     split, split_len = fld(word, ATTENTION_SPLIT), fld(word, ATTENTION_SPLIT_LEN)
     dim, scale = aligned(fld(word, ATTENTION_DIM), ALIGN), ffld(word, ATTENTION_SCALE)
     rope_dim = aligned(fld(word, ATTENTION_ROPE_DIM), ALIGN)
     # sizes and offsets the host checked are multiples of ALIGN (launch.ALIGNED_FIELDS), written so the
     # compiler sees it: the query rows load as 16-byte vectors, not 32 scalar loads per thread
-    q_ptr, q_ld, q_hs, q_col0 = (A + aligned(off(word, ATTENTION_Q_OFF), ALIGN), aligned(fld(word, ATTENTION_Q_LD), ALIGN),
-                                 aligned(fld(word, ATTENTION_Q_HS), ALIGN), aligned(fld(word, ATTENTION_Q_COL0), ALIGN))
-    pe_ptr, pe_ld, pe_hs, pe_col0 = (A + aligned(off(word, ATTENTION_PE_OFF), ALIGN),
-                                     aligned(fld(word, ATTENTION_PE_LD), ALIGN), aligned(fld(word, ATTENTION_PE_HS), ALIGN),
-                                     aligned(fld(word, ATTENTION_PE_COL0), ALIGN))
+    q_ptr, q_ld = A + aligned(off(word, ATTENTION_Q_OFF), ALIGN), aligned(fld(word, ATTENTION_Q_LD), ALIGN)
+    q_hs, q_col0 = aligned(fld(word, ATTENTION_Q_HS), ALIGN), aligned(fld(word, ATTENTION_Q_COL0), ALIGN)
+    pe_ptr, pe_ld = A + aligned(off(word, ATTENTION_PE_OFF), ALIGN), aligned(fld(word, ATTENTION_PE_LD), ALIGN)
+    pe_hs, pe_col0 = aligned(fld(word, ATTENTION_PE_HS), ALIGN), aligned(fld(word, ATTENTION_PE_COL0), ALIGN)
     cache = C + aligned(off(word, ATTENTION_CACHE_OFF), ALIGN) + b.to(tl.int64) * S * width
     limit = cache_limit(word, I, b, ".cg")
     op_ptr, lse_ptr = A + aligned(off(word, ATTENTION_OP_OFF), ALIGN), A + off(word, ATTENTION_LSE_OFF)
@@ -187,8 +188,8 @@ def split_of(word, A, I, C, mla, ALIGN: tl.constexpr):
         v_col = 0
     j0 = split * split_len
     j1 = split_end(j0, split_len, S, limit, T)
-    return (T, S, b, width, h0, h1, nh, ns, split, dim, scale, rope_dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld, pe_hs,
-            pe_col0, cache, limit, op_ptr, lse_ptr, k_col, v_col, j0, j1)
+    return (T, S, b, width, h0, h1, nh, ns, split, dim, scale, rope_dim, q_ptr, q_ld, q_hs, q_col0, pe_ptr, pe_ld,
+            pe_hs, pe_col0, cache, limit, op_ptr, lse_ptr, k_col, v_col, j0, j1)
 
 
 @triton.jit

@@ -332,7 +332,9 @@ def wait_slots(word):
     c = tl.load(word + WORD_WAITS)
     n = tl.load(word + WORD_WAITS + 1)
     more = c >= 0
-    return (c, n, tl.load(word + WORD_WAITS + 2, mask=more, other=-1), tl.load(word + WORD_WAITS + 3, mask=more, other=0))
+    c_next = tl.load(word + WORD_WAITS + 2, mask=more, other=-1)
+    n_next = tl.load(word + WORD_WAITS + 3, mask=more, other=0)
+    return c, n, c_next, n_next
 
 
 @triton.jit

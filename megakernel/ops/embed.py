@@ -7,8 +7,8 @@ import triton
 import triton.language as tl
 
 from .common import fld, off
-from .fields import (EMBED_COPIES, EMBED_H, EMBED_OUT_LD, EMBED_OUT_OFF, EMBED_R0, EMBED_R1, EMBED_TABLE_OFF, EMBED_TOK_LD,
-                     EMBED_TOK_OFF)
+from .fields import (EMBED_COPIES, EMBED_H, EMBED_OUT_LD, EMBED_OUT_OFF, EMBED_R0, EMBED_R1, EMBED_TABLE_OFF,
+                     EMBED_TOK_LD, EMBED_TOK_OFF)
 
 
 def reference(task, mem) -> None:

@@ -168,8 +168,10 @@ def coeff_body(word, WF, A, BW: tl.constexpr, BD: tl.constexpr):
     width, nH = (2 + n) * n, n * H
     eps, hc_eps, iters = ffld(word, HC_COEFF_EPS), ffld(word, HC_COEFF_HC_EPS), fld(word, HC_COEFF_ITERS)
     st, st_ld = A + off(word, HC_COEFF_ST_OFF), fld(word, HC_COEFF_ST_LD)
-    fn, base, scale = WF + off(word, HC_COEFF_FN_OFF), WF + off(word, HC_COEFF_BASE_OFF), WF + off(word, HC_COEFF_SCALE_OFF)
-    mix_p, craw_p, coef_p = A + off(word, HC_COEFF_MIX_OFF), A + off(word, HC_COEFF_CRAW_OFF), A + off(word, HC_COEFF_COEF_OFF)
+    fn, base = WF + off(word, HC_COEFF_FN_OFF), WF + off(word, HC_COEFF_BASE_OFF)
+    scale = WF + off(word, HC_COEFF_SCALE_OFF)
+    mix_p, craw_p = A + off(word, HC_COEFF_MIX_OFF), A + off(word, HC_COEFF_CRAW_OFF)
+    coef_p = A + off(word, HC_COEFF_COEF_OFF)
     o_ptr, o_ld = A + off(word, HC_COEFF_OUT_OFF), fld(word, HC_COEFF_OUT_LD)
     j = tl.arange(0, BW)
     jm = j < width
@@ -241,7 +243,8 @@ def expand_body(word, A, BW: tl.constexpr, BD: tl.constexpr):
 def head_body(word, WF, A, BW: tl.constexpr, BD: tl.constexpr):
     n, H, eps, hc_eps = fld(word, HC_HEAD_N), fld(word, HC_HEAD_H), ffld(word, HC_HEAD_EPS), ffld(word, HC_HEAD_HC_EPS)
     st, st_ld = A + off(word, HC_HEAD_ST_OFF), fld(word, HC_HEAD_ST_LD)
-    fn, base, scale = WF + off(word, HC_HEAD_FN_OFF), WF + off(word, HC_HEAD_BASE_OFF), WF + off(word, HC_HEAD_SCALE_OFF)
+    fn, base = WF + off(word, HC_HEAD_FN_OFF), WF + off(word, HC_HEAD_BASE_OFF)
+    scale = WF + off(word, HC_HEAD_SCALE_OFF)
     o_ptr, o_ld = A + off(word, HC_HEAD_OUT_OFF), fld(word, HC_HEAD_OUT_LD)
     j = tl.arange(0, BW)
     for r in range(fld(word, HC_HEAD_R0), fld(word, HC_HEAD_R1)):

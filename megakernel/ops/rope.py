@@ -114,7 +114,8 @@ def apply_body(word, A, I, C, BH: tl.constexpr):
     the rotated row goes to its cache position instead (a CACHE_WRITE fused in: one hop fewer)."""
     flags, half = fld(word, ROPE_FLAGS), fld(word, ROPE_HALF)
     h0, heads = fld(word, ROPE_H0), fld(word, ROPE_HEADS)  # this task's heads (TilingOptions.rope_heads)
-    x_ptr, x_ld, x_hs, x_col0 = A + off(word, ROPE_X_OFF), fld(word, ROPE_X_LD), fld(word, ROPE_X_HS), fld(word, ROPE_X_COL0)
+    x_ptr, x_ld = A + off(word, ROPE_X_OFF), fld(word, ROPE_X_LD)
+    x_hs, x_col0 = fld(word, ROPE_X_HS), fld(word, ROPE_X_COL0)
     o_ptr, o_ld, o_hs = A + off(word, ROPE_OUT_OFF), fld(word, ROPE_OUT_LD), fld(word, ROPE_OUT_HS)
     tab = A + off(word, ROPE_TAB_OFF)
     to_cache = has(flags, FLAG_ROPE_CACHE)
