@@ -101,8 +101,9 @@ print("bulk", k1.asm["ptx"].count("cp.async.bulk.prefetch.L2.global"))
          "gqa": COMMON + ONE_TOKEN + r"""
 # the attention kind a GQA-only plan compiles (llama-1b's: launch.block_sizes sets ATT_KIND=2), its head-line
 # prefetch (APF=2) compiled in and MLA's bulk one out; and the waits' POLL=2 (one thread's acquire load that asks
-# the L1 for the task's word, its value shared through a word of static shared memory)
-gqa = compile_megakernel(dict(one, ATT_KIND=2, POLL=2))
+# the L1 for the task's word, its value shared through a word of static shared memory); and a task's first two wait
+# slots read before the weights it requests before its wait (WAITS=2, with EPF=1's guessed expert chunk)
+gqa = compile_megakernel(dict(one, ATT_KIND=2, POLL=2, WAITS=2))
 assert gqa.asm["cubin"] and "prefetch.global.L2 " in gqa.asm["ptx"]
 assert "prefetch.global.L1" in gqa.asm["ptx"] and ".shared .align 4 .b32 seen" in gqa.asm["ptx"]
 print("bulk", gqa.asm["ptx"].count("cp.async.bulk.prefetch.L2.global"))
