@@ -23,8 +23,8 @@ from .ops.common import (COUNTER_STRIDE, now_ns, prefetch_word_l1, signal_done, 
                          wait_task)
 from .ops.fields import (OP_ACCEPT, OP_ARGMAX, OP_ATTENTION, OP_ATTN_COMBINE, OP_CACHE_WRITE, OP_EMBED, OP_EWISE,
                          OP_EXPERT_LINEAR, OP_GATHER, OP_HC_COEFF, OP_HC_EXPAND, OP_HC_HEAD, OP_HEAD_MATMUL,
-                         OP_HELPER_CALL, OP_HELPER_RECV, OP_HELPER_SEND, OP_HELPER_WAIT, OP_LINEAR,
-                         OP_MOE_COMBINE, OP_RMSNORM, OP_ROPE, OP_ROPE_TABLE, OP_ROUTE)
+                         OP_HELPER_CALL, OP_HELPER_RECV, OP_HELPER_SEND, OP_HELPER_WAIT, OP_LINEAR, OP_MOE_COMBINE,
+                         OP_RMSNORM, OP_ROPE, OP_ROPE_TABLE, OP_ROUTE)
 
 
 

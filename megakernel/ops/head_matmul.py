@@ -6,9 +6,8 @@ import triton
 import triton.language as tl
 
 from .common import after_slots, aligned, fld, has, off
-from .fields import (FLAG_HEAD_MATMUL_TRANS, HEAD_MATMUL_FLAGS, HEAD_MATMUL_H0, HEAD_MATMUL_H1,
-                     HEAD_MATMUL_IN_DIM, HEAD_MATMUL_N, HEAD_MATMUL_O0, HEAD_MATMUL_O1, HEAD_MATMUL_OUT_HS,
-                     HEAD_MATMUL_OUT_LD,
+from .fields import (FLAG_HEAD_MATMUL_TRANS, HEAD_MATMUL_FLAGS, HEAD_MATMUL_H0, HEAD_MATMUL_H1, HEAD_MATMUL_IN_DIM,
+                     HEAD_MATMUL_N, HEAD_MATMUL_O0, HEAD_MATMUL_O1, HEAD_MATMUL_OUT_HS, HEAD_MATMUL_OUT_LD,
                      HEAD_MATMUL_OUT_OFF, HEAD_MATMUL_W_HS, HEAD_MATMUL_W_LD, HEAD_MATMUL_W_OFF, HEAD_MATMUL_X_COL0,
                      HEAD_MATMUL_X_HS, HEAD_MATMUL_X_LD, HEAD_MATMUL_X_OFF)
 
