@@ -264,7 +264,8 @@ def footprint(task: Decoded) -> list[Access]:
             out += _acc(task, "pv", 0, N, part, part + 1, True, ld=nparts)
             out += _acc(task, "pi", 0, N, part, part + 1, True, ld=nparts)
         else:
-            out += _acc(task, "pv", 0, N, 0, nparts, False, ld=nparts) + _acc(task, "pi", 0, N, 0, nparts, False, ld=nparts)
+            out += (_acc(task, "pv", 0, N, 0, nparts, False, ld=nparts)
+                    + _acc(task, "pi", 0, N, 0, nparts, False, ld=nparts))
         if final:
             out += _acc(task, "out", 0, N, 0, 1, True)
     elif name == "ACCEPT":

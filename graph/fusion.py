@@ -193,7 +193,8 @@ def _rope_into_attention(ctx: Ctx) -> str | None:
         cw = next((op for op in writers if op.opcode == "CACHE_WRITE"), None)
         if qr is None or kr is None or cw is None or len(writers) != 2 or ctx.cons.get(cache) != [att]:
             continue  # another pass writes or reads this cache in the step (draft passes): left as it is
-        if (qr.flags | kr.flags) & {"INTERLEAVE"} or "CACHE" in qr.flags or not ctx.private(qr.writes["out"].tensor, att):
+        if ((qr.flags | kr.flags) & {"INTERLEAVE"} or "CACHE" in qr.flags
+                or not ctx.private(qr.writes["out"].tensor, att)):
             continue
         q, k = qr.attrs, kr.attrs
         kn, vn = kr.reads["x"], cw.reads["src"]

@@ -61,7 +61,8 @@ class _Lowering:
         if shape.accept not in ("greedy", "sample"):
             raise ValueError(f"accept must be 'greedy' or 'sample', got {shape.accept!r}")
         if shape.accept == "sample" and not (shape.temperature > 0 and 0 < shape.top_p <= 1):
-            raise ValueError(f"sampling needs temperature > 0 and 0 < top_p <= 1, got {shape.temperature}, {shape.top_p}")
+            raise ValueError("sampling needs temperature > 0 and 0 < top_p <= 1, "
+                             f"got {shape.temperature}, {shape.top_p}")
         self.cfg, self.shape, self.g, self.vocab_block = cfg, shape, Graph(), vocab_block
         # the rows being lowered: T tokens per sequence at positions cl[b] + t (+ an op's pos_offset)
         self.T, self.N = shape.T, shape.N
@@ -104,7 +105,8 @@ class _Lowering:
             return "model.embed_tokens.weight"
         if not self.specs[hf_name].optional:
             return hf_name
-        return "model.embed_tokens.weight" if hf_name.endswith("embed_tokens.weight") else self._resolve("lm_head.weight")
+        return ("model.embed_tokens.weight" if hf_name.endswith("embed_tokens.weight")
+                else self._resolve("lm_head.weight"))
 
     def experts(self, layer: int) -> str:
         """All routed experts of a layer in one tensor: row e = [gate_e | up_e | down_e]."""
@@ -255,7 +257,8 @@ class _Lowering:
 
     def gqa(self, layer, h, table, pos_offset):
         cfg = self.cfg
-        nh, nkv, hd, H, L = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size, f"L{layer}.attn"
+        nh, nkv, hd, H, L = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                             cfg.hidden_size, f"L{layer}.attn")
         a = layer_prefix(layer) + "self_attn."
         q = self.linear(f"{L}.q_proj", h, a + "q_proj.weight", nh * hd, H, layer)
         k = self.linear(f"{L}.k_proj", h, a + "k_proj.weight", nkv * hd, H, layer)
@@ -270,7 +273,8 @@ class _Lowering:
 
     def moe(self, layer, h):
         cfg, N = self.cfg, self.N
-        H, E, k, I, L = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, f"L{layer}.moe"
+        H, E, k, I, L = (cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
+                         cfg.moe_intermediate_size, f"L{layer}.moe")
         p = layer_prefix(layer) + "mlp."
         slots = min(E, N * k)
         logits = self.linear(f"{L}.router", h, p + "gate.weight", E, H, layer)
@@ -502,8 +506,8 @@ class _Lowering:
         if cfg.hc_mult:
             streams = self.act(f"{L}.streams_in", N, cfg.hc_mult * H)
             for j in range(cfg.hc_mult):
-                self.emit("EWISE", f"{L}.to_stream{j}", ("COPY",), reads={"a": x}, writes={"out": View(streams, j * H, H)},
-                          layer=layer, cols=H, rows=N)
+                self.emit("EWISE", f"{L}.to_stream{j}", ("COPY",), reads={"a": x},
+                          writes={"out": View(streams, j * H, H)}, layer=layer, cols=H, rows=N)
             x = self.hc_head(f"{L}.hc_head", self.decoder_layer(layer, streams, pos_offset=pos_offset), p + "hc_head.")
         else:
             x = self.decoder_layer(layer, x, pos_offset=pos_offset)

@@ -274,7 +274,8 @@ class Tiler:
                 width = a["width"] if mla else 2 * a["kv_hs"]
                 for split in range(a["nsplits"]):
                     tiles.append(Tile({"b": b, "h0": h0, "h1": h1, "split": split}, 0,
-                                      a["split_len"] * width * self.wbytes + 4 * T * (h1 - h0) * (2 * dim + a["rope_dim"]),
+                                      a["split_len"] * width * self.wbytes
+                                      + 4 * T * (h1 - h0) * (2 * dim + a["rope_dim"]),
                                       4 * T * (h1 - h0) * a["split_len"] * (dim + a["rope_dim"])))
         return tiles
 

@@ -158,7 +158,8 @@ def _topological(preds: list[list[int]], n: int, name) -> list[int]:
     if len(order) < len(preds):
         stuck = [v for v, d in enumerate(indeg) if d > 0 and v < n]
         raise PlanError("queues can deadlock: a cycle through dependency waits and queue order involves "
-                        + ", ".join(name(v) for v in stuck[:4]) + (f" and {len(stuck) - 4} more" if len(stuck) > 4 else ""))
+                        + ", ".join(name(v) for v in stuck[:4])
+                        + (f" and {len(stuck) - 4} more" if len(stuck) > 4 else ""))
     return order
 
 

@@ -195,8 +195,8 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
     bcw = min(combine_cols, max(16, 8192 // splits))
     # bf16 weights: activations enter the tensor cores as a bf16 (high, low) pair, ~16 mantissa bits
     align = alignment(tasks)
-    return dict(BR=br, KC=kc, STAGES=stages, BD=256, BH=32, BM=bm, BJ=bj, DMAX=dmax, RMAX=rmax, BI=bi, BO=bo, BIT=bit, BOT=bot,
-                BE=experts, BP=min(256, pairs), BW=width, ALIGN=align, BT=spec_t,
+    return dict(BR=br, KC=kc, STAGES=stages, BD=256, BH=32, BM=bm, BJ=bj, DMAX=dmax, RMAX=rmax, BI=bi, BO=bo, BIT=bit,
+                BOT=bot, BE=experts, BP=min(256, pairs), BW=width, ALIGN=align, BT=spec_t,
                 # whole rows per load where registers allow: each block is one memory round trip
                 BSC=min(splits, max(1, 8192 // bcw)), BCW=bcw, BN=min(norm_width, 8192), BK=topk, CPF=0,
                 SAMPLE=sample, BV=1024, TB=tb,
@@ -258,9 +258,10 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # launch a step, not 3, at the same step time (docs/PERF.md session 28).  Fitted by launch_blocks
                 # from the plan: 1 where it has those inputs and no stream workers
                 HIN=0,
-                # 1 (a launch variant, slower: +0.9% on dsv2-lite, docs/PERF.md session 35): an EXPERT_LINEAR task's first
-                # weight chunk requested before its wait, for the expert its slot holds then (a guess the body checks
-                # after the wait: moe.guess_first_chunk), as a LINEAR task's is; 2: guessed from the next slot (a test hook)
+                # 1 (a launch variant, slower: +0.9% on dsv2-lite, docs/PERF.md session 35): an EXPERT_LINEAR task's
+                # first weight chunk requested before its wait, for the expert its slot holds then (a guess the body
+                # checks after the wait: moe.guess_first_chunk), as a LINEAR task's is; 2: guessed from the next slot
+                # (a test hook)
                 EPF=0,
                 # ATTENTION's query rows (attention.body's QIX): bit 1, their token and head without integer division;
                 # bit 2, the cache length requested after them.  3 where every attention task is MLA: -1.2% on
@@ -292,7 +293,8 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
     """Overrides (launch variants) that would compute something else, or could not run."""
     unknown = sorted(set(blocks) - set(fitted))
     if unknown:
-        raise MegakernelError(f"unknown block override {', '.join(unknown)}: the kernel takes {', '.join(sorted(fitted))}")
+        raise MegakernelError(f"unknown block override {', '.join(unknown)}: "
+                              f"the kernel takes {', '.join(sorted(fitted))}")
     if fitted["SAMPLE"] and not blocks["SAMPLE"]:
         raise MegakernelError("block override SAMPLE=0 on a sampling plan: ACCEPT would decode greedily")
     if blocks["KC"] > STREAM_SLACK or blocks["KC"] & (blocks["KC"] - 1):

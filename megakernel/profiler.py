@@ -59,7 +59,8 @@ def task_trace(kernel, path: str | Path, png: bool = True) -> dict:
                 continue
             name = plan.task_labels[i]
             events.append({"name": name, "ph": "X", "pid": 0, "tid": w, "ts": (ready - t0) / 1e3,
-                           "dur": max(0.001, (end - ready) / 1e3), "args": {"sm": int(sm), "wait_us": (ready - begin) / 1e3}})
+                           "dur": max(0.001, (end - ready) / 1e3),
+                           "args": {"sm": int(sm), "wait_us": (ready - begin) / 1e3}})
             if ready > begin:
                 events.append({"name": "wait", "ph": "X", "pid": 0, "tid": w, "ts": (begin - t0) / 1e3,
                                "dur": (ready - begin) / 1e3})

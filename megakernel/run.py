@@ -79,8 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "one track per worker), PATH with .png (timeline) and a per-op table into --json")
     p.add_argument("--helper", default="none", metavar="KIND",
                    help="routed experts partly on a helper: none (default), cpu (a host worker thread), emulate "
-                        "(same device, for tests), cuda:N (a worker thread driving GPU N); the megakernel reaches it through "
-                        "mailboxes in host memory that a host thread serves")
+                        "(same device, for tests), cuda:N (a worker thread driving GPU N); the megakernel reaches it "
+                        "through mailboxes in host memory that a host thread serves")
     p.add_argument("--helper-fraction", type=float, default=0.5,
                    help="share of routed experts placed on the helper (default 0.5)")
     p.add_argument("--migrate", choices=["on", "off"], default="off",
@@ -99,7 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def helper_options(args):
     from helper_card.setup import HelperOptions
     return HelperOptions(kind=args.helper, fraction=args.helper_fraction, migrate=args.migrate == "on",
-                         timeout_s=args.helper_timeout, fallback=args.helper_fallback, persistent=args.helper_persistent)
+                         timeout_s=args.helper_timeout, fallback=args.helper_fallback,
+                         persistent=args.helper_persistent)
 
 
 def helper_report(backend) -> dict | None:
@@ -154,14 +155,16 @@ def _fmt_bytes(n: float) -> str:
 def print_describe(name: str, d: dict) -> None:
     print(f"model {name}: {d['architecture']}, {d['layers']} layers ({d['moe_layers']} MoE), "
           f"{d['mtp_layers']} MTP, dtype {d['dtype']}")
-    print(f"  parameters              {d['parameters'] / 1e9:.2f}B ({d['parameters_with_mtp'] / 1e9:.2f}B with MTP layers)")
+    print(f"  parameters              {d['parameters'] / 1e9:.2f}B "
+          f"({d['parameters_with_mtp'] / 1e9:.2f}B with MTP layers)")
     print(f"  active per token        {d['active_parameters_per_token'] / 1e9:.2f}B")
     for key, value in d.items():
         if key.startswith("step_bytes_T"):
             extra = (f", {value['expected_experts_per_layer']:.1f} experts/layer under uniform routing"
                      if "expected_experts_per_layer" in value and d["moe_layers"] else "")
             print(f"  decode step {key[11:]:>3}, B=1  reads {_fmt_bytes(value['total'])} "
-                  f"(weights {_fmt_bytes(value['weights'])}, cache {_fmt_bytes(value['cache'])} at ctx {d['context']}{extra})")
+                  f"(weights {_fmt_bytes(value['weights'])}, cache {_fmt_bytes(value['cache'])} "
+                  f"at ctx {d['context']}{extra})")
 
 
 def plan_summary(plan) -> dict:
@@ -224,8 +227,9 @@ def run_speculative(args, name, cfg, weights, source, backend, device, dtype, op
     spec = stats.to_dict()
     result.update(weights=source, device=str(device), dtype=str(dtype).removeprefix("torch."), backend=backend,
                   batch=args.batch, prompt_len=args.prompt_len, steps=args.steps, spec_k=args.spec_k,
-                  draft=args.draft, temperature=args.temperature, top_p=args.top_p, tokens=tokens, **{k: spec[k] for k in
-                  ("tokens_per_step", "acceptance_length", "per_position_acceptance", "tokens_per_s")},
+                  draft=args.draft, temperature=args.temperature, top_p=args.top_p, tokens=tokens,
+                  **{k: spec[k] for k in ("tokens_per_step", "acceptance_length",
+                                          "per_position_acceptance", "tokens_per_s")},
                   spec_steps=spec["steps"], step_ms_median=spec["step_ms_median"], k_mean=spec["k_mean"],
                   adaptive_k=args.adaptive_k)
     print(f"model {name} ({cfg.architecture}) on {device}, {result['dtype']}, {source}")

@@ -226,7 +226,8 @@ class Megakernel(PlanRunner):
             return
         lines = []
         for w in range(self.plan.workers):
-            reason, task, counter, seen, target = err[ERR_HEADER + ERR_PER_WORKER * w: ERR_HEADER + ERR_PER_WORKER * (w + 1)]
+            reason, task, counter, seen, target = err[ERR_HEADER + ERR_PER_WORKER * w:
+                                                      ERR_HEADER + ERR_PER_WORKER * (w + 1)]
             if reason:
                 what = "timed out" if reason == 1 else "stopped"
                 label = (self.plan.task_labels[task] if 0 <= task < self.plan.num_tasks

@@ -66,7 +66,8 @@ class SpecStats:
                 "k_mean": sum(self.k_hist) / len(self.k_hist) if self.k_hist else self.k,
                 "tokens_per_step": self.tokens_per_step,
                 "acceptance_length": self.acceptance_length, "per_position_acceptance": self.per_position(),
-                "step_ms_median": sorted(self.step_seconds)[len(self.step_seconds) // 2] * 1e3 if self.step_seconds else None,
+                "step_ms_median": (sorted(self.step_seconds)[len(self.step_seconds) // 2] * 1e3
+                                   if self.step_seconds else None),
                 "tokens_per_s": self.decode_tokens / wall if wall else None}
 
 

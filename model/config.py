@@ -189,12 +189,14 @@ class ModelConfig:
                 raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds "
                                   f"n_routed_experts={self.n_routed_experts}")
             if self.scoring_func not in ("softmax", "sigmoid"):
-                raise ConfigError(f"config key 'scoring_func' must be 'softmax' or 'sigmoid', got {self.scoring_func!r}")
+                raise ConfigError("config key 'scoring_func' must be 'softmax' or 'sigmoid', "
+                                  f"got {self.scoring_func!r}")
             if self.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
                 raise ConfigError(f"config key 'topk_method' {self.topk_method!r} is not supported "
                                   "(greedy, group_limited_greedy, noaux_tc)")
             if self.n_group < 1 or self.n_routed_experts % self.n_group:
-                raise ConfigError(f"n_routed_experts={self.n_routed_experts} is not divisible by n_group={self.n_group}")
+                raise ConfigError(f"n_routed_experts={self.n_routed_experts} is not divisible by "
+                                  f"n_group={self.n_group}")
             if not 1 <= self.topk_group <= self.n_group:
                 raise ConfigError(f"topk_group={self.topk_group} must be within 1..n_group={self.n_group}")
             per_group = self.n_routed_experts // self.n_group
@@ -205,7 +207,8 @@ class ModelConfig:
                 raise ConfigError("topk_method 'noaux_tc' scores groups by their top-2 experts: "
                                   f"n_routed_experts/n_group={per_group} must be >= 2")
         if self.hc_mult < 0 or self.hc_sinkhorn_iters < 1:
-            raise ConfigError(f"hc_mult={self.hc_mult} must be >= 0 and hc_sinkhorn_iters={self.hc_sinkhorn_iters} >= 1")
+            raise ConfigError(f"hc_mult={self.hc_mult} must be >= 0 and "
+                              f"hc_sinkhorn_iters={self.hc_sinkhorn_iters} >= 1")
         if self.num_nextn_predict_layers < 0:
             raise ConfigError("num_nextn_predict_layers must be >= 0")
         if self.rope_theta_per_layer is not None and len(self.rope_theta_per_layer) != self.num_hidden_layers:
@@ -428,7 +431,8 @@ def _from_hf_dict(d: dict[str, Any], source: str) -> ModelConfig:
         head_dim = k.int("head_dim")
         if not head_dim:
             if common["hidden_size"] % heads:
-                raise ConfigError(f"{source}: hidden_size is not divisible by num_attention_heads and no head_dim is given")
+                raise ConfigError(f"{source}: hidden_size is not divisible by num_attention_heads "
+                                  "and no head_dim is given")
             head_dim = common["hidden_size"] // heads
         cfg = ModelConfig(head_dim=head_dim, rope=_rope_spec(d, head_dim, False, source), **common)
     else:

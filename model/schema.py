@@ -123,7 +123,8 @@ def _mla_specs(cfg: ModelConfig, p: str) -> list[TensorSpec]:
     return specs + [
         TensorSpec(a + "kv_a_proj_with_mqa.weight", (cfg.kv_lora_rank + cfg.qk_rope_head_dim, H), dt, "linear"),
         TensorSpec(a + "kv_a_layernorm.weight", (cfg.kv_lora_rank,), dt, "norm"),
-        TensorSpec(a + "kv_b_proj.weight", (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), dt, "linear"),
+        TensorSpec(a + "kv_b_proj.weight",
+                   (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), dt, "linear"),
         TensorSpec(a + "o_proj.weight", (H, nh * cfg.v_head_dim), dt, "out_proj"),
     ]
 

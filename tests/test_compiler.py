@@ -130,7 +130,8 @@ def test_norms_fold_into_the_linears_that_read_them():
     assert fusion["per_rule"]["norm_into_linear"] == 2 * cfg.num_hidden_layers + 2 * 2  # two MTP passes of one layer
     labels = {plan.task_labels[i] for i in range(plan.num_tasks) if plan.task(i).op.name == "RMSNORM"}
     assert not any("input_norm" in label or "post_attn_norm" in label for label in labels), labels
-    normed = [plan.task(i) for i in range(plan.num_tasks) if plan.task(i).op.name == "LINEAR" and plan.task(i).has("NORM")]
+    normed = [plan.task(i) for i in range(plan.num_tasks)
+              if plan.task(i).op.name == "LINEAR" and plan.task(i).has("NORM")]
     assert normed and all(t["eps"] == pytest.approx(cfg.rms_norm_eps) for t in normed)
     names = {w.name for w in plan.weights}
     q = "model.layers.0.self_attn.q_proj.weight"
@@ -270,7 +271,8 @@ def test_rotated_keys_go_straight_into_the_cache(name):
     shape = StepShape(T=2, B=2, max_len=16, mtp_passes=2)
     plan = compile_step(cfg, shape, compile_options("rope_into_attention=0", 4)[0])
     unfused = compile_step(cfg, shape, compile_options("rope_into_cache=0,rope_into_attention=0", 4)[0])
-    ropes = [plan.task(i) for i in range(plan.num_tasks) if plan.task(i).op.name == "ROPE" and plan.task(i).has("CACHE")]
+    ropes = [plan.task(i) for i in range(plan.num_tasks)
+             if plan.task(i).op.name == "ROPE" and plan.task(i).has("CACHE")]
     layers = cfg.num_hidden_layers + 2  # two MTP passes
     assert len({t.signal for t in ropes}) == layers  # one fused op per layer
     counts, before = plan.opcode_counts(), unfused.opcode_counts()
@@ -571,7 +573,8 @@ def test_expert_mlp_slices_are_the_models_not_the_steps():
         assert (combine["ns"], combine["ys"]) == (1408 // EXPERT_SLICE_ROWS, T * B * cfg.num_experts_per_tok)
         assert (combine["nsh"], combine["shs"]) == (len(sh), T * B)
     assert slices[1] == slices[3] == [(s, 64 * s, 64 * s + 64) for s in range(22)]
-    assert SHARED_SLICE_ROWS == 24 and shared[1] == shared[3] == [(s, 24 * s, min(24 * s + 24, 2816)) for s in range(118)]
+    assert (SHARED_SLICE_ROWS == 24
+            and shared[1] == shared[3] == [(s, 24 * s, min(24 * s + 24, 2816)) for s in range(118)])
     experts = next(w for w in plan.weights if w.name == "L5.experts" + TRANSPOSED)
     assert sum(len(p) == 3 and p[2] == TRANSPOSED for p in experts.parts) == cfg.n_routed_experts
     down = next(w for w in plan.weights if w.name == "model.layers.5.mlp.shared_experts.down_proj.weight" + TRANSPOSED)

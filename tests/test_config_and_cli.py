@@ -26,12 +26,14 @@ def test_preset_sizes():
     assert abs(parameter_count(llama) / 1e9 - 1.24) < 0.01
     assert abs(step_bytes(llama, context=0).weight_bytes / 1e9 - 2.47) < 0.01
     v3 = preset("dsv3-slice")
-    assert (v3.hidden_size, v3.q_lora_rank, v3.n_routed_experts, v3.num_experts_per_tok, v3.n_group) == (7168, 1536, 256, 8, 8)
+    assert (v3.hidden_size, v3.q_lora_rank, v3.n_routed_experts, v3.num_experts_per_tok,
+            v3.n_group) == (7168, 1536, 256, 8, 8)
     assert v3.num_hidden_layers == 4 and v3.num_nextn_predict_layers == 1 and v3.scoring_func == "sigmoid"
 
 
 def test_rope_groups_share_tables():
-    cfg = preset("tiny-dense").replace(num_hidden_layers=38, rope_theta_per_layer=tuple(1e4 * (1 + i % 8) for i in range(38)))
+    cfg = preset("tiny-dense").replace(num_hidden_layers=38,
+                                       rope_theta_per_layer=tuple(1e4 * (1 + i % 8) for i in range(38)))
     assert len({cfg.rope_for_layer(i).key() for i in range(38)}) == 8
 
 
@@ -82,7 +84,8 @@ def test_default_run_prints_what_it_did(capsys, tmp_path):
 def test_interpreter_and_reference_backends_agree(capsys):
     runs = {}
     for backend in ("reference", "interpret"):
-        assert main(["--device", "cpu", "--backend", backend, "--steps", "6", "--batch", "2", "--json", "/dev/null"]) == 0
+        assert main(["--device", "cpu", "--backend", backend, "--steps", "6", "--batch", "2",
+                     "--json", "/dev/null"]) == 0
     out = capsys.readouterr().out.split("model tiny-moe")
     runs = [[line for line in o.splitlines() if line.strip().startswith("sequence")] for o in out[1:]]
     assert runs[0] == runs[1]

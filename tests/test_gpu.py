@@ -62,7 +62,8 @@ def test_tiny_megakernel_equals_interpreter(name):
                               "llama-1b-dense_mlp"])
 def test_large_megakernel_equals_interpreter(name, rules):
     from megakernel.interpreter import Interpreter
-    cfg, w, plan, mk = _setup(name, T=1, B=1, max_len=256, workers=torch.cuda.get_device_properties(0).multi_processor_count,
+    cfg, w, plan, mk = _setup(name, T=1, B=1, max_len=256,
+                              workers=torch.cuda.get_device_properties(0).multi_processor_count,
                               layers=4 if name == "dsv2-lite" else None, rules=rules)
     _random_cache(mk)
     interp = Interpreter(plan, None, "cuda", share=mk.mem)
@@ -312,7 +313,8 @@ def test_inputs_read_from_the_host_make_one_launch_a_step():
         assert torch.equal(hin.step(tokens, lens).logits, want), lens
     counts = count_launches(hin.replay, steps=5)
     assert counts["kernels_per_step"] == 1 and counts["launches_per_step"] == 1, counts
-    stall_is_a_watchdog_error_then_recovers(hin, plan.num_tasks // 2, torch.zeros(2, 1, dtype=torch.long, device="cuda"),
+    stall_is_a_watchdog_error_then_recovers(hin, plan.num_tasks // 2,
+                                            torch.zeros(2, 1, dtype=torch.long, device="cuda"),
                                             torch.tensor([0, 0], device="cuda"))
 
 

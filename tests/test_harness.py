@@ -13,7 +13,8 @@ from tests.conftest import pytest_runtest_logreport
 
 
 def _report(nodeid: str, failed: bool) -> SimpleNamespace:
-    return SimpleNamespace(nodeid=nodeid, when="call", failed=failed, longreprtext=f"E   assert 0.5 <= 0.01 in {nodeid}")
+    return SimpleNamespace(nodeid=nodeid, when="call", failed=failed,
+                           longreprtext=f"E   assert 0.5 <= 0.01 in {nodeid}")
 
 
 def test_failures_are_logged_as_they_happen(tmp_path, monkeypatch):

@@ -318,7 +318,8 @@ def test_cli_reports_the_helper_and_refuses_what_is_not_built(tmp_path, capsys):
     assert main(["--steps", "2", "--helper", "emulate", "--backend", "reference"]) == 2
     capsys.readouterr()
     assert main(["--steps", "2", "--helper", "cpu", "--helper-persistent", "--backend", "interpret"]) == 2
-    assert "persistent helper kernel (--helper-persistent) answers the megakernel's mailboxes" in capsys.readouterr().err
+    assert ("persistent helper kernel (--helper-persistent) answers the megakernel's mailboxes"
+            in capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("name", ["tiny-moe", "tiny-mhc"])

@@ -226,7 +226,8 @@ def test_helper_gpu_copies_move_the_marked_rows_and_then_acknowledge(device):
     gate.fill_(6)  # the host staged the next call meanwhile: the acknowledgement still names call 5
     box = torch.zeros(3 * 20, device=device)
     mask = torch.tensor([1, 0, 1], dtype=torch.int32, device=device)
-    header, err = torch.zeros(BOX_HEADER, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int32, device=device)
+    header, err = (torch.zeros(BOX_HEADER, dtype=torch.int32, device=device),
+                   torch.zeros(1, dtype=torch.int32, device=device))
     ack = header[BOX_ACK:]  # the acknowledgement's word of a mailbox header, which also gets the answer's stamp
     publish_rows[(1,)](src, 40, box, mask, 3, 20, ack, gate, seq, err, compiled, BLOCK=8)
     rows = box.view(3, 20)

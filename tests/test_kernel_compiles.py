@@ -20,7 +20,8 @@ sig = {"words": "*i32", "queue_ptr": "*i32", "counters": "*i32", "worker_epoch":
 const = dict(WORDS=WORDS, MAX_WAITS=MAX_WAITS, TIMEOUT_NS=250_000_000, MAX_SPINS=1000, HELPER_NS=1_000_000_000,
              USE_TIMER=True, PROFILE=True,
              BR=8, KC=2048, STAGES=2, BD=256, BH=32, BM=16, BJ=32, DMAX=512, RMAX=64, BI=64, BO=128, BIT=256, BOT=64,
-             BE=256, BP=256, BW=32, BSC=16, BCW=64, BN=2048, BK=8, CPF=1, SAMPLE=1, BV=1024, TB=8, PF=2, DEPTH=2, ALIGN=8, BT=16, DOT_PREC="tf32",
+             BE=256, BP=256, BW=32, BSC=16, BCW=64, BN=2048, BK=8, CPF=1, SAMPLE=1, BV=1024, TB=8, PF=2, DEPTH=2,
+             ALIGN=8, BT=16, DOT_PREC="tf32",
              ATT_KIND=0, ROWVEC=1, AHEAD=1, NARROW=1, ROUTE1=1, PFD=0, EF=0, WPF=0, APF=0, PFK=0,
              HILO=1, HELPER_SIDE=1, ATT_ROPE=1, POLL=0, HIN=1, KD=2048, EPF=0, QIX=0, SIG=1, WAITS=1, PIN=0)
 sig.update({k: "constexpr" for k in const})
@@ -76,10 +77,10 @@ rows = triton.compile(ASTSource(fn=publish_rows, signature={"src": "*fp32", "src
                                                             "COMPILED": "constexpr", "BLOCK": "constexpr"},
                                 constexprs={"COMPILED": True, "BLOCK": 1024}), target=GPUTarget("cuda", 90, 32))
 assert "st.release.sys.global.b32" in rows.asm["ptx"] and "fence.acq_rel.sys" in rows.asm["ptx"]
-copy = triton.compile(ASTSource(fn=copy_rows, signature={"src": "*fp32", "src_ld": "i32", "dst": "*fp32", "dst_ld": "i32",
-                                                         "cols": "i32", "gate": "*i32", "seq_out": "*i32",
-                                                         "COMPILED": "constexpr", "SAVE_SEQ": "constexpr",
-                                                         "BLOCK": "constexpr"},
+copy = triton.compile(ASTSource(fn=copy_rows, signature={"src": "*fp32", "src_ld": "i32", "dst": "*fp32",
+                                                         "dst_ld": "i32", "cols": "i32", "gate": "*i32",
+                                                         "seq_out": "*i32", "COMPILED": "constexpr",
+                                                         "SAVE_SEQ": "constexpr", "BLOCK": "constexpr"},
                                 constexprs={"COMPILED": True, "SAVE_SEQ": True, "BLOCK": 1024}),
                       target=GPUTarget("cuda", 90, 32))
 assert "ld.acquire.sys.global.b32" in copy.asm["ptx"]
@@ -91,7 +92,8 @@ print("shared", k.metadata.shared)
          "variants": COMMON + ONE_TOKEN + r"""
 k1 = compile_megakernel(one)
 assert "st.global.f32" in k1.asm["ptx"] and k1.asm["cubin"]
-assert k1.asm["ptx"].count("cp.async.bulk.prefetch.L2.global") >= 5, k1.asm["ptx"].count("cp.async.bulk.prefetch.L2.global")
+assert k1.asm["ptx"].count("cp.async.bulk.prefetch.L2.global") >= 5, k1.asm["ptx"].count(
+    "cp.async.bulk.prefetch.L2.global")
 assert "prefetch.global.L1" in k1.asm["ptx"] and "evict_first" in k1.asm["ptx"]
 assert "prefetch.global.L2 " in k1.asm["ptx"]
 assert "ld.acquire.gpu.global.b32" in k1.asm["ptx"]  # POLL=1's waits
@@ -209,7 +211,8 @@ from pathlib import Path
 sys.path.insert(0, "tools")
 import sass_probe as sp
 import ncu_lines as nl
-k = sp.compile_kernel(sp.stream_probe, *sp.STREAM_PROBE_ARGS, dict(BR=8, KC=2048, ALIGN=8, TB=1, DEPTH=1, ROWVEC=2, AHEAD=1, PFD=0))
+k = sp.compile_kernel(sp.stream_probe, *sp.STREAM_PROBE_ARGS, dict(BR=8, KC=2048, ALIGN=8, TB=1, DEPTH=1, ROWVEC=2,
+                                                                   AHEAD=1, PFD=0))
 with tempfile.TemporaryDirectory() as d:
     cubin = Path(d) / "k.cubin"
     cubin.write_bytes(k.asm["cubin"])
@@ -223,7 +226,8 @@ rows = [{"Address": hex(base + off), "Source": "  " + op + " R1, R2", "Instructi
 per_file, per_line, stalls = nl.attribute(rows, lines)
 n_linear = sum(1 for where, _ in lines.values() if where.startswith("linear.py"))
 assert n_linear > 100 and per_file["linear.py"]["samples"] == 3 * n_linear, per_file["linear.py"]
-assert sum(c["samples"] for c in per_file.values()) == sum(c["samples"] for c in per_line.values()) == 2 * n_linear + len(rows)
+assert (sum(c["samples"] for c in per_file.values()) == sum(c["samples"] for c in per_line.values())
+        == 2 * n_linear + len(rows))
 assert per_file["linear.py"]["stall_long_sb"] == 3 * n_linear and set(stalls) == {"stall_long_sb", "stall_wait"}
 for r in rows:
     r["Source"] = "NOP"

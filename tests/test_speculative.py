@@ -68,7 +68,8 @@ def test_noisy_drafts_are_accepted_at_the_expected_rate():
     cfg, w, prompts = _setup("tiny-dense", 4, seed=2)
     n, p, k = 60, 0.3, 3
     plain = _plain(cfg, w, prompts, n + k + 1)
-    _, stats = SpeculativeDecoder(cfg, w, k, 4, 128).generate(prompts, n, Drafts(f"noisy:{p}", plain, cfg.vocab_size, 5))
+    _, stats = SpeculativeDecoder(cfg, w, k, 4, 128).generate(prompts, n,
+                                                              Drafts(f"noisy:{p}", plain, cfg.vocab_size, 5))
     trials = len(stats.accepted_hist)
     first = stats.per_position()[0]  # draft 1 is accepted exactly when it is not corrupted
     assert abs(first - (1 - p)) <= 3 * math.sqrt(p * (1 - p) / trials) + 1e-9, (first, trials)
@@ -275,8 +276,9 @@ def test_spec_sweep_tool_dry_run(tmp_path):
     import json
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "tools/spec_sweep.py", "--models", "tiny-moe", "--device", "cpu", "--ctx", "24",
-                          "--kmax", "2", "--tokens", "8", "--batch", "2", "--compile-processes", "2", "--out", str(tmp_path)],
+    out = subprocess.run([sys.executable, "tools/spec_sweep.py", "--models", "tiny-moe", "--device", "cpu",
+                          "--ctx", "24", "--kmax", "2", "--tokens", "8", "--batch", "2", "--compile-processes", "2",
+                          "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads((tmp_path / "sweep_tiny-moe.json").read_text())
@@ -285,8 +287,9 @@ def test_spec_sweep_tool_dry_run(tmp_path):
     assert all(r["equal_mtp"] and r["equal_oracle"] and r["equal_noisy"] and r["oracle_k_plus_1"] for r in rows[1:])
     assert rows[2]["acceptance_length_noisy"] > 1.0  # some drafts were accepted: the accept path ran
     # --temperature: the sweep alone, with the SAMPLE accept body (the sampling body's cost on a GPU)
-    out = subprocess.run([sys.executable, "tools/spec_sweep.py", "--models", "tiny-moe", "--device", "cpu", "--ctx", "24",
-                          "--kmax", "1", "--temperature", "0.7", "--top-p", "0.9", "--out", str(tmp_path)],
+    out = subprocess.run([sys.executable, "tools/spec_sweep.py", "--models", "tiny-moe", "--device", "cpu",
+                          "--ctx", "24", "--kmax", "1", "--temperature", "0.7", "--top-p", "0.9",
+                          "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads((tmp_path / "sweep_tiny-moe.json").read_text())

@@ -314,7 +314,8 @@ def test_watchdog_reports_a_stalled_counter_and_recovers(waits):
     # WAITS=2 reads the slots before a weight task's weights: a LINEAR's second slot (the wait after its first)
     t = 5 if waits < 2 else next(i for i, w in enumerate(plan.words) if decode(w).op.name == "LINEAR")
     undo = mk.inject_stall(t)
-    with pytest.raises(WatchdogError, match=rf"worker 0 timed out at task {t} .*\(the stall test counter\) to reach 1, saw 0"):
+    with pytest.raises(WatchdogError,
+                       match=rf"worker 0 timed out at task {t} .*\(the stall test counter\) to reach 1, saw 0"):
         mk.step(torch.zeros(2, 2, dtype=torch.long), torch.tensor([0, 0]))
     undo()
     _compare(cfg, interp, mk, torch.tensor([1, 1]))
@@ -378,7 +379,8 @@ def test_block_overrides_that_would_change_the_result_are_refused():
                ({"PF": 1}, "PF=1: the Triton interpreter runs no inline PTX"),  # this suite runs interpreted
                ({"PFD": 5}, "PFD=5: 0 .no rolling L2 prefetch."),
                ({"PFD": 2}, "PFD=2: the Triton interpreter runs no inline PTX"),
-               ({"EF": 3}, "EF=3: 0, 1 .evict-first weight stream. or 2"), ({"WPF": 1}, "WPF=1: the Triton interpreter runs no inline PTX"),
+               ({"EF": 3}, "EF=3: 0, 1 .evict-first weight stream. or 2"),
+               ({"WPF": 1}, "WPF=1: the Triton interpreter runs no inline PTX"),
                ({"APF": 1}, "APF=1: the Triton interpreter runs no inline PTX"), ({"APF": 3}, "APF=3: 0, 1"),
                ({"PFK": 64}, "PFK=64: the Triton interpreter runs no inline PTX"), ({"PFK": -1}, "PFK=-1: 0 .off."),
                ({"AHEAD": 2}, "AHEAD=2: 0, or 1"), ({"ROUTE1": 2}, "ROUTE1=2: 0, or 1"),

@@ -19,7 +19,8 @@ DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_I
                                                        reason="CPU Triton interpreter only")),
            pytest.param("cuda", marks=pytest.mark.gpu)]
 # K, rows R, first row r0, tokens N, KC, BR, gate|up, rows from a list, residual, x's RMSNorm (NORM)
-SHAPES = [(64, 16, 0, 1, 64, 8, False, False, False, False), (64, 8, 0, 1, 64, 8, False, False, True, False),  # one step
+SHAPES = [(64, 16, 0, 1, 64, 8, False, False, False, False),
+          (64, 8, 0, 1, 64, 8, False, False, True, False),  # one step
           (40, 24, 0, 1, 64, 8, False, False, False, False),  # an odd step count (the unrolled loop's remainder)
           (96, 21, 3, 3, 64, 8, True, False, False, True), (40, 9, 0, 2, 32, 8, False, True, False, False),
           (256, 12, 4, 2, 128, 16, True, True, False, False), (200, 40, 0, 2, 128, 128, False, False, True, True),
@@ -98,9 +99,8 @@ def test_weight_stream_irregular_shapes(device, tb, depth, rowvec, ahead, dtype,
     multiple of KC, rows not a multiple of BR, a block that starts inside the matrix, one step and an
     odd number of steps, several tokens (in groups of TB per weight chunk, the last one partial), one
     or two chunks in flight (DEPTH), one token's rows stored as a vector (ROWVEC), its out row looked up a
-    step ahead (AHEAD), gate|up, rows from a
-    list, a residual, x's RMSNorm (a scale per token, per group); whole chunks read past the matrix's end into the arena's slack, and no read
-    outside [weights, slack] reaches an output."""
+    step ahead (AHEAD), gate|up, rows from a list, a residual, x's RMSNorm (a scale per token, per group); whole chunks
+    read past the matrix's end into the arena's slack, and no read outside [weights, slack] reaches an output."""
     out, rows, want = _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res, norm, depth, rowvec=rowvec,
                            ahead=ahead)
     got = out[rows.long(), r0:]

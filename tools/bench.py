@@ -161,8 +161,9 @@ def _precompile_job(job) -> str:
     config.profile = profile
     k = precompile(plan, torch.bfloat16, config)
     k._init_handles()  # loads it: registers and spills are known from then on
-    return (f"{name} T={T} plan {plan_spec or 'default'} launch {launch_spec or 'default'}{' profile' if profile else ''}: "
-            f"{k.n_regs} registers, {k.n_spills} spills, {time.perf_counter() - t0:.0f} s")
+    return (f"{name} T={T} plan {plan_spec or 'default'} launch {launch_spec or 'default'}"
+            f"{' profile' if profile else ''}: {k.n_regs} registers, {k.n_spills} spills, "
+            f"{time.perf_counter() - t0:.0f} s")
 
 
 def precompile_run(args, workers: int) -> None:
@@ -267,7 +268,8 @@ def bench_model(name: str, T: int, ctx: int, bw: float, workers: int, out: Path,
                      regs=vk.compiled.n_regs, spills=vk.compiled.n_spills,
                      rel_err_vs_main=rel_err(out_v.logits, first.logits),
                      launches_per_step=count_launches(vk.replay, steps=3)["launches_per_step"])
-            if profile == "variants":  # its trace beside the main plan's (a launch variant's: the same plan, its blocks)
+            if profile == "variants":
+                # its trace beside the main plan's (a launch variant's: the same plan, its blocks)
                 pk = Megakernel(vk.plan, None, "cuda", share=vk.mem,
                                 config=dataclasses.replace(vk.config, profile=True))
                 v["profiled_step_us"] = profiled(pk, f"trace_{name}_T{T}_{re.sub('[^A-Za-z0-9]+', '_', spec)}.json")
@@ -346,7 +348,8 @@ def main() -> None:
     p.add_argument("--variants", nargs="*", default=[], metavar="KEY=V,...",
                    help="also time these launch variants, e.g. TB=4 KC=1024,BR=16 num_warps=4")
     p.add_argument("--plan-variants", nargs="*", default=[], metavar="KEY=V,...",
-                   help="also time plans compiled with these options, e.g. spread=0,attn_split=320 (session 1's tiling)")
+                   help="also time plans compiled with these options, e.g. spread=0,attn_split=320 "
+                        "(session 1's tiling)")
     p.add_argument("--jobs", type=int, default=0,
                    help="compile the run's kernels first in this many processes (0: each as the run reaches it)")
     p.add_argument("--out", default=".")
@@ -392,7 +395,8 @@ def main() -> None:
         if kernels:
             print(f"{'':<14}kernels per step: {kernels}, megakernel {r['kernels_per_step']:.0f}")
         for v in r.get("plan_variants", []):
-            print(f"{'':<14}plan {v['plan_variant']}: " + (f"{v['ms']:.3f} ms, {v['tasks']} tasks" if "ms" in v else v["error"][:60]))
+            print(f"{'':<14}plan {v['plan_variant']}: "
+                  + (f"{v['ms']:.3f} ms, {v['tasks']} tasks" if "ms" in v else v["error"][:60]))
         for v in r.get("variants", []):
             print(f"{'':<14}variant {v['variant']}: "
                   + (f"{v['ms']:.3f} ms, {v['regs']} regs, {v['spills']} spills, {v['launches_per_step']:.1f} launches"

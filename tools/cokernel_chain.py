@@ -206,8 +206,8 @@ def main() -> None:
         setmax = sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", g.asm["ptx"])})
         print(f"sm_90a: norm kernel {k.metadata.shared} bytes shared; gluon:6x4 {g.metadata.shared} bytes shared, "
               f"together {k.metadata.shared + g.metadata.shared} of {SM_SHARED} two CTAs may have; registers "
-              f"together {regs} of 65536 (gluon {g.metadata.num_warps} warps x {gluon_regs}, its warpgroups' setmaxnreg {setmax}; norms "
-              f"{args.norm_warps} warps x {norm_regs})")
+              f"together {regs} of 65536 (gluon {g.metadata.num_warps} warps x {gluon_regs}, its warpgroups' "
+              f"setmaxnreg {setmax}; norms {args.norm_warps} warps x {norm_regs})")
         return
     if not torch.cuda.is_available():
         raise SystemExit("cokernel_chain times Gluon and Triton kernels side by side: it needs a GPU")

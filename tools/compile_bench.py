@@ -32,7 +32,8 @@ def main() -> None:
                      "est_ms": round(plan.estimate["critical_path_ms"], 3)})
     print(f"{'model':<12}{'compile s':>10}{'ops':>8}{'fused':>8}{'tasks':>8}{'est ms':>9}")
     for r in rows:
-        print(f"{r['model']:<12}{r['compile_s']:>10}{r['ops_lowered']:>8}{r['ops_final']:>8}{r['tasks']:>8}{r['est_ms']:>9}")
+        print(f"{r['model']:<12}{r['compile_s']:>10}{r['ops_lowered']:>8}"
+              f"{r['ops_final']:>8}{r['tasks']:>8}{r['est_ms']:>9}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -59,8 +59,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megakernel.memory import STREAM_SLACK  # noqa: E402
 from megakernel.ops import linear  # noqa: E402
 # the ring's pieces are the engine's (its stream kernel streams LINEAR tasks the same way)
-from megakernel.ops.linear_ring import (COLS, MAX_K_CLASSES, ROWS, TILE_COLS, TILE_ROWS, copy_by_k_class,  # noqa: E402,F401
-                                        ring_buffers, tile_sums)
+from megakernel.ops.linear_ring import (COLS, MAX_K_CLASSES, ROWS, TILE_COLS, TILE_ROWS,  # noqa: E402,F401
+                                        copy_by_k_class, ring_buffers, tile_sums)
 from tools import mma_stream  # noqa: E402
 from tools.tma_stream import flat_ring_kernel, plain_load, spin_wait  # noqa: E402
 
@@ -395,9 +395,9 @@ class Variant:
             raise ValueError(f"variant {spec!r}: tmaf:STAGESxSUB takes 2 or more stages of SUB (1, 2, 4 or 8) tiles "
                              f"of {TILE_ROWS} x {TILE_COLS} bf16, STAGES - 1 of them at most 200 KB")
         if kind in ("tma", "tmaw") and (a < 2 or b not in (64, 128, 256, 512, 1024) or a * 16 * b * 2 > 200 * 1024):
-            raise ValueError(f"variant {spec!r}: tma:STAGESxKC takes 2 or more stages of 16 x KC bf16 tiles, KC a power "
-                             "of two from 64 to 1024 (Triton sends a tile wider than a TMA box as several), at most "
-                             "200 KB in all")
+            raise ValueError(f"variant {spec!r}: tma:STAGESxKC takes 2 or more stages of 16 x KC bf16 tiles, KC a "
+                             "power of two from 64 to 1024 (Triton sends a tile wider than a TMA box as several), at "
+                             "most 200 KB in all")
         if kind in ("mma", "mmas") and (a, b) not in ((TILE_ROWS, 512), (TILE_ROWS, 2048)):
             raise ValueError(f"variant {spec!r}: the tensor-core stream runs tasks of {TILE_ROWS} rows in steps of 512 "
                              "columns (mma:16x512)")

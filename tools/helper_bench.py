@@ -294,10 +294,10 @@ def main() -> None:
               f"{'/'.join(map(str, r.get('helper_row_share_first_last_quarter', ['-']))):>15} "
               f"{r.get('tokens_equal', '-'):>7}")
     for r in costs:
-        print(f"{args.helper} {r['fraction']:.2f} migrate {r['migrate']} ({r['runs']} run(s), off {r['off_runs']}): each "
-              f"step's fastest run is at most {r['max_step_ratio']:.3f}x (median {r['median_step_ratio']:.3f}x) the "
-              f"same step's without; {r['steps_over_1.05']} steps over 1.05x; without migration the slowest step is "
-              f"{r['off_max_over_median']:.3f}x the median"
+        print(f"{args.helper} {r['fraction']:.2f} migrate {r['migrate']} ({r['runs']} run(s), off {r['off_runs']}): "
+              f"each step's fastest run is at most {r['max_step_ratio']:.3f}x (median {r['median_step_ratio']:.3f}x) "
+              f"the same step's without; {r['steps_over_1.05']} steps over 1.05x; without migration the slowest step "
+              f"is {r['off_max_over_median']:.3f}x the median"
               + (f", and off against off at most {r['off_vs_off_max']:.3f}x" if "off_vs_off_max" in r else "")
               + (f"; against replay (same placements, nothing moving; {r['replay_runs']} run(s)) at most "
                  f"{r['max_step_ratio_vs_replay']:.3f}x (median {r['median_step_ratio_vs_replay']:.3f}x), "

@@ -116,8 +116,8 @@ def main() -> None:
     for r in results:
         for kind in ("kmajor", "rowmajor"):
             k = r[kind]
-            print(f"{r['rows']:>5} {r['MB']:>7.1f} {kind:>9} {k['ms']:>8.4f} {k['TBps']:>6.2f} {k['GBps_per_sm']:>8.1f} "
-                  f"{k['rel_err']:>8.1e}")
+            print(f"{r['rows']:>5} {r['MB']:>7.1f} {kind:>9} {k['ms']:>8.4f} {k['TBps']:>6.2f} "
+                  f"{k['GBps_per_sm']:>8.1f} {k['rel_err']:>8.1e}")
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "kmajor_bench.json").write_text(json.dumps(results, indent=1))

@@ -82,7 +82,8 @@ def compile_kernel(fn, pointers: dict, scalars: list[str], const: dict, num_warp
 
 
 STREAM_PROBE_ARGS = ({"W": "*bf16", "A": "*fp32", "I": "*i32"},
-                     "x_off x_ld xrows_div n_rows out_off out_ld res_off res_ld use_res w_off w2_off two r0 r1 K".split())
+                     ("x_off x_ld xrows_div n_rows out_off out_ld res_off res_ld use_res "
+                      "w_off w2_off two r0 r1 K").split())
 
 
 def compile_sass(fn, pointers: dict, scalars: list[str], const: dict, num_warps: int = 8) -> tuple[str, str]:

@@ -72,9 +72,9 @@ def sweep_model(name: str, args, workers: int) -> list[dict]:
     dtype = torch.bfloat16 if gpu else torch.float32
     weights = init_weights(cfg, seed=0, device=args.device, dtype=dtype)
     max_len = args.ctx + 2 * (args.kmax + 1) + args.tokens
-    dec = SpeculativeDecoder(cfg, weights, k=args.kmax, batch=args.batch, max_len=max_len, device=args.device, dtype=dtype,
-                             backend="megakernel" if gpu else "interpret", options=CompileOptions(workers=workers),
-                             temperature=args.temperature, top_p=args.top_p)
+    dec = SpeculativeDecoder(cfg, weights, k=args.kmax, batch=args.batch, max_len=max_len, device=args.device,
+                             dtype=dtype, backend="megakernel" if gpu else "interpret",
+                             options=CompileOptions(workers=workers), temperature=args.temperature, top_p=args.top_p)
     del weights  # the engine packed its own copy
     # every plan the sweep and the equality check use, compiled side by side (most of a sweep's setup)
     dec.precompile(range(args.kmax + 1), 1, args.compile_processes)
@@ -104,7 +104,8 @@ def sweep_model(name: str, args, workers: int) -> list[dict]:
             row[f"acceptance_length_{key}"] = stats.acceptance_length
             if source == "oracle":  # every draft accepted: exactly k+1 tokens per step
                 row["oracle_k_plus_1"] = stats.acceptance_length == k + 1 == stats.tokens_per_step
-    rows[0].update(reference=True, tokens_checked=args.tokens, batch=args.batch, setup_s=time.perf_counter() - t0)  # what k >= 1 equal
+    rows[0].update(reference=True, tokens_checked=args.tokens, batch=args.batch,
+                   setup_s=time.perf_counter() - t0)  # what k >= 1 equal
     return rows
 
 

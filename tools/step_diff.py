@@ -70,15 +70,16 @@ def step_diff(model: str, layers: int | None, stream_kernel: bool, steps: int, l
     ref_i = same.index(max(same))  # the most common result
     worker_of = {t: w for w in range(plan.workers) for t in plan.queue(w)}
     order = list(dict.fromkeys(op_of(label) for label in plan.task_labels))  # worker-major: read the chain by name
-    report = {"model": model, "overrides": overrides or {}, "layers": layers, "stream_kernel": stream_kernel, "steps": steps,
-              "launches": launches, "differing_steps": {}}
+    report = {"model": model, "overrides": overrides or {}, "layers": layers, "stream_kernel": stream_kernel,
+              "steps": steps, "launches": launches, "differing_steps": {}}
     for i in range(steps):
         if not torch.equal(logits[i], logits[ref_i]):
             tasks = written_tasks_that_differ(plan, snaps[i], snaps[ref_i])
             per_op = collections.Counter(op_of(plan.task_labels[t]) for t in tasks)
             report["differing_steps"][i] = {op: per_op[op] for op in order if per_op[op]}
             report.setdefault("differing_tasks", {})[i] = [
-                f"{plan.task_labels[t]} (worker {worker_of[t]})" for t in tasks if per_op[op_of(plan.task_labels[t])] < 8]
+                f"{plan.task_labels[t]} (worker {worker_of[t]})" for t in tasks
+                if per_op[op_of(plan.task_labels[t])] < 8]
     return report
 
 

@@ -77,7 +77,8 @@ def table(accept: list[float], step_ms: dict[int, float]) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--accept", nargs="*", type=float, help="conditional acceptance per draft position")
-    p.add_argument("--from-json", help="a --json result of python -m megakernel.run --spec-k (its per-position acceptance)")
+    p.add_argument("--from-json",
+                   help="a --json result of python -m megakernel.run --spec-k (its per-position acceptance)")
     p.add_argument("--unconditional", action="store_true", help="--accept values are unconditional (as --json reports)")
     p.add_argument("--step-ms", type=float, default=1.0, help="step time at k=0 (linear model)")
     p.add_argument("--per-draft-ms", type=float, default=0.05, help="extra step time per draft (linear model)")

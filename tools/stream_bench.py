@@ -97,11 +97,12 @@ def main() -> None:
     result = {"gpu": props.name, "kind": args.kind, "layers": args.layers, "width": args.width, "tasks": plan.num_tasks,
               "bytes_per_step": nbytes, "read_TBps": bw / 1e12, "rows": rows}
     (out / f"stream_{args.kind}.json").write_text(json.dumps(result, indent=1))
-    print(f"{props.name}: streaming read {bw / 1e12:.2f} TB/s ({bw / 1e9 / props.multi_processor_count:.1f} GB/s per SM); "
-          f"{args.kind} step reads {nbytes / 1e9:.3f} GB in {plan.num_tasks} tasks")
+    print(f"{props.name}: streaming read {bw / 1e12:.2f} TB/s ({bw / 1e9 / props.multi_processor_count:.1f} GB/s "
+          f"per SM); {args.kind} step reads {nbytes / 1e9:.3f} GB in {plan.num_tasks} tasks")
     print(f"{'variant':<24}{'ms':>9}{'TB/s':>7}{'GB/s/SM':>9}{'regs':>6}{'spills':>8}")
     for r in rows:
-        print(f"{r['variant']:<24}{r['ms']:>9.3f}{r['TBps']:>7.2f}{r['GBps_per_SM']:>9.1f}{r['regs']:>6}{r['spills']:>8}")
+        print(f"{r['variant']:<24}{r['ms']:>9.3f}{r['TBps']:>7.2f}"
+              f"{r['GBps_per_SM']:>9.1f}{r['regs']:>6}{r['spills']:>8}")
 
 
 if __name__ == "__main__":

@@ -106,7 +106,8 @@ class Reference:
         if self.cfg.is_moe_layer(layer):
             B, T, H = x.shape
             return moe(self.cfg, self.w, p, x.reshape(B * T, H)).view(B, T, H)
-        return swiglu_mlp(x, self.w[p + "gate_proj.weight"], self.w[p + "up_proj.weight"], self.w[p + "down_proj.weight"])
+        return swiglu_mlp(x, self.w[p + "gate_proj.weight"], self.w[p + "up_proj.weight"],
+                          self.w[p + "down_proj.weight"])
 
     def decoder_layer(self, layer: int, x: torch.Tensor, cache: Cache, pos: torch.Tensor) -> torch.Tensor:
         """x [B, T, H] (or [B, T, n, H] streams with mHC) -> same shape."""
@@ -134,7 +135,8 @@ class Reference:
         B, T = tokens.shape
         pos = self.positions(cache, cache_lens, T)
         if int(tokens.min()) < 0 or int(tokens.max()) >= cfg.vocab_size:
-            raise ValueError(f"token ids must be in [0, {cfg.vocab_size}), got {int(tokens.min())}..{int(tokens.max())}")
+            raise ValueError(f"token ids must be in [0, {cfg.vocab_size}), "
+                             f"got {int(tokens.min())}..{int(tokens.max())}")
         emb = w["model.embed_tokens.weight"]
         x = self._streams_in(emb[tokens.to(emb.device)])
         for layer in range(cfg.num_hidden_layers):
@@ -167,7 +169,8 @@ class Reference:
         """Greedy decoding: prompts [B, S] (equal lengths) -> new tokens [B, max_new_tokens]."""
         B, S = prompts.shape
         device = self.w["model.embed_tokens.weight"].device
-        cache = Cache.allocate(self.cfg, B, max_len or S + max_new_tokens, self.w["model.embed_tokens.weight"].dtype, device)
+        cache = Cache.allocate(self.cfg, B, max_len or S + max_new_tokens,
+                               self.w["model.embed_tokens.weight"].dtype, device)
         lens = torch.zeros(B, dtype=torch.long, device=device)
         tokens = prompts.to(device)
         out = []

@@ -67,8 +67,10 @@ class StaticStep:
         cache = self.cache.data[layer]
         if not cfg.is_mla:
             nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-            q = apply_rope(linear(x, w[a + "q_proj.weight"]).view(B, T, nh, hd), cos[:, :, None], sin[:, :, None], False)
-            k = apply_rope(linear(x, w[a + "k_proj.weight"]).view(B, T, nkv, hd), cos[:, :, None], sin[:, :, None], False)
+            q = apply_rope(linear(x, w[a + "q_proj.weight"]).view(B, T, nh, hd),
+                           cos[:, :, None], sin[:, :, None], False)
+            k = apply_rope(linear(x, w[a + "k_proj.weight"]).view(B, T, nkv, hd),
+                           cos[:, :, None], sin[:, :, None], False)
             v = linear(x, w[a + "v_proj.weight"])
             self._write(layer, pos, torch.cat((k.flatten(2), v), dim=-1))
             keys = cache[..., : nkv * hd].float().view(B, -1, nkv, hd).repeat_interleave(nh // nkv, dim=2)
@@ -111,7 +113,8 @@ class StaticStep:
         out = (y.float() * weights[..., None]).sum(1)
         if cfg.n_shared_experts:
             s = p + "shared_experts."
-            out = out + swiglu_mlp(flat, w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"]).float()
+            out = out + swiglu_mlp(flat, w[s + "gate_proj.weight"], w[s + "up_proj.weight"],
+                                   w[s + "down_proj.weight"]).float()
         return out.to(x.dtype).view(B, T, H)
 
     @torch.no_grad()
