@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples on the speculative decoder (--spec-k 0 unless given), "
                         "with speculative rejection sampling that keeps the target distribution")
-    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling mass (default 1)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0: nucleus sampling mass, in (0, 1] (default 1)")
     p.add_argument("--check", action="store_true",
                    help="run the reference on the same tokens and exit non-zero on a mismatch")
     p.add_argument("--profile", metavar="PATH",
@@ -267,6 +267,10 @@ def run(args: argparse.Namespace) -> dict:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
     if not args.temperature >= 0:  # NaN too
         raise ValueError(f"--temperature must be >= 0 (0 decodes greedily), got {args.temperature}")
+    if not 0 < args.top_p <= 1:  # NaN too
+        raise ValueError(f"--top-p must be in (0, 1] (the sampled tokens' probability mass), got {args.top_p}")
+    if args.top_p < 1 and args.temperature == 0:  # else ignored without a word: greedy decoding samples nothing
+        raise ValueError(f"--top-p {args.top_p} needs --temperature > 0 (greedy decoding samples nothing)")
     if args.temperature > 0 and args.spec_k is None:
         args.spec_k = 0  # sampling (and its on-device accept) is the speculative decoder's: with no drafts, k = 0
     if args.spec_k is not None:  # the speculative decoder has no reference beside it and no profiled step
