@@ -71,7 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples on the speculative decoder (--spec-k 0 unless given), "
                         "with speculative rejection sampling that keeps the target distribution")
-    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0: nucleus sampling mass, in (0, 1] (default 1)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="with --temperature > 0: nucleus sampling mass, in (0, 1] (default 1)")
     p.add_argument("--check", action="store_true",
                    help="run the reference on the same tokens and exit non-zero on a mismatch")
     p.add_argument("--profile", metavar="PATH",
