@@ -19,7 +19,11 @@ from pathlib import Path
 def load_sweep(path: str | Path) -> dict[int, float]:
     """Step time per k from a measured sweep: a JSON list of {"k": K, "step_ms": MS, ...}
     (tools/spec_sweep.py writes one)."""
-    return {int(r["k"]): float(r["step_ms"]) for r in json.loads(Path(path).read_text())}
+    try:
+        return {int(r["k"]): float(r["step_ms"]) for r in json.loads(Path(path).read_text())}
+    except (OSError, ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"step-time sweep {path}: expected a JSON list of {{\"k\": K, \"step_ms\": MS}} objects "
+                         f"({type(e).__name__}: {e})") from e
 
 
 def expected_tokens(accept: list[float], k: int) -> float:

@@ -250,10 +250,42 @@ def run_speculative(args, name, cfg, weights, source, backend, device, dtype, op
     return result
 
 
+def check_options(args: argparse.Namespace, backend: str) -> None:
+    """Options refused by name before anything loads: a step-time sweep that cannot be read, and options this run
+    would ignore without a word (whoever gave one expects it to act)."""
+    if args.spec_k is None:  # before sampling sets k = 0: drafts and their k need speculative decoding asked for
+        for flag, given in (("adaptive-k", args.adaptive_k), ("draft", args.draft != "mtp")):
+            if given:
+                raise ValueError(f"--{flag} needs --spec-k K (speculative decoding)")
+    if args.k_sweep and not args.adaptive_k:
+        raise ValueError("--k-sweep needs --adaptive-k (it gives the step time of each k that the choice weighs)")
+    if args.k_sweep:
+        from .adaptive import load_sweep
+        load_sweep(args.k_sweep)
+    if args.profile and backend != "megakernel":
+        raise ValueError(f"--profile stamps the megakernel's tasks: it needs --backend megakernel, not {backend}")
+    if args.helper == "none":
+        for flag, given in (("migrate on", args.migrate == "on"), ("helper-fallback", args.helper_fallback),
+                            ("helper-persistent", args.helper_persistent)):
+            if given:
+                raise ValueError(f"--{flag} needs --helper cpu|emulate|cuda:N (routed experts on a helper)")
+
+
 def run(args: argparse.Namespace) -> dict:
+    if args.device:
+        try:
+            asked = torch.device(args.device)
+        except RuntimeError as e:
+            raise ValueError(f"--device {args.device}: not a device torch knows ({e})") from e
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if asked.type == "cuda" and (asked.index or 0) >= count:
+            raise ValueError(f"--device {args.device}: this machine has {count} CUDA device(s) torch can use")
+    if args.json and not Path(args.json).resolve().parent.is_dir():  # found now, not after the whole run
+        raise ValueError(f"--json {args.json}: its folder {Path(args.json).resolve().parent} does not exist")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     name = args.model or (DEFAULT_GPU_MODEL if device.type == "cuda" else DEFAULT_CPU_MODEL)
     backend = args.backend or ("megakernel" if device.type == "cuda" else "interpret")
+    check_options(args, backend)
     if args.workers is None:
         args.workers = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
     cfg, path = resolve_config(name)

@@ -173,8 +173,19 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     (["--temperature", "0.7", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     (["--top-p", "0.9"], "--top-p 0.9 needs --temperature > 0"),
     (["--temperature", "0.7", "--check"], "--check runs with the plain greedy decoder"),
-    (["--spec-k", "2", "--profile", "p.json"], "--profile runs with the plain greedy decoder"),
+    (["--spec-k", "2", "--backend", "megakernel", "--profile", "p.json"],
+     "--profile runs with the plain greedy decoder"),
     (["--helper", "cpu", "--helper-timeout", "0"], "--helper-timeout must be > 0 seconds"),
+    # options the run would have ignored without a word, and inputs found only after the whole run
+    (["--adaptive-k"], "--adaptive-k needs --spec-k K"),
+    (["--temperature", "0.7", "--draft", "oracle"], "--draft needs --spec-k K"),
+    (["--spec-k", "1", "--k-sweep", "s.json"], "--k-sweep needs --adaptive-k"),
+    (["--spec-k", "1", "--adaptive-k", "--k-sweep", "/nonexistent/s.json"], "step-time sweep /nonexistent/s.json"),
+    (["--profile", "p.json", "--backend", "interpret"], "--profile stamps the megakernel's tasks"),
+    (["--migrate", "on"], "--migrate on needs --helper"),
+    (["--json", "/nonexistent/dir/r.json"], "its folder /nonexistent/dir does not exist"),
+    (["--device", "gpu"], "--device gpu: not a device torch knows"),
+    (["--device", "cuda:64"], "CUDA device(s) torch can use"),
 ])
 def test_cli_refuses_out_of_range_options_by_name(argv, says, capsys):
     assert main(argv) == 2
