@@ -53,7 +53,8 @@ class StepShape:
 class _Lowering:
     def __init__(self, cfg: ModelConfig, shape: StepShape, vocab_block: int = 4096):
         if shape.T < 1 or shape.B < 1 or shape.max_len < 2 * shape.T * shape.speculative + shape.T + shape.mtp_passes:
-            raise ValueError(f"bad step shape {shape}: need T, B >= 1 and max_len >= T + mtp_passes")
+            raise ValueError(f"bad step shape {shape}: need T, B >= 1 and max_len >= T + mtp_passes, plus 2·T for a "
+                             "speculative step")
         if shape.mtp_passes and not cfg.num_nextn_predict_layers:
             raise ValueError("mtp_passes > 0 needs a model with MTP layers (num_nextn_predict_layers > 0)")
         if shape.speculative and shape.mtp_passes:

@@ -202,12 +202,12 @@ def measure_megakernel(engine, profile_path: str | None) -> dict:
 
 
 def run_speculative(args, name, cfg, weights, source, backend, device, dtype, options, result) -> dict:
-    from .speculative import Drafts, SpeculativeDecoder
+    from .speculative import Drafts, SpeculativeDecoder, cache_positions
     if backend == "reference":
         raise ValueError("--spec-k and sampling (--temperature > 0) run on the interpret or megakernel backend")
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt_len), generator=gen)
-    room = args.prompt_len + args.steps + 2 * (args.spec_k + 1) + 8
+    room = cache_positions(args.prompt_len, args.steps, args.spec_k) + 8
     oracle = None
     if args.draft != "mtp":  # the oracle: this engine's own plain greedy continuation
         plain = SpeculativeDecoder(cfg, weights, 0, args.batch, room, device, dtype, backend, options=options)

@@ -103,6 +103,25 @@ class Drafts:
         return out
 
 
+def prefill_chunks(S: int, k: int, max_chunk: int) -> list[int]:
+    """A prompt of S tokens as prefill steps: chunks of up to max_chunk, then its last min(S, k + 1) tokens (the
+    step whose accept drafts the first k)."""
+    last = min(S, k + 1)
+    rest, chunks = S - last, []
+    while rest > 0:
+        chunks.append(min(max_chunk, rest))
+        rest -= chunks[-1]
+    return chunks + [last]
+
+
+def cache_positions(prompt_len: int, new_tokens: int, k: int, max_chunk: int = 8) -> int:
+    """Cache positions a run of the speculative decoder needs: the prompt, the new tokens and two steps' drafting
+    room, and 3·T for its longest step of T tokens (a prefill chunk, or k + 1 verified once a decode step runs),
+    which a speculative step's lowering reserves (graph/lower.py)."""
+    longest = max(prefill_chunks(prompt_len, k, max_chunk) + [k + 1] * (new_tokens > 1))
+    return max(prompt_len + new_tokens + 2 * (k + 1), 3 * longest)
+
+
 class SpeculativeDecoder:
     def __init__(self, cfg: ModelConfig, weights, k: int, batch: int, max_len: int, device="cpu",
                  dtype: torch.dtype | None = None, backend: str = "interpret", workers: int = 8,
@@ -153,21 +172,17 @@ class SpeculativeDecoder:
         self.engine.precompile(shapes, processes)
 
     def prefill_chunks(self, S: int) -> list[int]:
-        last = min(S, self.k + 1)
-        rest, chunks = S - last, []
-        while rest > 0:
-            chunks.append(min(self.max_chunk, rest))
-            rest -= chunks[-1]
-        return chunks + [last]
+        return prefill_chunks(S, self.k, self.max_chunk)
 
     def generate(self, prompts: torch.Tensor, max_new_tokens: int, drafts: Drafts | None = None,
                  eos: int | None = None) -> tuple[list[list[int]], SpecStats]:
         B, S = prompts.shape
         if B != self.batch:
             raise ValueError(f"prompts have {B} sequences, the decoder was built for {self.batch}")
-        if S + max_new_tokens + 2 * (self.k + 1) > self.max_len:
-            raise ValueError(f"prompt {S} + {max_new_tokens} new tokens + drafting room {2 * (self.k + 1)} exceeds "
-                             f"the cache of {self.max_len} positions")
+        need = cache_positions(S, max_new_tokens, self.k, self.max_chunk)
+        if need > self.max_len:
+            raise ValueError(f"prompt {S} + {max_new_tokens} new tokens at k={self.k} need {need} positions (drafting "
+                             f"room, 3x the longest step's tokens), which exceeds the cache of {self.max_len}")
         drafts = drafts or Drafts("mtp")
         if drafts.kind == "mtp" and self.k and not self.cfg.num_nextn_predict_layers:
             raise ValueError("--draft mtp needs a model with MTP layers; use --draft oracle or noisy:P")

@@ -192,6 +192,12 @@ def test_cli_refuses_out_of_range_options_by_name(argv, says, capsys):
     assert says in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["--temperature", "0.5"], ["--spec-k", "0"]])
+def test_cli_speculative_runs_of_two_tokens(argv):
+    """A short speculative run still has the cache its longest step (the prompt's first chunk) needs."""
+    assert main([*argv, "--steps", "2"]) == 0
+
+
 def test_cli_samples_when_given_a_temperature(tmp_path):
     """--temperature > 0 without --spec-k samples (on the speculative decoder with no drafts), not greedily."""
     runs = []

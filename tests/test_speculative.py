@@ -10,7 +10,7 @@ import triton.language as tl
 
 from graph.compile import CompileOptions, compile_step
 from megakernel.ops.spec import row_dist, sample_row, uniform_dev
-from megakernel.speculative import Drafts, SpeculativeDecoder
+from megakernel.speculative import Drafts, SpeculativeDecoder, cache_positions
 from model import TINY_PRESETS, init_weights, preset
 
 NEW = 10
@@ -129,6 +129,21 @@ def test_triton_accept_and_gather_bodies(name, k, B, kind, n):
         assert stats.accepted_hist[0] == min(k, n - 1)
     if kind.startswith("noisy"):
         assert sum(stats.accepted_hist) > 0
+
+
+@pytest.mark.parametrize("S,k", [(5, 0), (9, 0), (1, 2), (9, 2), (3, 7)])
+def test_a_run_fits_the_cache_positions_it_asks_for(S, k):
+    """A run of the speculative decoder with exactly cache_positions(...) positions (the CLI's cache length, less
+    its slack) compiles every step shape and decodes: short runs with a long prompt chunk used to fail in the
+    lowering, which reserves 3·T positions for a speculative step of T tokens (--temperature 0.5 --steps 2 needed
+    21 positions and had 20); one position fewer is refused by generate, before any compile."""
+    cfg, w, _ = _setup("tiny-moe", 1)
+    prompts = torch.randint(0, cfg.vocab_size, (1, S), generator=torch.Generator().manual_seed(S))
+    need = cache_positions(S, 2, k)
+    out, _ = SpeculativeDecoder(cfg, w, k, 1, need).generate(prompts, 2)  # tiny-moe's MTP layer drafts
+    assert len(out[0]) == 2
+    with pytest.raises(ValueError, match="exceeds the cache"):
+        SpeculativeDecoder(cfg, w, k, 1, need - 1).generate(prompts, 2)
 
 
 def test_bad_requests_are_refused():
