@@ -44,6 +44,12 @@ class StepShape:
     def N(self) -> int:
         return self.T * self.B
 
+    @property
+    def min_max_len(self) -> int:
+        """The fewest cache positions this step lowers with: its T tokens and MTP passes, and 2·T more for a
+        speculative step."""
+        return 2 * self.T * self.speculative + self.T + self.mtp_passes
+
     def split_len(self) -> int:
         if self.attn_split:
             return self.attn_split
@@ -52,7 +58,7 @@ class StepShape:
 
 class _Lowering:
     def __init__(self, cfg: ModelConfig, shape: StepShape, vocab_block: int = 4096):
-        if shape.T < 1 or shape.B < 1 or shape.max_len < 2 * shape.T * shape.speculative + shape.T + shape.mtp_passes:
+        if shape.T < 1 or shape.B < 1 or shape.max_len < shape.min_max_len:
             raise ValueError(f"bad step shape {shape}: need T, B >= 1 and max_len >= T + mtp_passes, plus 2·T for a "
                              "speculative step")
         if shape.mtp_passes and not cfg.num_nextn_predict_layers:

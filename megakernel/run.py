@@ -201,7 +201,8 @@ def measure_megakernel(engine, profile_path: str | None) -> dict:
     return out
 
 
-def run_speculative(args, name, cfg, weights, source, backend, device, dtype, options, result) -> dict:
+def run_speculative(args, name, cfg, weights, source, backend, device, dtype, options, result, sweep) -> dict:
+    """sweep: --k-sweep's step time per k (read before anything loaded), or None."""
     from .speculative import Drafts, SpeculativeDecoder, cache_positions
     if backend == "reference":
         raise ValueError("--spec-k and sampling (--temperature > 0) run on the interpret or megakernel backend")
@@ -215,9 +216,8 @@ def run_speculative(args, name, cfg, weights, source, backend, device, dtype, op
     drafts = Drafts(args.draft, oracle, cfg.vocab_size, args.seed)
     adaptive = None
     if args.adaptive_k:
-        from .adaptive import AdaptiveK, load_sweep
-        if args.k_sweep:
-            sweep = load_sweep(args.k_sweep)
+        from .adaptive import AdaptiveK
+        if sweep is not None:
             adaptive = AdaptiveK(args.spec_k, {k: sweep[k] for k in sweep if k <= args.spec_k})
         else:
             adaptive = AdaptiveK.linear(args.spec_k)
@@ -251,17 +251,14 @@ def run_speculative(args, name, cfg, weights, source, backend, device, dtype, op
 
 
 def check_options(args: argparse.Namespace, backend: str) -> None:
-    """Options refused by name before anything loads: a step-time sweep that cannot be read, and options this run
-    would ignore without a word (whoever gave one expects it to act)."""
+    """Options this run would ignore without a word, refused by name before anything loads (whoever gave one
+    expects it to act)."""
     if args.spec_k is None:  # before sampling sets k = 0: drafts and their k need speculative decoding asked for
         for flag, given in (("adaptive-k", args.adaptive_k), ("draft", args.draft != "mtp")):
             if given:
                 raise ValueError(f"--{flag} needs --spec-k K (speculative decoding)")
     if args.k_sweep and not args.adaptive_k:
         raise ValueError("--k-sweep needs --adaptive-k (it gives the step time of each k that the choice weighs)")
-    if args.k_sweep:
-        from .adaptive import load_sweep
-        load_sweep(args.k_sweep)
     if args.profile and backend != "megakernel":
         raise ValueError(f"--profile stamps the megakernel's tasks: it needs --backend megakernel, not {backend}")
     if args.helper == "none":
@@ -280,12 +277,15 @@ def run(args: argparse.Namespace) -> dict:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if asked.type == "cuda" and (asked.index or 0) >= count:
             raise ValueError(f"--device {args.device}: this machine has {count} CUDA device(s) torch can use")
-    if args.json and not Path(args.json).resolve().parent.is_dir():  # found now, not after the whole run
-        raise ValueError(f"--json {args.json}: its folder {Path(args.json).resolve().parent} does not exist")
+    folder = Path(args.json).resolve().parent if args.json else None
+    if folder is not None and not folder.is_dir():  # found now, not after the whole run
+        raise ValueError(f"--json {args.json}: its folder {folder} does not exist")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     name = args.model or (DEFAULT_GPU_MODEL if device.type == "cuda" else DEFAULT_CPU_MODEL)
     backend = args.backend or ("megakernel" if device.type == "cuda" else "interpret")
     check_options(args, backend)
+    from .adaptive import load_sweep
+    sweep = load_sweep(args.k_sweep) if args.k_sweep else None  # a bad file is an error before anything loads
     if args.workers is None:
         args.workers = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
     cfg, path = resolve_config(name)
@@ -329,7 +329,7 @@ def run(args: argparse.Namespace) -> dict:
         host = is_routed_expert(cfg)  # main keeps only its slots: the experts never pass through the device
     cfg, weights, source = load_weights(cfg, path, args.seed, device, dtype, host)
     if args.spec_k is not None:
-        return run_speculative(args, name, cfg, weights, source, backend, device, dtype, options, result)
+        return run_speculative(args, name, cfg, weights, source, backend, device, dtype, options, result, sweep)
     engine = make_engine(cfg, weights, backend, args.batch, max_len, device, dtype, workers=args.workers,
                          check=args.check, seed=args.seed, options=options, helper=helper_options(args))
     gen = torch.Generator().manual_seed(args.seed)

@@ -116,10 +116,10 @@ def prefill_chunks(S: int, k: int, max_chunk: int) -> list[int]:
 
 def cache_positions(prompt_len: int, new_tokens: int, k: int, max_chunk: int = 8) -> int:
     """Cache positions a run of the speculative decoder needs: the prompt, the new tokens and two steps' drafting
-    room, and 3·T for its longest step of T tokens (a prefill chunk, or k + 1 verified once a decode step runs),
-    which a speculative step's lowering reserves (graph/lower.py)."""
+    room, and what the lowering asks of its longest step (a prefill chunk, or k + 1 verified once a decode step
+    runs: StepShape.min_max_len, 3·T)."""
     longest = max(prefill_chunks(prompt_len, k, max_chunk) + [k + 1] * (new_tokens > 1))
-    return max(prompt_len + new_tokens + 2 * (k + 1), 3 * longest)
+    return max(prompt_len + new_tokens + 2 * (k + 1), StepShape(T=longest, speculative=True).min_max_len)
 
 
 class SpeculativeDecoder:
