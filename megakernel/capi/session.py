@@ -1,0 +1,112 @@
+"""The Python side of the C API (megakernel.h): one decode session per `mk_engine` handle.
+
+libmegakernel embeds CPython and calls these functions; each C status code is a class of exception here
+(`status_of`).  Every argument is checked before anything runs, so a refused call changes nothing: a prompt that
+would overflow the cache is refused whole, not after some of its chunks were written.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from graph.compile import CompileOptions
+from model import CheckpointError, ConfigError
+from model.schema import DTYPES
+
+from ..engine import make_engine
+from ..launch import MegakernelError
+from ..run import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, load_weights, resolve_config
+
+# the C API's status codes (megakernel.h's mk_status)
+MK_OK, MK_ERR_ARGUMENT, MK_ERR_CAPACITY, MK_ERR_RUNTIME, MK_ERR_PYTHON = 0, 1, 2, 3, 4
+
+
+class CapacityError(ValueError):
+    """A call that would need more cache positions than the engine was opened with."""
+
+
+def status_of(exc: BaseException) -> tuple[int, str]:
+    """(status code, message) the C caller gets for an exception raised by a session call."""
+    if isinstance(exc, CapacityError):
+        code = MK_ERR_CAPACITY
+    elif isinstance(exc, (ValueError, TypeError, KeyError, ConfigError, CheckpointError)):
+        code = MK_ERR_ARGUMENT
+    else:
+        code = MK_ERR_RUNTIME
+    if isinstance(exc, MegakernelError | RuntimeError | OSError) or code != MK_ERR_RUNTIME:
+        return code, str(exc)
+    return code, f"{type(exc).__name__}: {exc}"
+
+
+class Session:
+    """A model's engine (batch 1, greedy) and the position its cache is filled to."""
+
+    def __init__(self, model: str = "", backend: str = "", device: str = "", dtype: str = "", max_len: int = 4096,
+                 seed: int = 0, workers: int = 0):
+        try:
+            device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        except RuntimeError as e:
+            raise ValueError(f"device {device!r}: not a device torch knows ({e})") from e
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.type == "cuda" and (device.index or 0) >= count:
+            raise ValueError(f"device {device}: this machine has {count} CUDA device(s) torch can use")
+        name = model or (DEFAULT_GPU_MODEL if device.type == "cuda" else DEFAULT_CPU_MODEL)
+        backend = backend or ("megakernel" if device.type == "cuda" else "interpret")
+        if backend == "megakernel" and device.type != "cuda":
+            raise ValueError(f"backend megakernel runs on a CUDA device, not {device}")
+        if dtype and dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r}: one of {', '.join(DTYPES)}")
+        cfg, path = resolve_config(name)
+        if not 1 <= max_len <= cfg.max_position_embeddings:
+            raise ValueError(f"max_len {max_len}: between 1 and {name}'s max_position_embeddings "
+                             f"({cfg.max_position_embeddings})")
+        if workers < 0:
+            raise ValueError(f"workers {workers}: >= 1, or 0 for the device's default")
+        if not workers:
+            workers = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+        dtype_ = DTYPES[dtype] if dtype else (DTYPES[cfg.dtype] if device.type == "cuda" else torch.float32)
+        cfg, weights, self.weights_source = load_weights(cfg, path, seed, device, dtype_)
+        self.engine = make_engine(cfg, weights, backend, 1, max_len, device, dtype_, workers=workers, seed=seed,
+                                  options=CompileOptions(workers=workers))
+        self.engine.warm(1)  # decode's step shape compiled (and captured) before the first call needs it
+        self.model, self.backend, self.vocab_size, self.max_len = name, backend, cfg.vocab_size, max_len
+        self.logits: torch.Tensor | None = None  # [V] fp32 on the host: the last position's
+
+    @property
+    def position(self) -> int:
+        return int(self.engine.lens[0])
+
+    def _tokens(self, tokens: list[int], what: str) -> torch.Tensor:
+        if not tokens:
+            raise ValueError(f"{what}: no tokens")
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{what}: token {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if self.position + len(tokens) > self.max_len:
+            raise CapacityError(f"{what}: {len(tokens)} token(s) at position {self.position} need "
+                                f"{self.position + len(tokens)} cache positions; the engine holds {self.max_len} "
+                                f"(mk_options.max_len)")
+        return torch.tensor([tokens], dtype=torch.long, device=self.engine.device)
+
+    def feed(self, tokens: list[int]) -> int:
+        """Append tokens at the current position (a prompt, or the last sampled token); returns the greedy next
+        token after them."""
+        last = self.engine.prefill(self._tokens(tokens, "feed"))
+        self.logits = last[0].float().cpu()
+        return int(self.logits.argmax())
+
+    def copy_logits(self, address: int, capacity: int) -> int:
+        """The last fed position's logits (fp32) copied to `address`; returns how many were copied."""
+        if self.logits is None:
+            raise ValueError("logits: nothing fed yet")
+        if capacity < self.vocab_size:
+            raise ValueError(f"logits: the buffer holds {capacity} floats; the vocabulary has {self.vocab_size}")
+        ctypes.memmove(address, self.logits.data_ptr(), self.vocab_size * 4)
+        return self.vocab_size
+
+    def reset(self) -> None:
+        """Back to position 0 (a new conversation): positions are overwritten as they are fed again."""
+        self.engine.lens.zero_()
+        self.logits = None

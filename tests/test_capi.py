@@ -1,0 +1,101 @@
+"""The C API (megakernel/capi): a C program decoding through megakernel.h gets the Python engine's tokens, and
+each refused call names its problem and leaves the engine as it was."""
+
+import re
+import subprocess
+
+import pytest
+import torch
+
+from megakernel.capi import build, build_refusal
+from megakernel.capi.session import MK_ERR_ARGUMENT, MK_ERR_CAPACITY, CapacityError, Session
+from megakernel.engine import make_engine
+from megakernel.run import load_weights, resolve_config
+from model.schema import DTYPES
+
+PROMPT = [5, 17, 300, 2, 41, 9, 77, 123, 250, 3, 64]  # 11 tokens: prefill chunks of 8 and 3
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory):
+    why = build_refusal()
+    if why:
+        pytest.skip(why)
+    return build(tmp_path_factory.mktemp("capi"))[1]
+
+
+def run_example(example, *args):
+    return subprocess.run([str(example), *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def python_tokens(model, prompt, steps, device="cpu", seed=0):
+    """What the Python engine decodes with mk_options' defaults for `device` (interpret in fp32 on a CPU; the
+    megakernel in the model's dtype on one SM per worker on CUDA)."""
+    cfg, path = resolve_config(model)
+    device = torch.device(device)
+    dtype = DTYPES[cfg.dtype] if device.type == "cuda" else torch.float32
+    workers = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    cfg, weights, _ = load_weights(cfg, path, seed, device, dtype)
+    backend = "megakernel" if device.type == "cuda" else "interpret"
+    engine = make_engine(cfg, weights, backend, 1, 64, device, dtype, workers=workers, seed=seed)
+    tokens, _ = engine.generate(torch.tensor([prompt], device=device), steps)
+    return tokens[0].tolist()
+
+
+def decoded(example, model, device):
+    done = run_example(example, model, device, 64, 6, *PROMPT)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    got = [int(t) for t in next(x for x in lines if x.startswith("tokens:")).split()[1:]]
+    vocab, argmax, fed = map(int, re.fullmatch(r"vocab (\d+), argmax of the prompt's logits (\d+) \(mk_feed: (\d+)\)",
+                                               lines[0]).groups())
+    assert vocab == 512 and argmax == fed == got[0]
+    assert f"position {len(PROMPT) + 5}" in lines
+    return got
+
+
+@pytest.mark.parametrize("model", ["tiny-moe", "tiny-dense"])
+def test_c_program_decodes_the_python_engines_tokens(example, model):
+    assert decoded(example, model, "cpu") == python_tokens(model, PROMPT, 6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_c_program_runs_the_megakernel(example):
+    """On CUDA the library's defaults are the megakernel's, one CUDA-graph replay a step: the same tokens."""
+    assert decoded(example, "tiny-moe", "cuda") == python_tokens("tiny-moe", PROMPT, 6, "cuda")
+
+
+@pytest.mark.parametrize("args, status, words", [
+    (("no-such-model", "cpu", 64, 2, 1), MK_ERR_ARGUMENT, ["no-such-model", "neither a preset"]),
+    (("tiny-moe", "cpu", 4, 2, 1, 2, 3, 4, 5), MK_ERR_CAPACITY, ["5 token(s) at position 0", "holds 4", "max_len"]),
+    (("tiny-moe", "cpu", 64, 2, 1, 99999), MK_ERR_ARGUMENT, ["token 99999", "vocabulary [0, 512)"]),
+    (("tiny-moe", "cpu", 0, 2, 1), MK_ERR_ARGUMENT, ["max_len 0"]),
+    (("tiny-moe", "gpu9", 64, 2, 1), MK_ERR_ARGUMENT, ["gpu9"]),
+])
+def test_c_program_gets_a_status_and_a_message(example, args, status, words):
+    done = run_example(example, *args)
+    assert done.returncode == status + 10, (done.stdout, done.stderr)  # example.c: 10 + the failed call's status
+    assert f"(status {status})" in done.stderr
+    for w in words:
+        assert w in done.stderr
+
+
+def test_refused_calls_leave_the_session_as_it_was():
+    s = Session(model="tiny-moe", device="cpu", max_len=12)
+    first = s.feed(PROMPT[:10])
+    logits = s.logits.clone()
+    with pytest.raises(CapacityError, match="need 13 cache positions; the engine holds 12"):
+        s.feed([1, 2, 3])
+    with pytest.raises(ValueError, match="token -1 is outside the vocabulary"):
+        s.feed([-1])
+    with pytest.raises(ValueError, match="no tokens"):
+        s.feed([])
+    assert s.position == 10 and torch.equal(s.logits, logits)
+    s.feed([first])
+    s.reset()
+    assert s.position == 0 and s.logits is None
+    assert s.feed(PROMPT[:10]) == first  # the cache's old positions are overwritten, not read
+    buf = torch.zeros(s.vocab_size - 1)
+    with pytest.raises(ValueError, match="holds 511 floats; the vocabulary has 512"):
+        s.copy_logits(buf.data_ptr(), buf.numel())
