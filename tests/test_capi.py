@@ -51,6 +51,7 @@ def decoded(example, model, device):
                                                lines[0]).groups())
     assert vocab == 512 and argmax == fed == got[0]
     assert f"position {len(PROMPT) + 5}" in lines
+    assert f"after reset: position {len(PROMPT)}, next {got[0]}" in lines  # the old positions are not read
     return got
 
 

@@ -1,6 +1,7 @@
 /* A C program decoding through megakernel.h: greedy tokens after a prompt, printed one line.
  *   example [MODEL] [DEVICE] [MAX_LEN] [STEPS] [PROMPT TOKEN ...]
- * Prints "tokens: t1 t2 ..." and the first logits' argmax check, or the failed call's status and message. */
+ * Prints the first logits' argmax beside mk_feed's token, "tokens: t1 t2 ...", the position, and the prompt's
+ * next token again after mk_reset; or the failed call's status and message (exit status 10 + the status). */
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -42,6 +43,9 @@ int main(int argc, char **argv) {
         if (i + 1 < steps) rc = check(mk_feed(engine, &next, 1, &next), "mk_feed (decode)");
     }
     if (!rc) printf("\nposition %d\n", mk_position(engine));
+    if (!rc) rc = check(mk_reset(engine), "mk_reset");
+    if (!rc) rc = check(mk_feed(engine, prompt, (size_t)prompt_len, &next), "mk_feed (after mk_reset)");
+    if (!rc) printf("after reset: position %d, next %d\n", mk_position(engine), next);
     mk_close(engine);
     free(prompt);
     return rc;

@@ -165,7 +165,11 @@ mk_status mk_feed(mk_engine *engine, const int32_t *tokens, size_t n, int32_t *n
     mk_status status = MK_OK;
     PyGILState_STATE gil = PyGILState_Ensure();
     PyObject *list = PyList_New((Py_ssize_t)n);
-    for (size_t i = 0; list != NULL && i < n; i++) PyList_SET_ITEM(list, i, PyLong_FromLong(tokens[i]));
+    for (size_t i = 0; list != NULL && i < n; i++) {
+        PyObject *token = PyLong_FromLong(tokens[i]);
+        if (token == NULL) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, i, token);
+    }
     PyObject *next = list ? PyObject_CallMethod(engine->session, "feed", "O", list) : NULL;
     long token = next ? PyLong_AsLong(next) : -1;
     if (next == NULL || PyErr_Occurred() || !int_attr(engine->session, "position", &engine->position))
