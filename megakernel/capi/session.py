@@ -72,7 +72,7 @@ class Session:
                                   options=CompileOptions(workers=workers))
         self.engine.warm(1)  # decode's step shape compiled (and captured) before the first call needs it
         self.model, self.backend, self.vocab_size, self.max_len = name, backend, cfg.vocab_size, max_len
-        self.logits: torch.Tensor | None = None  # [V] fp32 on the host: the last position's
+        self.logits: torch.Tensor | None = None  # [V] fp32: the last fed position's
 
     @property
     def position(self) -> int:
@@ -94,7 +94,9 @@ class Session:
         """Append tokens at the current position (a prompt, or the last sampled token); returns the greedy next
         token after them."""
         last = self.engine.prefill(self._tokens(tokens, "feed"))
-        self.logits = last[0].float().cpu()
+        # kept on the device (the runtime's output buffer is the next step's): only the token crosses to the
+        # host each step, the vocabulary's logits when mk_logits asks
+        self.logits = last[0].to(torch.float32, copy=True)
         return int(self.logits.argmax())
 
     def copy_logits(self, address: int, capacity: int) -> int:
@@ -103,7 +105,8 @@ class Session:
             raise ValueError("logits: nothing fed yet")
         if capacity < self.vocab_size:
             raise ValueError(f"logits: the buffer holds {capacity} floats; the vocabulary has {self.vocab_size}")
-        ctypes.memmove(address, self.logits.data_ptr(), self.vocab_size * 4)
+        host = self.logits.cpu()
+        ctypes.memmove(address, host.data_ptr(), self.vocab_size * 4)
         return self.vocab_size
 
     def reset(self) -> None:
