@@ -62,8 +62,9 @@ if [[ "$parts" == *,tests,* ]]; then
     export MEGAKERNEL_FAILURES_LOG="$out/gpu_failures.log"
     : > "$MEGAKERNEL_FAILURES_LOG"
     # shellcheck disable=SC2086
-    timeout "${TESTS_TIMEOUT:-570}" python3 -m pytest $procs -m gpu tests/test_gpu.py tests/test_weight_stream.py tests/test_helper.py \
-        tests/test_gluon_stream.py tests/test_gluon_linear.py tests/test_cokernel_chain.py tests/test_stream_kernel.py -v \
+    timeout "${TESTS_TIMEOUT:-570}" python3 -m pytest $procs -m gpu tests/test_gpu.py tests/test_weight_stream.py \
+        tests/test_helper.py tests/test_gluon_stream.py tests/test_gluon_linear.py tests/test_cokernel_chain.py \
+        tests/test_stream_kernel.py tests/test_capi.py -v \
         -p no:cacheprovider --durations=25 ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
         | tee "$out/gpu_tests.log" | tail -40 || worst $?
     [ -s "$MEGAKERNEL_FAILURES_LOG" ] && { echo "--- failures (tail of $MEGAKERNEL_FAILURES_LOG):"; tail -c 6000 "$MEGAKERNEL_FAILURES_LOG"; }
