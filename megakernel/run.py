@@ -268,26 +268,47 @@ def check_options(args: argparse.Namespace, backend: str) -> None:
                 raise ValueError(f"--{flag} needs --helper cpu|emulate|cuda:N (routed experts on a helper)")
 
 
+def resolve_device(asked: str | None, what: str = "--device") -> torch.device:
+    """The device asked for (None or "": CUDA where torch has it, else the CPU), refused by name if this machine
+    lacks it."""
+    if not asked:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(asked)
+    except RuntimeError as e:
+        raise ValueError(f"{what} {asked}: not a device torch knows ({e})") from e
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= count:
+        raise ValueError(f"{what} {asked}: this machine has {count} CUDA device(s) torch can use")
+    return device
+
+
+def defaults(device: torch.device) -> tuple[str, str, int]:
+    """(model, backend, workers) a run on `device` takes when none is given: the real thing on the persistent
+    kernel with a worker per SM on a GPU, the tiny model through the plan interpreter on a CPU."""
+    if device.type == "cuda":
+        return DEFAULT_GPU_MODEL, "megakernel", torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_CPU_MODEL, "interpret", 8
+
+
+def default_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """The model's dtype on a GPU; fp32 on a CPU (the interpreter's reference precision)."""
+    return DTYPES[cfg.dtype] if device.type == "cuda" else torch.float32
+
+
 def run(args: argparse.Namespace) -> dict:
-    if args.device:
-        try:
-            asked = torch.device(args.device)
-        except RuntimeError as e:
-            raise ValueError(f"--device {args.device}: not a device torch knows ({e})") from e
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if asked.type == "cuda" and (asked.index or 0) >= count:
-            raise ValueError(f"--device {args.device}: this machine has {count} CUDA device(s) torch can use")
+    device = resolve_device(args.device)
     folder = Path(args.json).resolve().parent if args.json else None
     if folder is not None and not folder.is_dir():  # found now, not after the whole run
         raise ValueError(f"--json {args.json}: its folder {folder} does not exist")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    name = args.model or (DEFAULT_GPU_MODEL if device.type == "cuda" else DEFAULT_CPU_MODEL)
-    backend = args.backend or ("megakernel" if device.type == "cuda" else "interpret")
+    default_model, default_backend, default_workers = defaults(device)
+    name = args.model or default_model
+    backend = args.backend or default_backend
     check_options(args, backend)
     from .adaptive import load_sweep
     sweep = load_sweep(args.k_sweep) if args.k_sweep else None  # a bad file is an error before anything loads
     if args.workers is None:
-        args.workers = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+        args.workers = default_workers
     cfg, path = resolve_config(name)
     if args.ctx < 0:
         raise ValueError(f"--ctx must be >= 0 (cache positions --describe counts), got {args.ctx}")
@@ -322,7 +343,7 @@ def run(args: argparse.Namespace) -> dict:
         result["plan"] = plan_summary(plan)
         return result
 
-    dtype = DTYPES[args.dtype] if args.dtype else (DTYPES[cfg.dtype] if device.type == "cuda" else torch.float32)
+    dtype = DTYPES[args.dtype] if args.dtype else default_dtype(cfg, device)
     host = None
     if args.helper == "cpu" and not args.check and cfg.n_routed_experts:  # --check's reference needs them all here
         from helper_card.setup import is_routed_expert

@@ -10,8 +10,7 @@ import torch
 from megakernel.capi import build, build_refusal
 from megakernel.capi.session import MK_ERR_ARGUMENT, MK_ERR_CAPACITY, CapacityError, Session
 from megakernel.engine import make_engine
-from megakernel.run import load_weights, resolve_config
-from model.schema import DTYPES
+from megakernel.run import default_dtype, defaults, load_weights, resolve_config
 
 PROMPT = [5, 17, 300, 2, 41, 9, 77, 123, 250, 3, 64]  # 11 tokens: prefill chunks of 8 and 3
 
@@ -33,10 +32,9 @@ def python_tokens(model, prompt, steps, device="cpu", seed=0):
     megakernel in the model's dtype on one SM per worker on CUDA)."""
     cfg, path = resolve_config(model)
     device = torch.device(device)
-    dtype = DTYPES[cfg.dtype] if device.type == "cuda" else torch.float32
-    workers = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    _, backend, workers = defaults(device)
+    dtype = default_dtype(cfg, device)
     cfg, weights, _ = load_weights(cfg, path, seed, device, dtype)
-    backend = "megakernel" if device.type == "cuda" else "interpret"
     engine = make_engine(cfg, weights, backend, 1, 64, device, dtype, workers=workers, seed=seed)
     tokens, _ = engine.generate(torch.tensor([prompt], device=device), steps)
     return tokens[0].tolist()
@@ -92,10 +90,10 @@ def test_refused_calls_leave_the_session_as_it_was():
         s.feed([-1])
     with pytest.raises(ValueError, match="no tokens"):
         s.feed([])
-    assert s.position == 10 and torch.equal(s.logits, logits)
+    assert s.position == int(s.engine.lens[0]) == 10 and torch.equal(s.logits, logits)
     s.feed([first])
     s.reset()
-    assert s.position == 0 and s.logits is None
+    assert s.position == int(s.engine.lens[0]) == 0 and s.logits is None
     assert s.feed(PROMPT[:10]) == first  # the cache's old positions are overwritten, not read
     buf = torch.zeros(s.vocab_size - 1)
     with pytest.raises(ValueError, match="holds 511 floats; the vocabulary has 512"):

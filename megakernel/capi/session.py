@@ -11,13 +11,12 @@ import ctypes
 
 import torch
 
-from graph.compile import CompileOptions
 from model import CheckpointError, ConfigError
 from model.schema import DTYPES
 
 from ..engine import make_engine
 from ..launch import MegakernelError
-from ..run import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, load_weights, resolve_config
+from ..run import default_dtype, defaults, load_weights, resolve_config, resolve_device
 
 # the C API's status codes (megakernel.h's mk_status)
 MK_OK, MK_ERR_ARGUMENT, MK_ERR_CAPACITY, MK_ERR_RUNTIME, MK_ERR_PYTHON = 0, 1, 2, 3, 4
@@ -45,17 +44,9 @@ class Session:
 
     def __init__(self, model: str = "", backend: str = "", device: str = "", dtype: str = "", max_len: int = 4096,
                  seed: int = 0, workers: int = 0):
-        try:
-            device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        except RuntimeError as e:
-            raise ValueError(f"device {device!r}: not a device torch knows ({e})") from e
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if device.type == "cuda" and (device.index or 0) >= count:
-            raise ValueError(f"device {device}: this machine has {count} CUDA device(s) torch can use")
-        name = model or (DEFAULT_GPU_MODEL if device.type == "cuda" else DEFAULT_CPU_MODEL)
-        backend = backend or ("megakernel" if device.type == "cuda" else "interpret")
-        if backend == "megakernel" and device.type != "cuda":
-            raise ValueError(f"backend megakernel runs on a CUDA device, not {device}")
+        device = resolve_device(device, "device")
+        default_model, default_backend, default_workers = defaults(device)
+        name, backend = model or default_model, backend or default_backend
         if dtype and dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r}: one of {', '.join(DTYPES)}")
         cfg, path = resolve_config(name)
@@ -64,19 +55,14 @@ class Session:
                              f"({cfg.max_position_embeddings})")
         if workers < 0:
             raise ValueError(f"workers {workers}: >= 1, or 0 for the device's default")
-        if not workers:
-            workers = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-        dtype_ = DTYPES[dtype] if dtype else (DTYPES[cfg.dtype] if device.type == "cuda" else torch.float32)
-        cfg, weights, self.weights_source = load_weights(cfg, path, seed, device, dtype_)
-        self.engine = make_engine(cfg, weights, backend, 1, max_len, device, dtype_, workers=workers, seed=seed,
-                                  options=CompileOptions(workers=workers))
+        dtype_ = DTYPES[dtype] if dtype else default_dtype(cfg, device)
+        cfg, weights, _ = load_weights(cfg, path, seed, device, dtype_)
+        self.engine = make_engine(cfg, weights, backend, 1, max_len, device, dtype_, workers=workers or default_workers,
+                                  seed=seed)
         self.engine.warm(1)  # decode's step shape compiled (and captured) before the first call needs it
-        self.model, self.backend, self.vocab_size, self.max_len = name, backend, cfg.vocab_size, max_len
+        self.vocab_size = cfg.vocab_size
+        self.position = 0  # engine.lens[0], kept on the host: no device read a step to know it
         self.logits: torch.Tensor | None = None  # [V] fp32: the last fed position's
-
-    @property
-    def position(self) -> int:
-        return int(self.engine.lens[0])
 
     def _tokens(self, tokens: list[int], what: str) -> torch.Tensor:
         if not tokens:
@@ -84,9 +70,9 @@ class Session:
         bad = [t for t in tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"{what}: token {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if self.position + len(tokens) > self.max_len:
+        if self.position + len(tokens) > self.engine.max_len:
             raise CapacityError(f"{what}: {len(tokens)} token(s) at position {self.position} need "
-                                f"{self.position + len(tokens)} cache positions; the engine holds {self.max_len} "
+                                f"{self.position + len(tokens)} cache positions; the engine holds {self.engine.max_len} "
                                 f"(mk_options.max_len)")
         return torch.tensor([tokens], dtype=torch.long, device=self.engine.device)
 
@@ -94,6 +80,7 @@ class Session:
         """Append tokens at the current position (a prompt, or the last sampled token); returns the greedy next
         token after them."""
         last = self.engine.prefill(self._tokens(tokens, "feed"))
+        self.position += len(tokens)
         # kept on the device (the runtime's output buffer is the next step's): only the token crosses to the
         # host each step, the vocabulary's logits when mk_logits asks
         self.logits = last[0].to(torch.float32, copy=True)
@@ -112,4 +99,4 @@ class Session:
     def reset(self) -> None:
         """Back to position 0 (a new conversation): positions are overwritten as they are fed again."""
         self.engine.lens.zero_()
-        self.logits = None
+        self.position, self.logits = 0, None
