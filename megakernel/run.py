@@ -268,6 +268,17 @@ def check_options(args: argparse.Namespace, backend: str) -> None:
                 raise ValueError(f"--{flag} needs --helper cpu|emulate|cuda:N (routed experts on a helper)")
 
 
+def check_sampling(temperature: float, top_p: float, t_name: str = "temperature", p_name: str = "top_p") -> None:
+    """Refuses a temperature below 0 or not finite, a top-p outside (0, 1], and a top-p below 1 without a
+    temperature (greedy decoding samples nothing: it would be ignored without a word)."""
+    if not 0 <= temperature < float("inf"):  # NaN too
+        raise ValueError(f"{t_name} must be >= 0 and finite (0 decodes greedily), got {temperature}")
+    if not 0 < top_p <= 1:  # NaN too
+        raise ValueError(f"{p_name} must be in (0, 1] (the sampled tokens' probability mass), got {top_p}")
+    if top_p < 1 and temperature == 0:
+        raise ValueError(f"{p_name} {top_p} needs {t_name} > 0 (greedy decoding samples nothing)")
+
+
 def resolve_device(asked: str | None, what: str = "--device") -> torch.device:
     """The device asked for (None or "": CUDA where torch has it, else the CPU), refused by name if this machine
     lacks it."""
@@ -319,12 +330,7 @@ def run(args: argparse.Namespace) -> dict:
     for flag in ("steps", "prompt_len", "batch", "workers"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
-    if not args.temperature >= 0:  # NaN too
-        raise ValueError(f"--temperature must be >= 0 (0 decodes greedily), got {args.temperature}")
-    if not 0 < args.top_p <= 1:  # NaN too
-        raise ValueError(f"--top-p must be in (0, 1] (the sampled tokens' probability mass), got {args.top_p}")
-    if args.top_p < 1 and args.temperature == 0:  # else ignored without a word: greedy decoding samples nothing
-        raise ValueError(f"--top-p {args.top_p} needs --temperature > 0 (greedy decoding samples nothing)")
+    check_sampling(args.temperature, args.top_p, "--temperature", "--top-p")
     if args.temperature > 0 and args.spec_k is None:
         args.spec_k = 0  # sampling (and its on-device accept) is the speculative decoder's: with no drafts, k = 0
     if args.spec_k is not None:  # the speculative decoder has no reference beside it and no profiled step

@@ -1,6 +1,7 @@
 """The C API (megakernel/capi): a C program decoding through megakernel.h gets the Python engine's tokens, and
 each refused call names its problem and leaves the engine as it was."""
 
+import ctypes
 import re
 import subprocess
 
@@ -98,3 +99,73 @@ def test_refused_calls_leave_the_session_as_it_was():
     buf = torch.zeros(s.vocab_size - 1)
     with pytest.raises(ValueError, match="holds 511 floats; the vocabulary has 512"):
         s.copy_logits(buf.data_ptr(), buf.numel())
+
+
+def session_tokens(session, prompt, steps):
+    tokens = [session.feed(prompt)]
+    while len(tokens) < steps:
+        tokens.append(session.feed(tokens[-1:]))
+    return tokens
+
+
+def test_sampling_draws_by_seed_and_position():
+    greedy = session_tokens(Session(model="tiny-moe", device="cpu", max_len=64), PROMPT, 8)
+    s = Session(model="tiny-moe", device="cpu", max_len=64, sample_seed=3, temperature=1.5)
+    sampled = session_tokens(s, PROMPT, 8)
+    assert sampled != greedy
+    s.reset()
+    assert session_tokens(s, PROMPT, 8) == sampled  # a conversation fed again draws the same tokens
+    other = Session(model="tiny-moe", device="cpu", max_len=64, sample_seed=4, temperature=1.5)
+    assert session_tokens(other, PROMPT, 8) != sampled
+    # a top-p mass below any one token's keeps only the most likely token: greedy decoding
+    narrow = Session(model="tiny-moe", device="cpu", max_len=64, sample_seed=3, temperature=1.5, top_p=1e-9)
+    assert session_tokens(narrow, PROMPT, 8) == greedy
+
+
+class Options(ctypes.Structure):
+    """megakernel.h's mk_options."""
+    _fields_ = [("struct_size", ctypes.c_uint32), ("model", ctypes.c_char_p), ("backend", ctypes.c_char_p),
+                ("device", ctypes.c_char_p), ("dtype", ctypes.c_char_p), ("max_len", ctypes.c_int32),
+                ("workers", ctypes.c_int32), ("seed", ctypes.c_uint64), ("temperature", ctypes.c_float),
+                ("top_p", ctypes.c_float), ("sample_seed", ctypes.c_uint64)]
+
+
+def c_tokens(lib, options, prompt, steps):
+    """(status, tokens) of mk_open and mk_feed calls through the library, in this process's Python."""
+    engine = ctypes.c_void_p()
+    status = lib.mk_open(ctypes.byref(options), ctypes.byref(engine))
+    if status:
+        return status, lib.mk_last_error().decode()
+    tokens, next_token = [], ctypes.c_int32()
+    feed = (ctypes.c_int32 * len(prompt))(*prompt)
+    for _ in range(steps):
+        assert lib.mk_feed(engine, feed, len(feed), ctypes.byref(next_token)) == 0, lib.mk_last_error()
+        tokens.append(next_token.value)
+        feed = (ctypes.c_int32 * 1)(next_token.value)
+    lib.mk_close(engine)
+    return 0, tokens
+
+
+def test_c_options_sample_and_an_older_callers_struct_gets_the_defaults(example):
+    lib = ctypes.CDLL(str(example.parent / "libmegakernel.so"))
+    lib.mk_last_error.restype = ctypes.c_char_p
+    options = Options()
+    lib.mk_options_init(ctypes.byref(options))
+    assert options.struct_size == ctypes.sizeof(Options) and options.top_p == 1.0 and options.temperature == 0
+    options.model, options.device, options.max_len = b"tiny-moe", b"cpu", 64
+    options.temperature, options.sample_seed = 1.5, 3
+    sampled = Session(model="tiny-moe", device="cpu", max_len=64, sample_seed=3, temperature=1.5)
+    assert c_tokens(lib, options, PROMPT, 8) == (0, session_tokens(sampled, PROMPT, 8))
+    # the first version's struct ended at seed: the temperature past its size is not read
+    options.struct_size = Options.temperature.offset
+    greedy = Session(model="tiny-moe", device="cpu", max_len=64)
+    assert c_tokens(lib, options, PROMPT, 8) == (0, session_tokens(greedy, PROMPT, 8))
+    options.struct_size = Options.seed.offset
+    status, message = c_tokens(lib, options, PROMPT, 8)
+    assert status == MK_ERR_ARGUMENT and "struct_size" in message
+    options.struct_size, options.temperature, options.top_p = ctypes.sizeof(Options), 0.0, 0.5
+    status, message = c_tokens(lib, options, PROMPT, 8)
+    assert status == MK_ERR_ARGUMENT and "top_p 0.5 needs temperature > 0" in message
+    options.temperature = float("nan")
+    status, message = c_tokens(lib, options, PROMPT, 8)
+    assert status == MK_ERR_ARGUMENT and "temperature must be >= 0 and finite" in message and "got nan" in message

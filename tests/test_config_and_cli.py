@@ -169,6 +169,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     (["--describe", "--ctx", "-5"], "--ctx must be >= 0"),
     (["--temperature", "0.7", "--backend", "reference"], "sampling (--temperature > 0) run on the interpret"),
     (["--temperature", "nan"], "--temperature must be >= 0"),
+    (["--temperature", "inf"], "--temperature must be >= 0 and finite"),
     (["--temperature", "0.7", "--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--temperature", "0.7", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     (["--top-p", "0.9"], "--top-p 0.9 needs --temperature > 0"),

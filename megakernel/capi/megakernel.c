@@ -106,7 +106,13 @@ void mk_options_init(mk_options *options) {
     memset(options, 0, sizeof *options);
     options->struct_size = sizeof *options;
     options->max_len = 4096;
+    options->top_p = 1.0f;
 }
+
+/* The first version's mk_options ended at seed: an older caller's struct_size. */
+#define MK_OPTIONS_V1_SIZE (offsetof(mk_options, seed) + sizeof(uint64_t))
+/* Whether the caller's struct has field f (else its default applies). */
+#define MK_HAS(options, f) ((options)->struct_size >= offsetof(mk_options, f) + sizeof((options)->f))
 
 static PyObject *str_or_empty(const char *s) { return PyUnicode_FromString(s ? s : ""); }
 
@@ -125,20 +131,24 @@ mk_status mk_open(const mk_options *options, mk_engine **engine) {
     if (engine == NULL) return fail(MK_ERR_ARGUMENT, "mk_open: engine is NULL");
     *engine = NULL;
     if (options == NULL) return fail(MK_ERR_ARGUMENT, "mk_open: options is NULL (mk_options_init fills one)");
-    if (options->struct_size < sizeof(mk_options))
+    if (options->struct_size < MK_OPTIONS_V1_SIZE)
         return fail(MK_ERR_ARGUMENT, "mk_open: options.struct_size %u < %zu: call mk_options_init first",
-                    options->struct_size, sizeof(mk_options));
+                    options->struct_size, MK_OPTIONS_V1_SIZE);
+    double temperature = MK_HAS(options, temperature) ? options->temperature : 0.0;
+    double top_p = MK_HAS(options, top_p) ? options->top_p : 1.0;
+    unsigned long long sample_seed = MK_HAS(options, sample_seed) ? options->sample_seed : 0;
     mk_status status = start_python();
     if (status != MK_OK) return status;
     mk_engine *e = calloc(1, sizeof *e);
     if (e == NULL) return fail(MK_ERR_RUNTIME, "mk_open: out of host memory");
     PyGILState_STATE gil = PyGILState_Ensure();
     PyObject *cls = PyObject_GetAttrString(session_module, "Session");
-    PyObject *kwargs = Py_BuildValue("{s:N,s:N,s:N,s:N,s:i,s:K,s:i}", "model", str_or_empty(options->model),
+    PyObject *kwargs = Py_BuildValue("{s:N,s:N,s:N,s:N,s:i,s:K,s:i,s:d,s:d,s:K}", "model", str_or_empty(options->model),
                                      "backend", str_or_empty(options->backend), "device",
                                      str_or_empty(options->device), "dtype", str_or_empty(options->dtype),
                                      "max_len", options->max_len, "seed", (unsigned long long)options->seed,
-                                     "workers", options->workers);
+                                     "workers", options->workers, "temperature", temperature, "top_p", top_p,
+                                     "sample_seed", sample_seed);
     PyObject *empty = PyTuple_New(0);
     e->session = cls && kwargs && empty ? PyObject_Call(cls, empty, kwargs) : NULL;
     Py_XDECREF(cls);

@@ -4,7 +4,7 @@
  *   mk_engine *e;
  *   if (mk_open(&o, &e) != MK_OK) { fprintf(stderr, "%s\n", mk_last_error()); return 1; }
  *   int32_t next;
- *   mk_feed(e, prompt, prompt_len, &next);           // prefill: the greedy next token after the prompt
+ *   mk_feed(e, prompt, prompt_len, &next);           // prefill: the next token after the prompt
  *   for (int i = 0; i < 16; i++) mk_feed(e, &next, 1, &next);   // decode, one token a call
  *   mk_close(e);
  *
@@ -44,6 +44,13 @@ typedef struct mk_options {
     int32_t max_len;      /* cache positions: prompt and generated tokens together (default 4096) */
     int32_t workers;      /* persistent workers; 0: one per SM on CUDA, 8 on a CPU */
     uint64_t seed;        /* seeded random weights when the model has no checkpoint */
+    /* Appended in the second version (a caller built against the first passes the shorter struct_size and gets
+     * these defaults): */
+    float temperature;    /* 0 (default): the greedy next token; > 0: drawn from softmax(logits / temperature) */
+    float top_p;          /* with temperature > 0: drawn from the smallest top set of this mass, in (0, 1]
+                           * (default 1) */
+    uint64_t sample_seed; /* a draw depends only on this seed's low 32 bits and the position, so a conversation
+                           * fed again after mk_reset draws the same tokens (default 0) */
 } mk_options;
 
 typedef struct mk_engine mk_engine;
@@ -54,7 +61,7 @@ void mk_options_init(mk_options *options);
 mk_status mk_open(const mk_options *options, mk_engine **engine);
 
 /* Appends n >= 1 tokens at the engine's position (a prompt in chunks, or one decoded token) and writes the
- * greedy next token to *next_token (may be NULL). */
+ * next token to *next_token (may be NULL): the greedy one, or one sampled at mk_options.temperature. */
 mk_status mk_feed(mk_engine *engine, const int32_t *tokens, size_t n, int32_t *next_token);
 
 /* The last fed position's logits (float32, mk_vocab_size of them) into logits[0..capacity). */

@@ -16,7 +16,8 @@ from model.schema import DTYPES
 
 from ..engine import make_engine
 from ..launch import MegakernelError
-from ..run import default_dtype, defaults, load_weights, resolve_config, resolve_device
+from ..ops.spec import sample, target_probs, uniform
+from ..run import check_sampling, default_dtype, defaults, load_weights, resolve_config, resolve_device
 
 # the C API's status codes (megakernel.h's mk_status)
 MK_OK, MK_ERR_ARGUMENT, MK_ERR_CAPACITY, MK_ERR_RUNTIME, MK_ERR_PYTHON = 0, 1, 2, 3, 4
@@ -40,10 +41,16 @@ def status_of(exc: BaseException) -> tuple[int, str]:
 
 
 class Session:
-    """A model's engine (batch 1, greedy) and the position its cache is filled to."""
+    """A model's engine (batch 1) and the position its cache is filled to.  The next token is the logits' argmax
+    (temperature 0) or drawn from softmax(logits / temperature) cut to its top-p mass (ops/spec.target_probs, the
+    CLI's sampling) with the uniform ops/spec.uniform(sample_seed, position, 0): a draw depends on that seed and
+    the position only, so a conversation fed again after reset draws the same tokens.  `seed` seeds the weights
+    of a model without a checkpoint."""
 
     def __init__(self, model: str = "", backend: str = "", device: str = "", dtype: str = "", max_len: int = 4096,
-                 seed: int = 0, workers: int = 0):
+                 seed: int = 0, workers: int = 0, temperature: float = 0.0, top_p: float = 1.0,
+                 sample_seed: int = 0):
+        check_sampling(temperature, top_p)
         device = resolve_device(device, "device")
         default_model, default_backend, default_workers = defaults(device)
         name, backend = model or default_model, backend or default_backend
@@ -61,6 +68,7 @@ class Session:
                                   seed=seed)
         self.engine.warm(1)  # decode's step shape compiled (and captured) before the first call needs it
         self.vocab_size = cfg.vocab_size
+        self.sample_seed, self.temperature, self.top_p = sample_seed, temperature, top_p
         self.position = 0  # engine.lens[0], kept on the host: no device read a step to know it
         self.logits: torch.Tensor | None = None  # [V] fp32: the last fed position's
 
@@ -77,14 +85,16 @@ class Session:
         return torch.tensor([tokens], dtype=torch.long, device=self.engine.device)
 
     def feed(self, tokens: list[int]) -> int:
-        """Append tokens at the current position (a prompt, or the last sampled token); returns the greedy next
-        token after them."""
+        """Append tokens at the current position (a prompt, or the last chosen token); returns the next token
+        after them: greedy, or sampled (the class's note)."""
         last = self.engine.prefill(self._tokens(tokens, "feed"))
         self.position += len(tokens)
         # kept on the device (the runtime's output buffer is the next step's): only the token crosses to the
         # host each step, the vocabulary's logits when mk_logits asks
         self.logits = last[0].to(torch.float32, copy=True)
-        return int(self.logits.argmax())
+        if self.temperature == 0:
+            return int(self.logits.argmax())
+        return sample(target_probs(self.logits, self.temperature, self.top_p), uniform(self.sample_seed, self.position, 0))
 
     def copy_logits(self, address: int, capacity: int) -> int:
         """The last fed position's logits (fp32) copied to `address`; returns how many were copied."""
