@@ -80,7 +80,8 @@ class Session:
             raise ValueError(f"{what}: token {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if self.position + len(tokens) > self.engine.max_len:
             raise CapacityError(f"{what}: {len(tokens)} token(s) at position {self.position} need "
-                                f"{self.position + len(tokens)} cache positions; the engine holds {self.engine.max_len} "
+                                f"{self.position + len(tokens)} cache positions; the engine holds "
+                                f"{self.engine.max_len} "
                                 f"(mk_options.max_len)")
         return torch.tensor([tokens], dtype=torch.long, device=self.engine.device)
 
@@ -94,7 +95,8 @@ class Session:
         self.logits = last[0].to(torch.float32, copy=True)
         if self.temperature == 0:
             return int(self.logits.argmax())
-        return sample(target_probs(self.logits, self.temperature, self.top_p), uniform(self.sample_seed, self.position, 0))
+        p = target_probs(self.logits, self.temperature, self.top_p)
+        return sample(p, uniform(self.sample_seed, self.position, 0))
 
     def copy_logits(self, address: int, capacity: int) -> int:
         """The last fed position's logits (fp32) copied to `address`; returns how many were copied."""
