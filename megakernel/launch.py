@@ -276,7 +276,9 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 WAITS=1,
                 # 1 (a launch variant, inline PTX): one-token LINEAR and expert slices stream through
                 # linear.stream_pinned / stream_pinned_k, the next weight chunk in flight through the multiply
-                # (docs/PERF.md session 44: -1.3% / +1.9% on an H100 before the K > KC loop; not yet on an H200)
+                # (docs/PERF.md session 44: -1.3% / +1.9% on an H100 before the K > KC loop; not yet on an H200);
+                # 2 (a launch variant, untimed): and one-token expert slices of rows whose K is not a multiple of KC
+                # (KC/2 < K < KC: dsv2-lite's routed downs) stream flat, no column wasted (ops/linear_flat.py)
                 PIN=0)
 
 
@@ -351,9 +353,13 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
         raise MegakernelError(f"block override WAITS={blocks['WAITS']}: 0, 1 (a task's next wait slot read before "
                               "its current wait's poll) or 2 (and a task's first two slots before the first weights "
                               "it requests before its wait: LINEAR, HEAD_MATMUL, EXPERT_LINEAR with EPF)")
-    if blocks["PIN"] not in (0, 1):
-        raise MegakernelError(f"block override PIN={blocks['PIN']}: 0, or 1 (one-token slices stream with the next "
-                              "weight chunk in flight through the multiply)")
+    if blocks["PIN"] not in (0, 1, 2):
+        raise MegakernelError(f"block override PIN={blocks['PIN']}: 0, 1 (one-token slices stream with the next "
+                              "weight chunk in flight through the multiply) or 2 (and one-token expert slices of rows "
+                              "not a multiple of KC long stream flat: ops/linear_flat.py)")
+    if blocks["PIN"] == 2 and blocks["EPF"]:
+        raise MegakernelError(f"block override PIN=2 with EPF={blocks['EPF']}: a guessed first chunk is not a flat "
+                              "stream's first tile")
     if blocks["PIN"] and INTERPRET:
         raise MegakernelError("block override PIN=1: the Triton interpreter runs no inline PTX (its CTA barrier's "
                               "count)")

@@ -134,9 +134,11 @@ def test_launch_variants_on_dsv2_lite():
 @pytest.mark.parametrize("name", ["llama-1b", "dsv2-lite"])
 def test_pinned_stream_gives_the_same_bits(name):
     """Launch variant PIN=1 (one-token LINEAR and expert slices with K <= KC through linear.stream_pinned: the
-    activation chunk loaded once, the next weight chunk requested above the multiply) sums what the default stream
-    sums in the same order: the same logits bit for bit at B=1, where every slice is one token (4 layers)."""
-    want, got = _variant_logits(name, 1, 1024, [700], [dict(PIN=1)])
+    activation chunk loaded once, the next weight chunk requested above the multiply) and PIN=2 (and dsv2-lite's
+    routed down slices, K = 1408, through linear_flat.stream_flat: each warp a run of whole rows, no column wasted)
+    sum what the default stream sums in the same order: the same logits bit for bit at B=1, where every slice is
+    one token (4 layers)."""
+    want, got = _variant_logits(name, 1, 1024, [700], [dict(PIN=1), dict(PIN=2)])
     for blocks, logits in got:
         assert torch.equal(logits, want), blocks
 

@@ -52,8 +52,10 @@ one.update(POLL=1, HIN=0)
 # signalled counter's index read before the closing barrier (SIG=2; the default reads it with the opcode), and a
 # wait slot read after the previous slot's poll (WAITS=0; the default reads it before)
 one.update(EPF=1, QIX=3, SIG=2, WAITS=0)
-# and one-token slices streamed with the next chunk pinned above the multiply by a counting CTA barrier (PIN=1)
-one.update(PIN=1)
+# and one-token slices streamed with the next chunk pinned above the multiply by a counting CTA barrier, and
+# one-token expert slices of K = 1408-like rows streamed flat (PIN=2; EPF's guessed chunk is not a flat tile, so
+# EPF=1 is compiled in the gqa kernel below)
+one.update(PIN=2, EPF=0)
 """
 
 # three kernels, each its own process so they compile side by side (~60 s each on one core)
@@ -97,7 +99,7 @@ assert k1.asm["ptx"].count("cp.async.bulk.prefetch.L2.global") >= 5, k1.asm["ptx
 assert "prefetch.global.L1" in k1.asm["ptx"] and "evict_first" in k1.asm["ptx"]
 assert "prefetch.global.L2 " in k1.asm["ptx"]
 assert "ld.acquire.gpu.global.b32" in k1.asm["ptx"]  # POLL=1's waits
-assert "bar.red.popc.u32" in k1.asm["ptx"]  # PIN=1's stream
+assert "bar.red.popc.u32" in k1.asm["ptx"]  # PIN's streams
 print("bulk", k1.asm["ptx"].count("cp.async.bulk.prefetch.L2.global"))
 """,
          "gqa": COMMON + ONE_TOKEN + r"""
@@ -105,7 +107,7 @@ print("bulk", k1.asm["ptx"].count("cp.async.bulk.prefetch.L2.global"))
 # prefetch (APF=2) compiled in and MLA's bulk one out; and the waits' POLL=2 (one thread's acquire load that asks
 # the L1 for the task's word, its value shared through a word of static shared memory); and a task's first two wait
 # slots read before the weights it requests before its wait (WAITS=2, with EPF=1's guessed expert chunk)
-gqa = compile_megakernel(dict(one, ATT_KIND=2, POLL=2, WAITS=2))
+gqa = compile_megakernel(dict(one, ATT_KIND=2, POLL=2, WAITS=2, EPF=1, PIN=1))
 assert gqa.asm["cubin"] and "prefetch.global.L2 " in gqa.asm["ptx"]
 assert "prefetch.global.L1" in gqa.asm["ptx"] and ".shared .align 4 .b32 seen" in gqa.asm["ptx"]
 print("bulk", gqa.asm["ptx"].count("cp.async.bulk.prefetch.L2.global"))

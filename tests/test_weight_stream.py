@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from megakernel.memory import STREAM_SLACK
-from megakernel.ops import linear
+from megakernel.ops import linear, linear_flat
 
 from .conftest import rel_err
 
@@ -59,8 +59,25 @@ def _pinned_kernel(W, A, I, K, n_rows, xrows_div, x_ld, r0, r1, out_off, res_off
                              W + w2_off, two, r0, r1, K, w, norm, eps, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD)
 
 
+@triton.jit
+def _flat_kernel(W, A, I, K, n_rows, xrows_div, x_ld, r0, r1, out_off, res_off, w_off, w2_off, flags, eps,
+                 BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr,
+                 BN: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr, PFD: tl.constexpr,
+                 PINNED: tl.constexpr):
+    """Launch variant FLAT's stream (linear_flat.stream_flat) where it takes the slice, else stream_chunks."""
+    two, res, norm = (flags & 1) != 0, (flags & 2) != 0, (flags & 4) != 0
+    if linear_flat.flat_ok(n_rows, K, two, norm | res, W, KC, ALIGN, TB, ROWVEC):
+        w = linear_flat.flat_tile(W + w_off, r0, r1, K, 0, BR, KC, ALIGN, 0)
+        linear_flat.stream_flat(A, x_ld, I, xrows_div, A + out_off, r1, W + w_off, r0, r1, K, w, BR, KC, ALIGN,
+                                ROWVEC, 0, PINNED)
+    else:
+        w = linear.first_chunk(W + w_off, r0, r1, K, BR, KC, ALIGN)
+        linear.stream_chunks(A, x_ld, I, xrows_div, n_rows, A + out_off, r1, A + res_off, r1, res, W + w_off,
+                             W + w2_off, two, r0, r1, K, w, norm, eps, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD)
+
+
 def _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res, norm, depth=1, eps=1e-5, rowvec=0, ahead=0,
-         pfd=0, pinned=None):
+         pfd=0, pinned=None, flat=False):
     g = torch.Generator().manual_seed(K + R + N)
     w1 = torch.randn(R, K, generator=g).to(dtype)
     w2 = torch.randn(R, K, generator=g).to(dtype)
@@ -73,7 +90,8 @@ def _run(device, tb, dtype, K, R, r0, N, KC, BR, two, listed, res, norm, depth=1
     W, A, dev_rows = W.to(device), A.to(device), rows.to(device)
     # flags: bit 0 gate|up, bit 1 residual, bit 2 norm; + 8 so no argument is a literal 1 (Triton would make
     # it a constexpr)
-    kernel, pin = (_stream_kernel, {}) if pinned is None else (_pinned_kernel, dict(PINNED=pinned))
+    kernel, pin = (_stream_kernel, {}) if pinned is None else (_flat_kernel if flat else _pinned_kernel,
+                                                                dict(PINNED=pinned))
     kernel[(1,)](W, A, dev_rows, K, N, 2 if listed else 0, K, r0, R, x.numel(), x.numel() + 8 * R, GUARD,
                  GUARD + R * K, 8 + int(two) + 2 * int(res) + 4 * int(norm), eps, BR=BR, KC=KC, ALIGN=8,
                  TB=tb, DEPTH=depth, BN=BN, ROWVEC=rowvec, AHEAD=ahead, PFD=pfd, num_warps=8, **pin)
@@ -126,6 +144,26 @@ def test_pinned_streams_sum_what_the_stream_sums(device, shape):
     PTX), on the GPU with them.  ROWVEC 1 (ROWVEC 2's stores are inline PTX too)."""
     want, rows, _ = _run(device, 1, torch.bfloat16, *shape, rowvec=1)
     got, _, _ = _run(device, 1, torch.bfloat16, *shape, rowvec=1, pinned=int(device == "cuda"))
+    assert torch.equal(want.nan_to_num(), got.nan_to_num()) and torch.equal(want.isnan(), got.isnan()), shape
+
+
+# one-token shapes FLAT streams (KC/2 < K < KC, K a multiple of 128): one row, fewer rows than warps, a row a
+# warp, parts of 2-3 rows that start inside the matrix, dsv2-lite's routed down tile (96 rows of 1408: 12 a warp,
+# 9 steps), an expert's listed row; and two it leaves to stream_chunks (K = 320, a residual)
+FLAT_SHAPES = [(384, 1, 0, 1, 512, 8, False, False, False, False), (384, 5, 0, 1, 512, 8, False, False, False, False),
+               (384, 8, 0, 1, 512, 8, False, False, False, False), (384, 21, 3, 1, 512, 8, False, True, False, False),
+               (384, 19, 2, 1, 512, 8, False, False, False, False),
+               (1408, 96, 0, 1, 2048, 8, False, False, False, False), (1408, 40, 5, 1, 2048, 8, False, True, False, False),
+               (320, 12, 0, 1, 512, 8, False, False, False, False), (384, 16, 0, 1, 512, 8, False, False, True, False)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", FLAT_SHAPES)
+def test_flat_stream_sums_what_the_stream_sums(device, shape):
+    """Launch variant FLAT's stream (linear_flat.stream_flat) on one-token slices: stream_chunks' rows bit for bit
+    (each row's spans folded in the same order), and nothing else written; pinned on the GPU."""
+    want, _, _ = _run(device, 1, torch.bfloat16, *shape, rowvec=1)
+    got, _, _ = _run(device, 1, torch.bfloat16, *shape, rowvec=1, pinned=int(device == "cuda"), flat=True)
     assert torch.equal(want.nan_to_num(), got.nan_to_num()) and torch.equal(want.isnan(), got.isnan()), shape
 
 

@@ -13,7 +13,8 @@
     python tools/sass_probe.py stream [--lines] [KEY=V,...]...
         the weight stream alone (ops/linear.stream_chunks, bf16 weights): its hot loop's instructions
         by opcode and the first wait on its weight loads' scoreboard, per variant (BR, KC, TB: tokens per weight
-        chunk, DEPTH: chunks in flight, PFD: L2 prefetch distance, PIN=1: linear.stream_pinned instead); --lines
+        chunk, DEPTH: chunks in flight, PFD: L2 prefetch distance, PIN=1: linear.stream_pinned instead, FLAT=1:
+        linear_flat.stream_flat); --lines
         adds them by source line
     python tools/sass_probe.py attention [--lines] [KEY=V,...]...
         ATTENTION's body alone (GQA, bf16 cache, llama-1b's T=1 block sizes by default: BM=16, BJ=128, DMAX=64,
@@ -48,7 +49,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megakernel.ops import attention, linear  # noqa: E402
+from megakernel.ops import attention, linear, linear_flat  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 INSTR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -58,11 +59,15 @@ INSTR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 def stream_probe(W, A, I, x_off, x_ld, xrows_div, n_rows, out_off, out_ld, res_off, res_ld, use_res, w_off, w2_off,
                  two, r0, r1, K, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
                  DEPTH: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr, PFD: tl.constexpr,
-                 PIN: tl.constexpr = 0):
+                 PIN: tl.constexpr = 0, FLAT: tl.constexpr = 0):
     """A LINEAR task's stream with runtime sizes, offsets rounded to ALIGN as the kernel's are (PIN 1: the
-    pinned stream alone, linear.stream_pinned, whatever the sizes)."""
+    pinned stream alone, linear.stream_pinned, whatever the sizes; FLAT 1: linear_flat.stream_flat, pinned)."""
     w = linear.first_chunk(W + (w_off // ALIGN) * ALIGN, r0, r1, K, BR, KC, ALIGN)
-    if PIN:
+    if FLAT:
+        w = linear_flat.flat_tile(W + (w_off // ALIGN) * ALIGN, r0, r1, K, 0, BR, KC, ALIGN, 0)
+        linear_flat.stream_flat(A + (x_off // ALIGN) * ALIGN, x_ld, I, xrows_div, A + out_off, out_ld,
+                                W + (w_off // ALIGN) * ALIGN, r0, r1, K, w, BR, KC, ALIGN, ROWVEC)
+    elif PIN:
         linear.stream_pinned(A + (x_off // ALIGN) * ALIGN, x_ld, I, xrows_div, A + out_off, out_ld, A + res_off,
                              res_ld, use_res != 0, W + (w_off // ALIGN) * ALIGN, W + (w2_off // ALIGN) * ALIGN,
                              two != 0, r0, r1, K, w, False, 0.0, BR, KC, ALIGN, 16, ROWVEC)
@@ -266,13 +271,14 @@ def parse_variant(spec: str) -> dict:
 
 def probe_stream(variants: list[str], lines: bool) -> None:
     for spec in variants or [""]:
-        const = {**dict(BR=8, KC=2048, ALIGN=8, TB=1, DEPTH=1, ROWVEC=0, AHEAD=0, PFD=0, PIN=0), **parse_variant(spec)}
+        const = {**dict(BR=8, KC=2048, ALIGN=8, TB=1, DEPTH=1, ROWVEC=0, AHEAD=0, PFD=0, PIN=0, FLAT=0),
+                 **parse_variant(spec)}
         info, sass = compile_sass(stream_probe, *STREAM_PROBE_ARGS, const)
         loop = hot_loop(sass)
         ops = collections.Counter(opcode(ins) for _, ins in loop)
         print(f"stream {spec or 'default'} ({const}): {info}")
         print(f"  hot loop {len(loop)} instructions: " + ", ".join(f"{o} {n}" for o, n in ops.most_common(16)))
-        print_weight_waits(sass, loop_spans(sass)[:1])
+        print_weight_waits(sass, loop_spans(sass)[:1], linear_flat.flat_tile if const["FLAT"] else None)
         if lines:
             by_line = collections.Counter(w for w, _ in loop)
             for w, n in sorted(by_line.items(), key=lambda kv: -kv[1])[:20]:
@@ -375,6 +381,7 @@ def probe_kernel(model: str, variants: list[str], lines: bool = False, plan_spec
         if lines:
             print_spills(sass)
             print_weight_waits(sass, loop_spans(sass))
+            print_weight_waits(sass, loop_spans(sass), linear_flat.flat_tile, "flat weight")  # PIN=2's
         if source:
             print_source_sass(sass, source)
 

@@ -31,6 +31,7 @@ from .fields import (EXPERT_LINEAR_E, EXPERT_LINEAR_FLAGS, EXPERT_LINEAR_K, EXPE
                      ROUTE_WTS_OFF)
 from .kmajor import down_partials
 from .linear import aligned_base, first_chunk, narrow, pinnable, prefetch_rows, stream_chunks, stream_pinned
+from .linear_flat import flat_ok, flat_tile, stream_flat
 
 
 def reference_route(task, mem) -> None:
@@ -327,11 +328,18 @@ def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.con
                           first_chunk(w_ptr, r0, r1, K, BR * 4, KC // 4, ALIGN, EF), BR * 4, KC // 4, ALIGN, TB,
                           DEPTH, ROWVEC, AHEAD, PFD, EF)
         else:
+            flat = False
+            if PIN == 2:  # launch variant FLAT (PIN 2, no EPF): a slice of rows not a multiple of KC long
+                flat = flat_ok(count, K, two, False, w_ptr, KC, ALIGN, TB, ROWVEC)
             if EPF and (expert == guess):
                 w = w_guess
+            elif flat:  # its first tile: each warp's own run of rows
+                w = flat_tile(w_ptr, r0, r1, K, 0, BR, KC, ALIGN, EF)
             else:  # no guess, or a stale one: the chunk requested now
                 w = first_chunk(w_ptr, r0, r1, K, BR, KC, ALIGN, EF)
-            if PIN:
+            if flat:
+                flat_expert_stream(word, A, st, S, slot, N, kk, flags, w_ptr, r0, r1, K, w, BR, KC, ALIGN, ROWVEC, EF)
+            elif PIN:
                 if pinnable(count, K, KC, TB, ROWVEC):
                     pinned_expert_stream(word, A, st, S, slot, N, kk, flags, w_ptr, w2_ptr, two, r0, r1, K, w, BR, KC,
                                          ALIGN, ROWVEC, EF)
@@ -424,6 +432,16 @@ def pinned_expert_stream(word, A, st, S, slot, N, kk, flags, w_ptr, w2_ptr, two,
     stream_pinned(aligned_base(A, word, EXPERT_LINEAR_X_OFF, ALIGN), fld(word, EXPERT_LINEAR_X_LD),
                   st + 2 * S + slot * (N * kk), div, o_ptr, o_ld, o_ptr, o_ld, r0 < 0, w_ptr, w2_ptr, two, r0, r1, K,
                   w, False, 0.0, BR, KC, ALIGN, 16, ROWVEC, EF)
+
+
+@triton.jit
+def flat_expert_stream(word, A, st, S, slot, N, kk, flags, w_ptr, r0, r1, K, w, BR: tl.constexpr, KC: tl.constexpr,
+                       ALIGN: tl.constexpr, ROWVEC: tl.constexpr, EF: tl.constexpr = 0):
+    """pinned_expert_stream's slice through linear_flat.stream_flat (launch variant PIN 2)."""
+    div = tl.where(has(flags, FLAG_EXPERT_LINEAR_GATHER), kk, 1)
+    o_ptr, o_ld = A + off(word, EXPERT_LINEAR_OUT_OFF), fld(word, EXPERT_LINEAR_OUT_LD)
+    stream_flat(aligned_base(A, word, EXPERT_LINEAR_X_OFF, ALIGN), fld(word, EXPERT_LINEAR_X_LD),
+                st + 2 * S + slot * (N * kk), div, o_ptr, o_ld, w_ptr, r0, r1, K, w, BR, KC, ALIGN, ROWVEC, EF)
 
 
 @triton.jit

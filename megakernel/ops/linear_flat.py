@@ -1,0 +1,133 @@
+"""Launch variant FLAT: a one-token slice of rows whose length K is not a multiple of the chunk width, streamed with
+no column wasted (an experiment, off by default; docs/NOTES.md session 49).
+
+stream_chunks reads a row of K = 1408 (dsv2-lite's routed down projections) as a KC = 2048-wide chunk: 640 of its
+columns are the next row's, multiplied by zeros, so a step carries 69% useful bytes and the phase streams at ~0.7x
+a 2048-wide one's rate.  Here each warp streams a contiguous run of whole rows (a part: the slice's rows split in
+BR parts) in KC-element steps, so a step's span of 128 columns may start a new row: every warp's part starts at a
+row and has the same length, so where rows start in a step is the same for the whole CTA (a uniform branch).
+Each row is summed as stream_chunks sums it (per lane, a left fold of its spans in column order, its even and its
+odd columns apart; then the lanes' tree): the same bits (tests/test_weight_stream.py, under the interpreter and on
+the GPU), so a token's rows do not depend on which stream its slice took (batch invariance: a slot of two tokens
+streams through stream_chunks).
+Needs bf16 weights (words of two columns), K a multiple of 128 with KC/2 < K < KC (at most two rows end in a
+step), one matrix, no norm, no residual (an expert slice's).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import aligned
+from .linear import chunk_cols, list_rows, pin, prefetch_lines_l1, store_rows
+
+SPAN = 128  # columns a warp's lanes cover in one load: a row's length is a multiple of it
+
+
+@triton.jit
+def flat_ok(n_rows, K, two, norm, w_ptr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
+            ROWVEC: tl.constexpr):
+    """Whether stream_flat runs a slice (the module's note)."""
+    PAIRS: tl.constexpr = (w_ptr.dtype.element_ty == tl.bfloat16) and (ALIGN % 2 == 0) and (KC >= 2 * 128)
+    if PAIRS:
+        return ((n_rows == 1) & (two == 0) & (norm == 0) & (K * 2 > KC) & (K < KC) & (K % 128 == 0) & (TB == 1)
+                & (ROWVEC > 0))
+    else:
+        return False
+
+
+@triton.jit
+def flat_tile(w_ptr, r0, r1, K, i, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, EF: tl.constexpr):
+    """Step i of every warp's part: KC elements from element i·KC of part w (rows r0 + w·RPW..), as a
+    [BR, KC/128, 64] tile of words.  A step past the slice's last element reads from there instead (at most KC past
+    the slice: the arena's slack); what it reads sums into rows that are never stored."""
+    K = aligned(K, ALIGN)
+    rpw = tl.cdiv(r1 - r0, BR)
+    start = (r0 + tl.arange(0, BR) * rpw).to(tl.int64) * K + i * KC
+    start = tl.minimum(start, r1.to(tl.int64) * K)
+    ks = chunk_cols(0, KC // 2, 64, 2)
+    return tl.load(w_ptr.to(tl.pointer_type(tl.uint32)) + (start // 2)[:, None, None] + ks,
+                   eviction_policy="evict_first" if EF else "")
+
+
+@triton.jit
+def flat_store(v, krow, orow, out_ptr, out_ld, r0, r1, rpw, BR: tl.constexpr, ROWVEC: tl.constexpr):
+    """Row krow of every warp's part: its lanes' [BR, 64] sums added (stream_chunks' tree).  No load: one here,
+    inside the multiply, would drain the next tile's loads (ptxas counts a loop's loads on one scoreboard)."""
+    rows = r0 + tl.arange(0, BR) * rpw + krow
+    store_rows(out_ptr + orow.to(tl.int64) * out_ld + rows, tl.sum(v, axis=1), (krow < rpw) & (rows < r1), ROWVEC)
+
+
+@triton.jit
+def span_starts(o, K128, NS: tl.constexpr):
+    """[1, NS, 1]: the first activation column of each span of a step whose first span starts at column o of its
+    row (the spans run on into the next rows; o and K128 multiples of 128, so the loads are 16 bytes a lane)."""
+    g = (o // 128) * 128 + tl.arange(0, NS)[None, :, None] * 128
+    g -= tl.where(g >= K128, K128, 0)
+    return g - tl.where(g >= K128, K128, 0)
+
+
+@triton.jit
+def step_activations(x_row, o, K128, BR: tl.constexpr, NS: tl.constexpr):
+    """A step's activations as its weight tile's columns: ([BR, NS, 64] even columns, odd columns)."""
+    s = tl.max_contiguous(tl.multiple_of(tl.arange(0, 128), 4), 4)[None, None, :] + tl.zeros((BR, 1, 1), tl.int32)
+    return tl.split(tl.reshape(tl.load(x_row + span_starts(o, K128, NS) + s), (BR, NS, 64, 2)))
+
+
+@triton.jit
+def next_column(o, K, KC: tl.constexpr):
+    """The column where the next step's first span starts (KC < 2K: at most two rows end in a step)."""
+    o += KC
+    o -= tl.where(o >= K, K, 0)
+    return o - tl.where(o >= K, K, 0)
+
+
+@triton.jit
+def stream_flat(x_ptr, x_ld, xrows_ptr, xrows_div, out_ptr, out_ld, w_ptr, r0, r1, K, w, BR: tl.constexpr,
+                KC: tl.constexpr, ALIGN: tl.constexpr, ROWVEC: tl.constexpr, EF: tl.constexpr = 0,
+                PINNED: tl.constexpr = 1):
+    """out[orow, r0:r1] = x[xrow] @ W[r0:r1].T for a flat_ok slice (no residual), w its first tile (flat_tile at
+    step 0).  As in linear.stream_pinned_k: the next tile is requested before the multiply and held there by a CTA
+    barrier (PINNED); the next step's activations are asked of the L1 a step ahead and loaded after the multiply,
+    where the step waits for them and for that tile."""
+    NS: tl.constexpr = KC // 128  # spans a step
+    orow, xrow = list_rows(r0 * 0, True, xrows_ptr, xrows_div)
+    x_row = x_ptr + xrow.to(tl.int64) * aligned(x_ld, ALIGN)
+    rpw = tl.cdiv(r1 - r0, BR)
+    nsteps = tl.cdiv(rpw * K, KC)
+    K128 = (K // 128) * 128  # K, written so the compiler sees the multiple of 128
+    cidx = tl.arange(0, NS)[None, :, None]
+    cur_lo = tl.zeros((BR, 64), tl.float32)  # the row being summed, per lane: its even columns, its odd ones
+    cur_hi = tl.zeros((BR, 64), tl.float32)
+    o = r0 * 0  # the column of the step's first span in its row
+    k = r0 * 0  # that row's index in each part
+    x_even, x_odd = step_activations(x_row, o, K128, BR, NS)
+    w = w | pin(PINNED)
+    for i in tl.range(nsteps, loop_unroll_factor=1):
+        w_next = flat_tile(w_ptr, r0, r1, K, i + 1, BR, KC, ALIGN, EF)
+        o_next = next_column(o, K, KC)
+        if PINNED:  # the next step's activations, a 128-byte line a pointer
+            lines = span_starts(o_next, K128, NS) + tl.arange(0, 4)[None, None, :] * 32
+            prefetch_lines_l1(x_row + tl.reshape(lines, (NS * 4,)))
+        for c in tl.static_range(NS):
+            if c == 0:
+                fin = (o == 0) & (i > 0)  # the last step's last span ended a row
+            else:
+                fin = (o + c * 128 == K) | (o + c * 128 == 2 * K)
+            if fin:  # a uniform branch, taken once or twice a step (a store: the compiler cannot flatten it)
+                flat_store(cur_lo + cur_hi, k, orow, out_ptr, out_ld, r0, r1, rpw, BR, ROWVEC)
+                cur_lo = tl.zeros((BR, 64), tl.float32)
+                cur_hi = tl.zeros((BR, 64), tl.float32)
+                k += 1
+            # span c of the tiles: selects of constants that fold away (-0.0: x + -0.0 is x, so the sums fold too)
+            wc = tl.sum(tl.where(cidx == c, w, 0), axis=1)
+            xe = tl.sum(tl.where(cidx == c, x_even, -0.0), axis=1)
+            xo = tl.sum(tl.where(cidx == c, x_odd, -0.0), axis=1)
+            cur_lo += (wc << 16).to(tl.float32, bitcast=True) * xe
+            cur_hi += (wc & 0xFFFF0000).to(tl.float32, bitcast=True) * xo
+        o = o_next
+        x_even, x_odd = step_activations(x_row, o, K128, BR, NS)
+        w = w_next | pin(PINNED)
+    if o == 0:  # the last row ended with the last step
+        flat_store(cur_lo + cur_hi, k, orow, out_ptr, out_ld, r0, r1, rpw, BR, ROWVEC)
