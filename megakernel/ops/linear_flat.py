@@ -1,5 +1,5 @@
-"""Launch variant FLAT: a one-token slice of rows whose length K is not a multiple of the chunk width, streamed with
-no column wasted (an experiment, off by default; docs/NOTES.md session 49).
+"""Launch variant PIN=2: a one-token expert slice of rows whose length K is not a multiple of the chunk width,
+streamed with no column wasted (an experiment, off by default and untimed; docs/NOTES.md session 49).
 
 stream_chunks reads a row of K = 1408 (dsv2-lite's routed down projections) as a KC = 2048-wide chunk: 640 of its
 columns are the next row's, multiplied by zeros, so a step carries 69% useful bytes and the phase streams at ~0.7x
@@ -22,14 +22,13 @@ import triton.language as tl
 from .common import aligned
 from .linear import chunk_cols, list_rows, pin, prefetch_lines_l1, store_rows
 
-SPAN = 128  # columns a warp's lanes cover in one load: a row's length is a multiple of it
-
-
 @triton.jit
 def flat_ok(n_rows, K, two, norm, w_ptr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
             ROWVEC: tl.constexpr):
     """Whether stream_flat runs a slice (the module's note)."""
-    PAIRS: tl.constexpr = (w_ptr.dtype.element_ty == tl.bfloat16) and (ALIGN % 2 == 0) and (KC >= 2 * 128)
+    # KC <= 2048: a step's row starts are bits of an int32 (stream_flat's starts_row)
+    PAIRS: tl.constexpr = ((w_ptr.dtype.element_ty == tl.bfloat16) and (ALIGN % 2 == 0) and (KC >= 256)
+                           and (KC <= 2048))
     if PAIRS:
         return ((n_rows == 1) & (two == 0) & (norm == 0) & (K * 2 > KC) & (K < KC) & (K % 128 == 0) & (TB == 1)
                 & (ROWVEC > 0))
@@ -69,10 +68,19 @@ def span_starts(o, K128, NS: tl.constexpr):
 
 
 @triton.jit
-def step_activations(x_row, o, K128, BR: tl.constexpr, NS: tl.constexpr):
-    """A step's activations as its weight tile's columns: ([BR, NS, 64] even columns, odd columns)."""
+def step_activations(x_row, starts, BR: tl.constexpr, NS: tl.constexpr):
+    """A step's activations (span_starts) as its weight tile's columns: ([BR, NS, 64] even columns, odd columns),
+    as int32 bits: span_of takes a span out of them with integer sums of zeros, which fold away."""
     s = tl.max_contiguous(tl.multiple_of(tl.arange(0, 128), 4), 4)[None, None, :] + tl.zeros((BR, 1, 1), tl.int32)
-    return tl.split(tl.reshape(tl.load(x_row + span_starts(o, K128, NS) + s), (BR, NS, 64, 2)))
+    x = tl.load(x_row + starts + s).to(tl.int32, bitcast=True)
+    return tl.split(tl.reshape(x, (BR, NS, 64, 2)))
+
+
+@triton.jit
+def span_of(t, c: tl.constexpr, NS: tl.constexpr):
+    """Span c of a [BR, NS, 64] integer tile, [BR, 64]: selects of constants and adds of zeros, which the compiler
+    folds into the registers themselves (a float tile would keep an add per element: x + 0.0 is not x for -0.0)."""
+    return tl.sum(tl.where(tl.arange(0, NS)[None, :, None] == c, t, 0), axis=1)
 
 
 @triton.jit
@@ -97,37 +105,34 @@ def stream_flat(x_ptr, x_ld, xrows_ptr, xrows_div, out_ptr, out_ld, w_ptr, r0, r
     rpw = tl.cdiv(r1 - r0, BR)
     nsteps = tl.cdiv(rpw * K, KC)
     K128 = (K // 128) * 128  # K, written so the compiler sees the multiple of 128
-    cidx = tl.arange(0, NS)[None, :, None]
     cur_lo = tl.zeros((BR, 64), tl.float32)  # the row being summed, per lane: its even columns, its odd ones
     cur_hi = tl.zeros((BR, 64), tl.float32)
     o = r0 * 0  # the column of the step's first span in its row
     k = r0 * 0  # that row's index in each part
-    x_even, x_odd = step_activations(x_row, o, K128, BR, NS)
+    x_even, x_odd = step_activations(x_row, span_starts(o, K128, NS), BR, NS)
     w = w | pin(PINNED)
     for i in tl.range(nsteps, loop_unroll_factor=1):
         w_next = flat_tile(w_ptr, r0, r1, K, i + 1, BR, KC, ALIGN, EF)
         o_next = next_column(o, K, KC)
+        starts = span_starts(o_next, K128, NS)
         if PINNED:  # the next step's activations, a 128-byte line a pointer
-            lines = span_starts(o_next, K128, NS) + tl.arange(0, 4)[None, None, :] * 32
-            prefetch_lines_l1(x_row + tl.reshape(lines, (NS * 4,)))
+            prefetch_lines_l1(x_row + tl.reshape(starts + tl.arange(0, 4)[None, None, :] * 32, (NS * 4,)))
+        # bit c: span c starts a row (0: the last step's last span ended one; then K - o and 2K - o columns on)
+        b1 = (K - o) // 128
+        starts_row = (1 << b1) | (1 << (b1 + K // 128)) | ((o == 0) & (i > 0)).to(tl.int32)
         for c in tl.static_range(NS):
-            if c == 0:
-                fin = (o == 0) & (i > 0)  # the last step's last span ended a row
-            else:
-                fin = (o + c * 128 == K) | (o + c * 128 == 2 * K)
-            if fin:  # a uniform branch, taken once or twice a step (a store: the compiler cannot flatten it)
+            if (starts_row & (1 << c)) != 0:  # a uniform branch, once or twice a step (its store keeps it one)
                 flat_store(cur_lo + cur_hi, k, orow, out_ptr, out_ld, r0, r1, rpw, BR, ROWVEC)
                 cur_lo = tl.zeros((BR, 64), tl.float32)
                 cur_hi = tl.zeros((BR, 64), tl.float32)
                 k += 1
-            # span c of the tiles: selects of constants that fold away (-0.0: x + -0.0 is x, so the sums fold too)
-            wc = tl.sum(tl.where(cidx == c, w, 0), axis=1)
-            xe = tl.sum(tl.where(cidx == c, x_even, -0.0), axis=1)
-            xo = tl.sum(tl.where(cidx == c, x_odd, -0.0), axis=1)
+            wc = span_of(w, c, NS)
+            xe = span_of(x_even, c, NS).to(tl.float32, bitcast=True)
+            xo = span_of(x_odd, c, NS).to(tl.float32, bitcast=True)
             cur_lo += (wc << 16).to(tl.float32, bitcast=True) * xe
             cur_hi += (wc & 0xFFFF0000).to(tl.float32, bitcast=True) * xo
         o = o_next
-        x_even, x_odd = step_activations(x_row, o, K128, BR, NS)
+        x_even, x_odd = step_activations(x_row, starts, BR, NS)
         w = w_next | pin(PINNED)
     if o == 0:  # the last row ended with the last step
         flat_store(cur_lo + cur_hi, k, orow, out_ptr, out_ld, r0, r1, rpw, BR, ROWVEC)
