@@ -361,8 +361,8 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
         raise MegakernelError(f"block override PIN=2 with EPF={blocks['EPF']}: a guessed first chunk is not a flat "
                               "stream's first tile")
     if blocks["PIN"] and INTERPRET:
-        raise MegakernelError("block override PIN=1: the Triton interpreter runs no inline PTX (its CTA barrier's "
-                              "count)")
+        raise MegakernelError(f"block override PIN={blocks['PIN']}: the Triton interpreter runs no inline PTX (its "
+                              "CTA barrier's count)")
     if blocks["SIG"] not in (0, 1, 2):
         raise MegakernelError(f"block override SIG={blocks['SIG']}: 0, 1 or 2 (the signalled counter's index read "
                               "after the task's closing barrier, with its opcode, or before that barrier)")

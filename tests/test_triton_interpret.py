@@ -389,8 +389,10 @@ def test_block_overrides_that_would_change_the_result_are_refused():
                ({"POLL": 2}, "POLL=2: the Triton interpreter runs no inline PTX"),
                ({"HIN": 2}, "HIN=2: 0 .inputs copied"), ({"EPF": 3}, "EPF=3: 0, 1 .an expert task's first"),
                ({"QIX": 4}, "QIX=4: 0, or bits 1"), ({"SIG": 3}, "SIG=3: 0, 1 or 2"),
-               ({"WAITS": 3}, "WAITS=3: 0, 1 "), ({"PIN": 2}, "PIN=2: 0, or 1"),
+               ({"WAITS": 3}, "WAITS=3: 0, 1 "), ({"PIN": 3}, "PIN=3: 0, 1 .one-token slices"),
+               ({"PIN": 2, "EPF": 1}, "PIN=2 with EPF=1: a guessed first chunk"),
                ({"PIN": 1}, "PIN=1: the Triton interpreter runs no inline PTX"),
+               ({"PIN": 2}, "PIN=2: the Triton interpreter runs no inline PTX"),
                ({"POLL": 1}, "POLL=1: the Triton interpreter runs no inline PTX")]
     for override, why in refused:
         with pytest.raises(MegakernelError, match=why):
