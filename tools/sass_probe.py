@@ -12,7 +12,8 @@
         --source FILE:LO-HI prints those source lines' instructions in address order (what a body's loads wait on)
     python tools/sass_probe.py stream [--lines] [KEY=V,...]...
         the weight stream alone (ops/linear.stream_chunks, bf16 weights): its hot loop's instructions
-        by opcode and the first wait on its weight loads' scoreboard, per variant (BR, KC, TB: tokens per weight
+        by opcode, how many of them run every step (not in a block a forward branch skips), and the first wait
+        on its weight loads' scoreboard, per variant (BR, KC, TB: tokens per weight
         chunk, DEPTH: chunks in flight, PFD: L2 prefetch distance, PIN=1: linear.stream_pinned instead, FLAT=1:
         linear_flat.stream_flat); --lines
         adds them by source line
@@ -246,6 +247,22 @@ def loop_spans(sass: str) -> list[list[tuple[int, str, str]]]:
     return [[item for item in items if a <= item[0] <= b] for a, b in sorted(spans, key=lambda span: span[0] - span[1])]
 
 
+def run_every_step(sass: str, span: list[tuple[int, str, str]]) -> tuple[int, list[int]]:
+    """(how many of a loop's instructions no forward conditional branch inside it skips, the sizes of the blocks
+    such branches skip): what a step issues when none of those branches is taken (PIN=2's row stores)."""
+    labels = {}
+    sass_lines(sass, labels)
+    addrs = [a for a, _, _ in span]
+    skipped, blocks = set(), []
+    for addr, _, ins in span:
+        m = re.search(r"BRA.*`\(\.(L_x_\d+)\)", ins)
+        if m and ins.startswith("@") and addr < labels.get(m.group(1), -1) <= addrs[-1]:
+            block = [a for a in addrs if addr < a < labels[m.group(1)]]
+            blocks.append(len(block))
+            skipped.update(block)
+    return len(span) - len(skipped), blocks
+
+
 def loops(sass: str) -> list[list[tuple[str, str]]]:
     """(source line, instruction) of each backward branch's span, widest first."""
     return [[(w, ins) for _, w, ins in span] for span in loop_spans(sass)]
@@ -278,6 +295,8 @@ def probe_stream(variants: list[str], lines: bool) -> None:
         ops = collections.Counter(opcode(ins) for _, ins in loop)
         print(f"stream {spec or 'default'} ({const}): {info}")
         print(f"  hot loop {len(loop)} instructions: " + ", ".join(f"{o} {n}" for o, n in ops.most_common(16)))
+        always, blocks = run_every_step(sass, loop_spans(sass)[0])
+        print(f"  run every step: {always} (branch-skipped blocks: {blocks or 'none'})")
         print_weight_waits(sass, loop_spans(sass)[:1], linear_flat.flat_tile if const["FLAT"] else None)
         if lines:
             by_line = collections.Counter(w for w, _ in loop)
