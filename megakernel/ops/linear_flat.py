@@ -6,10 +6,11 @@ columns are the next row's, multiplied by zeros, so a step carries 69% useful by
 a 2048-wide one's rate.  Here each warp streams a contiguous run of whole rows (a part: the slice's rows split in
 BR parts) in KC-element steps, so a step's span of 128 columns may start a new row: every warp's part starts at a
 row and has the same length, so where rows start in a step is the same for the whole CTA (a uniform branch).
-Each row is summed as stream_chunks sums it (per lane, a left fold of its spans in column order, its even and its
-odd columns apart; then the lanes' tree): the same bits (tests/test_weight_stream.py, under the interpreter and on
-the GPU), so a token's rows do not depend on which stream its slice took (batch invariance: a slot of two tokens
-streams through stream_chunks).
+Each row is summed in stream_chunks' order (per lane, a left fold of its spans in column order, its even and its
+odd columns apart; then the lanes' tree): the same bits under the interpreter, but not on the GPU, where the two
+loops compile to other fused multiply-adds (H100, docs/PERF.md session 49: equal within rounding).  Until they
+agree, a token's routed down rows depend on whether its slot had one token (this stream) or two (stream_chunks),
+so PIN=2 breaks batch invariance; and it measured +4% on an H100.
 Needs bf16 weights (words of two columns), K a multiple of 128 with KC/2 < K < KC (at most two rows end in a
 step), one matrix, no norm, no residual (an expert slice's).
 """
@@ -44,7 +45,7 @@ def flat_tile(w_ptr, r0, r1, K, i, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl
     K = aligned(K, ALIGN)
     rpw = tl.cdiv(r1 - r0, BR)
     start = (r0 + tl.arange(0, BR) * rpw).to(tl.int64) * K + i * KC
-    start = tl.minimum(start, r1.to(tl.int64) * K)
+    start = tl.minimum(start, K.to(tl.int64) * r1)  # (r1 may be a constant: a JIT argument equal to 1)
     ks = chunk_cols(0, KC // 2, 64, 2)
     return tl.load(w_ptr.to(tl.pointer_type(tl.uint32)) + (start // 2)[:, None, None] + ks,
                    eviction_policy="evict_first" if EF else "")
