@@ -29,8 +29,8 @@ sig.update({k: "constexpr" for k in const})
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(15)}
 
 
-def compile_megakernel(constexprs):
-    return triton.compile(ASTSource(fn=megakernel, signature=sig, constexprs=constexprs, attrs=attrs),
+def compile_megakernel(constexprs, weights="*bf16"):
+    return triton.compile(ASTSource(fn=megakernel, signature=dict(sig, W=weights), constexprs=constexprs, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 1})
 """
 
@@ -106,8 +106,11 @@ print("bulk", k1.asm["ptx"].count("cp.async.bulk.prefetch.L2.global"))
 # the attention kind a GQA-only plan compiles (llama-1b's: launch.block_sizes sets ATT_KIND=2), its head-line
 # prefetch (APF=2) compiled in and MLA's bulk one out; and the waits' POLL=2 (one thread's acquire load that asks
 # the L1 for the task's word, its value shared through a word of static shared memory); and a task's first two wait
-# slots read before the weights it requests before its wait (WAITS=2, with EPF=1's guessed expert chunk)
-gqa = compile_megakernel(dict(one, ATT_KIND=2, POLL=2, WAITS=2, EPF=1, PIN=1))
+# slots read before the weights it requests before its wait (WAITS=2, with EPF=1's guessed expert chunk); with fp32
+# weights (the tiny presets' on a GPU), whose pinned streams hold the chunk behind the barrier as its bits (PIN=1:
+# an fp32 chunk ORed with the barrier's count did not compile, session 49)
+gqa = compile_megakernel(dict(one, ATT_KIND=2, POLL=2, WAITS=2, EPF=1, PIN=1), weights="*fp32")
+assert "bar.red.popc.u32" in gqa.asm["ptx"]
 assert gqa.asm["cubin"] and "prefetch.global.L2 " in gqa.asm["ptx"]
 assert "prefetch.global.L1" in gqa.asm["ptx"] and ".shared .align 4 .b32 seen" in gqa.asm["ptx"]
 print("bulk", gqa.asm["ptx"].count("cp.async.bulk.prefetch.L2.global"))

@@ -336,6 +336,18 @@ def pin(PINNED: tl.constexpr):
 
 
 @triton.jit
+def pinned(w, PINNED: tl.constexpr):
+    """A weight chunk that nothing after pin()'s barrier can be computed without: its bits ORed with the barrier's
+    0 (bf16 pairs are 32-bit words already; fp32 or 16-bit weights are ORed as their bits and cast back)."""
+    if w.dtype == tl.uint32:
+        return w | pin(PINNED)
+    elif w.dtype.primitive_bitwidth == 16:
+        return (w.to(tl.uint16, bitcast=True) | pin(PINNED).to(tl.uint16)).to(w.dtype, bitcast=True)
+    else:
+        return (w.to(tl.uint32, bitcast=True) | pin(PINNED)).to(w.dtype, bitcast=True)
+
+
+@triton.jit
 def scaled(part, scale, PINNED: tl.constexpr):
     """part * scale rounded on its own, as stream_chunks rounds it before adding the residual: ptxas fuses a plain
     multiply and the add after it into one FFMA here (one rounding: other bits), but never a mul.rn.  The
@@ -388,7 +400,7 @@ def stream_pinned(x_ptr, x_ld, xrows_ptr, xrows_div, out_ptr, out_ld, res_ptr, r
         scale = tl.sum(norm_scales(x_ptr, x_ld, xrows_ptr, xrows_div, zero, 1, K, eps, 1, BN, ALIGN), axis=0)
     # the first chunk (requested before the task's wait) and the activations waited for before the loop: else
     # the first multiply's wait would drain the second chunk, requested just before it
-    w = w | pin(PINNED)
+    w = pinned(w, PINNED)
     sub, blk = zero, zero
     gate = tl.zeros((BR,), tl.float32)
     for i in tl.range(total, loop_unroll_factor=1):  # unrolled by 2: 360 B spilled in dsv2-lite's kernel, not 216
@@ -397,7 +409,7 @@ def stream_pinned(x_ptr, x_ld, xrows_ptr, xrows_div, out_ptr, out_ld, res_ptr, r
         sub_a = tl.where(wrap, 0, sub_a)
         blk_a = blk + wrap.to(tl.int32)
         w_next = weight_rows(tl.where(sub_a == 1, w2_ptr, w_ptr), r0 + blk_a * BR, r1, K, 0, BR, KC, ALIGN, EF)
-        part = chunk_dot(w | pin(PINNED), x, w_ptr, BR, KC, ALIGN)
+        part = chunk_dot(pinned(w, PINNED), x, w_ptr, BR, KC, ALIGN)
         rows1 = r0 + blk * BR + tl.arange(0, BR)
         m1 = rows1 < r1
         done = sub == nsub - 1
@@ -445,7 +457,7 @@ def stream_pinned_k(x_ptr, x_ld, out_ptr, out_ld, res_ptr, res_ld, use_res, w_pt
     scale = 1.0
     if norm:
         scale = tl.sum(norm_scales(x_ptr, x_ld, x_ptr, 0, zero, 1, K, eps, 1, BN, ALIGN), axis=0)
-    w = w | pin(PINNED)  # the first chunk and the activations waited for before the loop (stream_pinned)
+    w = pinned(w, PINNED)  # the first chunk and the activations waited for before the loop (stream_pinned)
     acc = tl.zeros((BR,), tl.float32)
     kc, blk = zero, zero
     for i in tl.range(tl.cdiv(r1 - r0, BR) * nk, loop_unroll_factor=1):
@@ -456,7 +468,7 @@ def stream_pinned_k(x_ptr, x_ld, out_ptr, out_ld, res_ptr, res_ld, use_res, w_pt
         w_next = weight_rows(w_ptr, r0 + blk_a * BR, r1, K, kc_a * KC, BR, KC, ALIGN, EF)
         if PINNED:
             prefetch_lines_l1(x_ptr + kc_a * KC + tl.minimum(tl.arange(0, KC // 32) * 32, K - 1 - kc_a * KC))
-        part = chunk_dot(w | pin(PINNED), x, w_ptr, BR, KC, ALIGN)
+        part = chunk_dot(pinned(w, PINNED), x, w_ptr, BR, KC, ALIGN)
         acc = tl.where(kc == 0, 0.0, acc) + part
         rows1 = r0 + blk * BR + tl.arange(0, BR)
         m1 = rows1 < r1
@@ -465,7 +477,7 @@ def stream_pinned_k(x_ptr, x_ld, out_ptr, out_ld, res_ptr, res_ld, use_res, w_pt
             store_rows(out_ptr + rows1, scaled(acc, scale, PINNED) + res, m1, ROWVEC)
         # the next step's activations (L1 hits), waited for with this step's request before the next one
         x = act_chunk(x_ptr, zero, x_ld, kc_a * KC, K, BR, KC, ALIGN)
-        w = w_next | pin(PINNED)
+        w = pinned(w_next, PINNED)
         kc = kc_a
         blk = blk_a
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .common import aligned
-from .linear import chunk_cols, list_rows, pin, prefetch_lines_l1, store_rows
+from .linear import chunk_cols, list_rows, pinned, prefetch_lines_l1, store_rows
 
 @triton.jit
 def flat_ok(n_rows, K, two, norm, w_ptr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
@@ -111,7 +111,7 @@ def stream_flat(x_ptr, x_ld, xrows_ptr, xrows_div, out_ptr, out_ld, w_ptr, r0, r
     o = r0 * 0  # the column of the step's first span in its row
     k = r0 * 0  # that row's index in each part
     x_even, x_odd = step_activations(x_row, span_starts(o, K128, NS), BR, NS)
-    w = w | pin(PINNED)
+    w = pinned(w, PINNED)
     for i in tl.range(nsteps, loop_unroll_factor=1):
         w_next = flat_tile(w_ptr, r0, r1, K, i + 1, BR, KC, ALIGN, EF)
         o_next = next_column(o, K, KC)
@@ -134,6 +134,6 @@ def stream_flat(x_ptr, x_ld, xrows_ptr, xrows_div, out_ptr, out_ld, w_ptr, r0, r
             cur_hi += (wc & 0xFFFF0000).to(tl.float32, bitcast=True) * xo
         o = o_next
         x_even, x_odd = step_activations(x_row, starts, BR, NS)
-        w = w_next | pin(PINNED)
+        w = pinned(w_next, PINNED)
     if o == 0:  # the last row ended with the last step
         flat_store(cur_lo + cur_hi, k, orow, out_ptr, out_ld, r0, r1, rpw, BR, ROWVEC)
