@@ -277,8 +277,9 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # 1 (a launch variant, inline PTX): one-token LINEAR and expert slices stream through
                 # linear.stream_pinned / stream_pinned_k, the next weight chunk in flight through the multiply
                 # (docs/PERF.md session 44: -1.3% / +1.9% on an H100 before the K > KC loop; not yet on an H200);
-                # 2 (a launch variant, untimed): and one-token expert slices of rows whose K is not a multiple of KC
-                # (KC/2 < K < KC: dsv2-lite's routed downs) stream flat, no column wasted (ops/linear_flat.py)
+                # 2 (a launch variant): and one-token expert slices of rows whose K is not a multiple of KC (KC/2 < K
+                # < KC: dsv2-lite's routed downs) stream flat, no column wasted (ops/linear_flat.py): +4.2% on an
+                # H100 and not the default's bits (docs/PERF.md session 49)
                 PIN=0)
 
 
