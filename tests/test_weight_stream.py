@@ -64,7 +64,7 @@ def _flat_kernel(W, A, I, K, n_rows, xrows_div, x_ld, r0, r1, out_off, res_off, 
                  BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr, DEPTH: tl.constexpr,
                  BN: tl.constexpr, ROWVEC: tl.constexpr, AHEAD: tl.constexpr, PFD: tl.constexpr,
                  PINNED: tl.constexpr):
-    """Launch variant FLAT's stream (linear_flat.stream_flat) where it takes the slice, else stream_chunks."""
+    """Launch variant PIN=2's stream (linear_flat.stream_flat) where it takes the slice, else stream_chunks."""
     two, res, norm = (flags & 1) != 0, (flags & 2) != 0, (flags & 4) != 0
     if linear_flat.flat_ok(n_rows, K, two, norm | res, W, KC, ALIGN, TB, ROWVEC):
         w = linear_flat.flat_tile(W + w_off, r0, r1, K, 0, BR, KC, ALIGN, 0)

@@ -63,12 +63,13 @@ def stream_probe(W, A, I, x_off, x_ld, xrows_div, n_rows, out_off, out_ld, res_o
                  PIN: tl.constexpr = 0, FLAT: tl.constexpr = 0):
     """A LINEAR task's stream with runtime sizes, offsets rounded to ALIGN as the kernel's are (PIN 1: the
     pinned stream alone, linear.stream_pinned, whatever the sizes; FLAT 1: linear_flat.stream_flat, pinned)."""
-    w = linear.first_chunk(W + (w_off // ALIGN) * ALIGN, r0, r1, K, BR, KC, ALIGN)
     if FLAT:
         w = linear_flat.flat_tile(W + (w_off // ALIGN) * ALIGN, r0, r1, K, 0, BR, KC, ALIGN, 0)
         linear_flat.stream_flat(A + (x_off // ALIGN) * ALIGN, x_ld, I, xrows_div, A + out_off, out_ld,
                                 W + (w_off // ALIGN) * ALIGN, r0, r1, K, w, BR, KC, ALIGN, ROWVEC)
-    elif PIN:
+        return
+    w = linear.first_chunk(W + (w_off // ALIGN) * ALIGN, r0, r1, K, BR, KC, ALIGN)
+    if PIN:
         linear.stream_pinned(A + (x_off // ALIGN) * ALIGN, x_ld, I, xrows_div, A + out_off, out_ld, A + res_off,
                              res_ld, use_res != 0, W + (w_off // ALIGN) * ALIGN, W + (w2_off // ALIGN) * ALIGN,
                              two != 0, r0, r1, K, w, False, 0.0, BR, KC, ALIGN, 16, ROWVEC)

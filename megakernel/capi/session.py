@@ -81,8 +81,7 @@ class Session:
         if self.position + len(tokens) > self.engine.max_len:
             raise CapacityError(f"{what}: {len(tokens)} token(s) at position {self.position} need "
                                 f"{self.position + len(tokens)} cache positions; the engine holds "
-                                f"{self.engine.max_len} "
-                                f"(mk_options.max_len)")
+                                f"{self.engine.max_len} (mk_options.max_len)")
         return torch.tensor([tokens], dtype=torch.long, device=self.engine.device)
 
     def feed(self, tokens: list[int]) -> int:

@@ -327,17 +327,9 @@ def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.con
             expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K,
                           first_chunk(w_ptr, r0, r1, K, BR * 4, KC // 4, ALIGN, EF), BR * 4, KC // 4, ALIGN, TB,
                           DEPTH, ROWVEC, AHEAD, PFD, EF)
-        elif PIN == 2:  # launch variant PIN=2 (no EPF): a slice of rows not a multiple of KC long streams flat
-            if flat_ok(count, K, two, False, w_ptr, KC, ALIGN, TB, ROWVEC):  # a constant False for unpaired weights
-                flat_expert_stream(word, A, st, S, slot, N, kk, flags, w_ptr, r0, r1, K,
-                                   flat_tile(w_ptr, r0, r1, K, 0, BR, KC, ALIGN, EF), BR, KC, ALIGN, ROWVEC, EF)
-            elif pinnable(count, K, KC, TB, ROWVEC):
-                pinned_expert_stream(word, A, st, S, slot, N, kk, flags, w_ptr, w2_ptr, two, r0, r1, K,
-                                     first_chunk(w_ptr, r0, r1, K, BR, KC, ALIGN, EF), BR, KC, ALIGN, ROWVEC, EF)
-            else:
-                expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K,
-                              first_chunk(w_ptr, r0, r1, K, BR, KC, ALIGN, EF), BR, KC, ALIGN, TB, DEPTH, ROWVEC,
-                              AHEAD, PFD, EF)
+        elif flat_ok(count, K, two, False, w_ptr, KC, ALIGN, TB, ROWVEC, PIN == 2):  # launch variant PIN=2 (no EPF)
+            flat_expert_stream(word, A, st, S, slot, N, kk, flags, w_ptr, r0, r1, K,
+                               flat_tile(w_ptr, r0, r1, K, 0, BR, KC, ALIGN, EF), BR, KC, ALIGN, ROWVEC, EF)
         else:
             if EPF and (expert == guess):
                 w = w_guess
