@@ -361,6 +361,9 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
     if blocks["PIN"] == 2 and blocks["EPF"]:
         raise MegakernelError(f"block override PIN=2 with EPF={blocks['EPF']}: a guessed first chunk is not a flat "
                               "stream's first tile")
+    if blocks["PIN"] == 2 and (blocks["KC"] < 256 or weight_bytes != 2):
+        raise MegakernelError(f"block override PIN=2: flat streams read bf16 pairs in chunks of KC >= 256 columns, "
+                              f"and this kernel has KC={blocks['KC']} and {weight_bytes}-byte weights")
     if blocks["PIN"] and INTERPRET:
         raise MegakernelError(f"block override PIN={blocks['PIN']}: the Triton interpreter runs no inline PTX (its "
                               "CTA barrier's count)")

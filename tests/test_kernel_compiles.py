@@ -108,8 +108,9 @@ print("bulk", k1.asm["ptx"].count("cp.async.bulk.prefetch.L2.global"))
 # the L1 for the task's word, its value shared through a word of static shared memory); and a task's first two wait
 # slots read before the weights it requests before its wait (WAITS=2, with EPF=1's guessed expert chunk); with fp32
 # weights (the tiny presets' on a GPU), whose pinned streams hold the chunk behind the barrier as its bits (PIN=1:
-# an fp32 chunk ORed with the barrier's count did not compile, session 49)
-gqa = compile_megakernel(dict(one, ATT_KIND=2, POLL=2, WAITS=2, EPF=1, PIN=1), weights="*fp32")
+# an fp32 chunk ORed with the barrier's count did not compile, session 49), in the tiny presets' 64-column chunks
+# (PIN=2's flat tiles, empty at KC < 256, must not compile into a PIN=1 kernel: session 50)
+gqa = compile_megakernel(dict(one, ATT_KIND=2, POLL=2, WAITS=2, EPF=1, PIN=1, KC=64, BN=64, KD=64), weights="*fp32")
 assert "bar.red.popc.u32" in gqa.asm["ptx"]
 assert gqa.asm["cubin"] and "prefetch.global.L2 " in gqa.asm["ptx"]
 assert "prefetch.global.L1" in gqa.asm["ptx"] and ".shared .align 4 .b32 seen" in gqa.asm["ptx"]

@@ -392,7 +392,9 @@ def test_block_overrides_that_would_change_the_result_are_refused():
                ({"WAITS": 3}, "WAITS=3: 0, 1 "), ({"PIN": 3}, "PIN=3: 0, 1 .one-token slices"),
                ({"PIN": 2, "EPF": 1}, "PIN=2 with EPF=1: a guessed first chunk"),
                ({"PIN": 1}, "PIN=1: the Triton interpreter runs no inline PTX"),
-               ({"PIN": 2}, "PIN=2: the Triton interpreter runs no inline PTX"),
+               ({"PIN": 2, "KC": 128}, "PIN=2: flat streams read bf16 pairs in chunks of KC >= 256 columns, and "
+                                       "this kernel has KC=128"),
+               ({"PIN": 2, "KC": 256}, "PIN=2: the Triton interpreter runs no inline PTX"),
                ({"POLL": 1}, "POLL=1: the Triton interpreter runs no inline PTX")]
     for override, why in refused:
         with pytest.raises(MegakernelError, match=why):

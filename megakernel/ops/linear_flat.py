@@ -25,12 +25,12 @@ from .linear import chunk_cols, list_rows, pinned, prefetch_lines_l1, store_rows
 
 @triton.jit
 def flat_ok(n_rows, K, two, epilogue, w_ptr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
-            ROWVEC: tl.constexpr, ON: tl.constexpr = 1):
+            ROWVEC: tl.constexpr):
     """Whether stream_flat runs a slice (the module's note; epilogue: a norm or a residual, which it has neither
-    of).  A constant False where ON is 0 (PIN < 2) or the weights are not bf16 pairs, so callers branch on it with
-    nothing compiled in."""
+    of).  False where the weights are not bf16 pairs; callers test PIN == 2 first, in the same `and`,
+    or the flat tiles compile in (a branch on this function's constant result is not pruned)."""
     # KC <= 2048: a step's row starts are bits of an int32 (stream_flat's starts_row)
-    PAIRS: tl.constexpr = (ON and (w_ptr.dtype.element_ty == tl.bfloat16) and (ALIGN % 2 == 0) and (KC >= 256)
+    PAIRS: tl.constexpr = ((w_ptr.dtype.element_ty == tl.bfloat16) and (ALIGN % 2 == 0) and (KC >= 256)
                            and (KC <= 2048))
     if PAIRS:
         return ((n_rows == 1) & (two == 0) & (epilogue == 0) & (K * 2 > KC) & (K < KC) & (K % 128 == 0)

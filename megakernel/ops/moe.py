@@ -327,7 +327,9 @@ def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.con
             expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K,
                           first_chunk(w_ptr, r0, r1, K, BR * 4, KC // 4, ALIGN, EF), BR * 4, KC // 4, ALIGN, TB,
                           DEPTH, ROWVEC, AHEAD, PFD, EF)
-        elif flat_ok(count, K, two, False, w_ptr, KC, ALIGN, TB, ROWVEC, PIN == 2):  # launch variant PIN=2 (no EPF)
+        # launch variant PIN=2 (no EPF); the constant test first, so other kernels compile no flat tile (Triton
+        # prunes an `and` on a constant False, not a branch on a jit function's constant result)
+        elif (PIN == 2) and flat_ok(count, K, two, False, w_ptr, KC, ALIGN, TB, ROWVEC):
             flat_expert_stream(word, A, st, S, slot, N, kk, flags, w_ptr, r0, r1, K,
                                flat_tile(w_ptr, r0, r1, K, 0, BR, KC, ALIGN, EF), BR, KC, ALIGN, ROWVEC, EF)
         else:
