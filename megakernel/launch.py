@@ -272,15 +272,18 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 SIG=1,
                 # 1: a task's next wait slot read before its current wait's poll (common.wait_task), so no field load
                 # follows its last poll; 0 (a launch variant) after it.  With SIG=1: -1.3% on llama-1b, -4.0% on
-                # dsv2-lite, the same bits (H100, docs/PERF.md session 42)
-                WAITS=1,
-                # 1 (a launch variant, inline PTX): one-token LINEAR and expert slices stream through
-                # linear.stream_pinned / stream_pinned_k, the next weight chunk in flight through the multiply
-                # (docs/PERF.md session 44: -1.3% / +1.9% on an H100 before the K > KC loop; not yet on an H200);
+                # dsv2-lite, the same bits (H100, docs/PERF.md session 42).  2: and a weight task's first two slots
+                # before the weights it requests before its wait; with PIN=1 the default where every attention task
+                # is MLA: -1.8 to -2.1% on dsv2-lite, the same bits (H100, docs/PERF.md sessions 47, 49)
+                WAITS=2 if att_kinds == {1} else 1,
+                # 1 (inline PTX, so not in the interpreter): one-token LINEAR and expert slices stream through
+                # linear.stream_pinned / stream_pinned_k, the next weight chunk in flight through the multiply: the
+                # default with WAITS=2 where every attention task is MLA (above); +1.0 to +1.4% on llama-1b, whose
+                # kernel it takes from 242 to 255 registers (H100, docs/PERF.md session 47);
                 # 2 (a launch variant): and one-token expert slices of rows whose K is not a multiple of KC (KC/2 < K
                 # < KC: dsv2-lite's routed downs) stream flat, no column wasted (ops/linear_flat.py): +4.2% on an
                 # H100 and not the default's bits (docs/PERF.md session 49)
-                PIN=0)
+                PIN=1 if att_kinds == {1} and not INTERPRET else 0)
 
 
 def bulk_prefetch_refusal(align: int, weight_bytes: int) -> str | None:

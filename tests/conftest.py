@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 from graph.fusion import DEFAULT_RULES, WEIGHT_RULES  # noqa: E402
+from megakernel.launch import INTERPRET  # noqa: E402
 
 
 def _patch_each_language_once_per_launch() -> None:
@@ -141,8 +142,10 @@ def stall_is_a_watchdog_error_then_recovers(mk, task: int, tokens, lens) -> None
 # the default fusion rules without the norm folds: every RMSNorm a task of its own (the A side of
 # the fold, and the plain RMSNORM body on every layer)
 UNFOLDED = tuple(r for r in DEFAULT_RULES if r not in WEIGHT_RULES)
-# (QIX=3: MLA plans' query indexing, here for GQA too, where a tiny-dense plan alone fits 0)
-TINY_BLOCKS = dict(ATT_KIND=0, ATT_ROPE=1, BM=32, DMAX=32, BIT=32, BP=128, BW=32, BSC=16, BCW=32, BK=4, TB=16, QIX=3)
+# (QIX=3, WAITS=2 and PIN=1: MLA plans' defaults, here for GQA too, where a tiny-dense plan alone fits 0, 1 and 0;
+# the interpreter runs no PIN)
+TINY_BLOCKS = dict(ATT_KIND=0, ATT_ROPE=1, BM=32, DMAX=32, BIT=32, BP=128, BW=32, BSC=16, BCW=32, BK=4, TB=16, QIX=3,
+                   WAITS=2, PIN=0 if INTERPRET else 1)
 
 
 @pytest.fixture

@@ -121,11 +121,11 @@ def test_launch_variants_on_dsv2_lite():
     registers), EF=2 (per-head matmul weights and attention's cache rows evict-first too) and EPF (an expert
     task's first chunk requested before its wait for the expert its slot held then; EPF=2 guesses from the next
     slot, so every chunk is requested again), QIX=3 (MLA's query rows indexed without integer division, the cache
-    length requested after them) and PIN=1 (one-token slices through linear.stream_pinned) give the same logits bit
-    for bit; NARROW (K = 1408 and 2816 slices
+    length requested after them) and PIN=0 or WAITS=1 with PIN=0 (the defaults before session 50: no pinned stream,
+    no wait slots read before the weights) give the same logits bit for bit; NARROW (K = 1408 and 2816 slices
     in 4·BR x KC/4 chunks) sums each row's K in other chunks, so within fp32 rounding of them."""
     exact = [dict(AHEAD=0, ROUTE1=0), dict(PFD=2), dict(DEPTH=2, PFD=1), dict(EF=0, WPF=0, APF=0, PFK=0), dict(EF=2),
-             dict(PFK=256), dict(EPF=1), dict(EPF=2), dict(QIX=3), dict(PIN=1)]
+             dict(PFK=256), dict(EPF=1), dict(EPF=2), dict(QIX=3), dict(PIN=0), dict(WAITS=1, PIN=0)]
     want, got = _variant_logits("dsv2-lite", 1, 256, [200], exact + [dict(NARROW=1)])
     for blocks, logits in got:
         assert torch.equal(logits, want) if blocks in exact else rel_err(logits, want) <= 1e-5, blocks
@@ -133,22 +133,23 @@ def test_launch_variants_on_dsv2_lite():
 
 @pytest.mark.parametrize("name", ["llama-1b", "dsv2-lite"])
 def test_pinned_stream_gives_the_same_bits(name):
-    """Launch variant PIN=1 (one-token LINEAR and expert slices with K <= KC through linear.stream_pinned: the
-    activation chunk loaded once, the next weight chunk requested above the multiply) sums what the default stream
-    sums in the same order: the same logits bit for bit at B=1, where every slice is one token (4 layers).  PIN=2
+    """PIN=1 (one-token LINEAR and expert slices with K <= KC through linear.stream_pinned: the activation chunk
+    loaded once, the next weight chunk requested above the multiply; dsv2-lite's default) sums what PIN=0's stream
+    (llama-1b's default) sums in the same order: the same logits bit for bit at B=1, where every slice is one token
+    (4 layers).  PIN=2
     (and dsv2-lite's routed down slices, K = 1408, through linear_flat.stream_flat) folds each row in that order
     too, but its loop compiles to other fused multiply-adds on the GPU: within rounding (H100, PERF session 49)."""
-    want, got = _variant_logits(name, 1, 1024, [700], [dict(PIN=1), dict(PIN=2)])
+    want, got = _variant_logits(name, 1, 1024, [700], [dict(PIN=0), dict(PIN=1), dict(PIN=2)])
     for blocks, logits in got:
         assert torch.equal(logits, want) if blocks["PIN"] != 2 else rel_err(logits, want) <= 1e-5, blocks
 
 
 @pytest.mark.parametrize("name", ["llama-1b", "dsv2-lite"])
 def test_wait_slots_before_weights_give_the_same_bits(name):
-    """Launch variant WAITS=2 (a LINEAR or HEAD_MATMUL task's first two wait slots read before its first weights,
-    so its poll's compare does not wait for them; with EPF=1 an expert task's guessed first chunk too) moves no
-    value: the same logits bit for bit, at B=2 with a cache longer than a split (4 layers)."""
-    want, got = _variant_logits(name, 2, 1024, [700, 1000], [dict(WAITS=2), dict(WAITS=2, EPF=1)])
+    """WAITS=2 (dsv2-lite's default, llama-1b's is 1: a LINEAR or HEAD_MATMUL task's first two wait slots read
+    before its first weights, so its poll's compare does not wait for them; with EPF=1 an expert task's guessed first
+    chunk too) moves no value: the same logits bit for bit, at B=2 with a cache longer than a split (4 layers)."""
+    want, got = _variant_logits(name, 2, 1024, [700, 1000], [dict(WAITS=1), dict(WAITS=2), dict(WAITS=2, EPF=1)])
     for blocks, logits in got:
         assert torch.equal(logits, want), blocks
 
