@@ -517,6 +517,29 @@ def precompile(plan: Plan, dtype: torch.dtype, config: LaunchConfig | None = Non
                              num_stages=config.num_stages)
 
 
+def precompile_side_by_side(plan: Plan, dtype: torch.dtype, configs: list[LaunchConfig], processes: int = 8) -> None:
+    """precompile() each config's kernel for `plan` in up to `processes` processes at once (Triton compiles holding
+    the GIL, ~40 s a kernel), so Megakernels of those configs launched afterwards find them in Triton's cache: for
+    GPU tests that compare several launch variants of one plan.  A compile that fails here is left to the launch,
+    which compiles it again and reports the error; the interpreter compiles nothing."""
+    import concurrent.futures
+    import multiprocessing
+    if INTERPRET or not configs:
+        return
+    with concurrent.futures.ProcessPoolExecutor(min(processes, len(configs)),
+                                                mp_context=multiprocessing.get_context("spawn")) as pool:
+        for done in [pool.submit(_precompile_job, plan, dtype, config, SHARED_BLOCKS) for config in configs]:
+            with contextlib.suppress(Exception):
+                done.result()
+
+
+def _precompile_job(plan: Plan, dtype: torch.dtype, config: LaunchConfig, shared: dict) -> None:
+    """precompile() in a process of its own, under its parent's shared_blocks (the kernel is not returned: Triton's
+    compiled kernel does not pickle)."""
+    with shared_blocks(shared):
+        precompile(plan, dtype, config)
+
+
 def host_inputs_refusal(plan: Plan) -> str | None:
     """Why the kernel cannot copy this plan's inputs from the host itself (HIN=1), or None."""
     missing = [name for name in ("in.tokens", "in.cache_lens") if name not in plan.io]

@@ -96,10 +96,12 @@ def test_shared_counters_give_the_same_bits(name):
 
 def _variant_logits(name, B, max_len, lens, variants):
     """(the default kernel's logits, [(blocks, logits)] of each launch variant) for one step of `name` cut to
-    4 layers on the GPU's workers, each from the same random cache."""
+    4 layers on the GPU's workers, each from the same random cache.  The kernels compile side by side first."""
+    from megakernel.launch import precompile_side_by_side
     from megakernel.runtime import LaunchConfig, Megakernel
     cfg, w, plan, mk = _setup(name, T=1, B=B, max_len=max_len, layers=4,
                               workers=torch.cuda.get_device_properties(0).multi_processor_count)
+    precompile_side_by_side(plan, torch.bfloat16, [LaunchConfig()] + [LaunchConfig(blocks=b) for b in variants])
     _random_cache(mk)
     saved = mk.cache().clone()
     tokens = torch.randint(0, cfg.vocab_size, (B, 1), device="cuda")
