@@ -381,14 +381,14 @@ def stream_pinned(x_ptr, x_ld, xrows_ptr, xrows_div, out_ptr, out_ld, res_ptr, r
                   ROWVEC: tl.constexpr, EF: tl.constexpr = 0, HILO: tl.constexpr = 0, pair=False,
                   PINNED: tl.constexpr = 1):
     """stream_chunks' result for one token and K <= KC (pinnable), with the next chunk in flight through the
-    multiply (launch variant PIN).  In stream_chunks' SASS it is not: an SM_90 wait on a scoreboard waits for every
-    load counted on it and ptxas counts all of a loop's loads on one, so the multiply's wait for the activation
-    chunk (reloaded every step) drains the chunk requested just before it, or ptxas issues that request only after
-    the multiply; a step then takes the multiply plus a load's latency (tools/sass_probe.py's weight waits).  Here
-    the activation chunk is loaded once, before the loop; the next chunk is requested first and a CTA barrier keeps
-    the request above the multiply (no load crosses it); and every step ends with a wait on the chunk it requested
-    (the residual's load, predicated off where it adds nothing: use_res must be a run-time value, or the load
-    compiles away), so the next step's multiply waits for nothing.
+    multiply (PIN=1: MLA plans' default).  In stream_chunks' SASS it is not: an SM_90 wait on a scoreboard waits for
+    every load counted on it and ptxas counts all of a loop's loads on one, so the multiply's wait for the
+    activation chunk (reloaded every step) drains the chunk requested just before it, or ptxas issues that request
+    only after the multiply; a step then takes the multiply plus a load's latency (tools/sass_probe.py's weight
+    waits).  Here the activation chunk is loaded once, before the loop; the next chunk is requested first and a CTA
+    barrier keeps the request above the multiply (no load crosses it); and every step ends with a wait on the chunk
+    it requested (the residual's load, predicated off where it adds nothing: use_res must be a run-time value, or
+    the load compiles away), so the next step's multiply waits for nothing.
     The same sums in the same order as stream_chunks (one token, TB 1): the same bits."""
     nsub = 1 + two.to(tl.int32)
     total = tl.cdiv(r1 - r0, BR) * nsub
@@ -596,8 +596,9 @@ def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr,
          PIN: tl.constexpr = 0):
     """KD > 0: the plan has DOWN_T tasks (fusion rules expert_mlp, dense_mlp), whose k-major down rows of up to KD
     columns are compiled in (down_rows), BRD rows a chunk: the launch's BR, also where launch variant NARROW
-    streams this task's gate|up in 4·BR-row chunks (4·BR k-major rows spilled 3.7 KB, offline).  PIN 1 (a launch
-    variant): a one-token task streams through stream_pinned (K <= KC) or stream_pinned_k (one matrix, K > KC)."""
+    streams this task's gate|up in 4·BR-row chunks (4·BR k-major rows spilled 3.7 KB, offline).  PIN 1 (MLA plans'
+    default, launch.block_sizes): a one-token task streams through stream_pinned (K <= KC) or stream_pinned_k (one
+    matrix, K > KC)."""
     flags = fld(word, LINEAR_FLAGS)
     if PIN:
         if pinnable_k(fld(word, LINEAR_N), fld(word, LINEAR_K), streams_two(flags, HILO), KC, TB, ROWVEC):
