@@ -138,9 +138,9 @@ def test_pinned_stream_gives_the_same_bits(name):
     """PIN=1 (one-token LINEAR and expert slices with K <= KC through linear.stream_pinned: the activation chunk
     loaded once, the next weight chunk requested above the multiply; dsv2-lite's default) sums what PIN=0's stream
     (llama-1b's default) sums in the same order: the same logits bit for bit at B=1, where every slice is one token
-    (4 layers).  PIN=2
-    (and dsv2-lite's routed down slices, K = 1408, through linear_flat.stream_flat) folds each row in that order
-    too, but its loop compiles to other fused multiply-adds on the GPU: within rounding (H100, PERF session 49)."""
+    (4 layers).  PIN=2 (and dsv2-lite's routed down slices, K = 1408, through linear_flat.stream_flat) folds each
+    row in that order too, but its loop compiles to other fused multiply-adds on the GPU: within rounding (H100,
+    PERF session 49)."""
     want, got = _variant_logits(name, 1, 1024, [700], [dict(PIN=0), dict(PIN=1), dict(PIN=2)])
     for blocks, logits in got:
         assert torch.equal(logits, want) if blocks["PIN"] != 2 else rel_err(logits, want) <= 1e-5, blocks
