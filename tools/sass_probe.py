@@ -296,9 +296,10 @@ def probe_stream(variants: list[str], lines: bool) -> None:
         ops = collections.Counter(opcode(ins) for _, ins in loop)
         print(f"stream {spec or 'default'} ({const}): {info}")
         print(f"  hot loop {len(loop)} instructions: " + ", ".join(f"{o} {n}" for o, n in ops.most_common(16)))
-        always, blocks = run_every_step(sass, loop_spans(sass)[0])
+        spans = loop_spans(sass)
+        always, blocks = run_every_step(sass, spans[0])
         print(f"  run every step: {always} (branch-skipped blocks: {blocks or 'none'})")
-        print_weight_waits(sass, loop_spans(sass)[:1], linear_flat.flat_tile if const["FLAT"] else None)
+        print_weight_waits(sass, spans[:1], linear_flat.flat_tile if const["FLAT"] else None)
         if lines:
             by_line = collections.Counter(w for w, _ in loop)
             for w, n in sorted(by_line.items(), key=lambda kv: -kv[1])[:20]:
@@ -400,8 +401,9 @@ def probe_kernel(model: str, variants: list[str], lines: bool = False, plan_spec
               f"{len(stream)} instructions, SASS {digest}")
         if lines:
             print_spills(sass)
-            print_weight_waits(sass, loop_spans(sass))
-            print_weight_waits(sass, loop_spans(sass), linear_flat.flat_tile, "flat weight")  # PIN=2's
+            spans = loop_spans(sass)
+            print_weight_waits(sass, spans)
+            print_weight_waits(sass, spans, linear_flat.flat_tile, "flat weight")  # PIN=2's
         if source:
             print_source_sass(sass, source)
 

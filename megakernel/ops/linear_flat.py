@@ -23,6 +23,7 @@ import triton.language as tl
 from .common import aligned
 from .linear import chunk_cols, list_rows, pinned, prefetch_lines_l1, store_rows
 
+
 @triton.jit
 def flat_ok(n_rows, K, two, epilogue, w_ptr, KC: tl.constexpr, ALIGN: tl.constexpr, TB: tl.constexpr,
             ROWVEC: tl.constexpr):
@@ -65,9 +66,7 @@ def flat_store(v, krow, orow, out_ptr, out_ld, r0, r1, rpw, BR: tl.constexpr, RO
 def span_starts(o, K128, NS: tl.constexpr):
     """[1, NS, 1]: the first activation column of each span of a step whose first span starts at column o of its
     row (the spans run on into the next rows; o and K128 multiples of 128, so the loads are 16 bytes a lane)."""
-    g = (o // 128) * 128 + tl.arange(0, NS)[None, :, None] * 128
-    g -= tl.where(g >= K128, K128, 0)
-    return g - tl.where(g >= K128, K128, 0)
+    return wrapped((o // 128) * 128 + tl.arange(0, NS)[None, :, None] * 128, K128)
 
 
 @triton.jit
@@ -87,11 +86,11 @@ def span_of(t, c: tl.constexpr, NS: tl.constexpr):
 
 
 @triton.jit
-def next_column(o, K, KC: tl.constexpr):
-    """The column where the next step's first span starts (KC < 2K: at most two rows end in a step)."""
-    o += KC
-    o -= tl.where(o >= K, K, 0)
-    return o - tl.where(o >= K, K, 0)
+def wrapped(col, K):
+    """A column up to two rows past its row's start taken back into that row (KC < 2K: a step crosses at most two
+    row ends)."""
+    col -= tl.where(col >= K, K, 0)
+    return col - tl.where(col >= K, K, 0)
 
 
 @triton.jit
@@ -116,7 +115,7 @@ def stream_flat(x_ptr, x_ld, xrows_ptr, xrows_div, out_ptr, out_ld, w_ptr, r0, r
     w = pinned(w, PINNED)
     for i in tl.range(nsteps, loop_unroll_factor=1):
         w_next = flat_tile(w_ptr, r0, r1, K, i + 1, BR, KC, ALIGN, EF)
-        o_next = next_column(o, K, KC)
+        o_next = wrapped(o + KC, K)  # the column where the next step's first span starts
         starts = span_starts(o_next, K128, NS)
         if PINNED:  # the next step's activations, a 128-byte line a pointer
             prefetch_lines_l1(x_row + tl.reshape(starts + tl.arange(0, 4)[None, None, :] * 32, (NS * 4,)))
