@@ -220,7 +220,8 @@ def block_sizes(tasks: list[Decoded], dtype: torch.dtype) -> dict:
                 # dsv2-lite (docs/PERF.md session 15)
                 ROUTE1=1,
                 # > 0: the weight stream asks the L2 for the row block this many blocks ahead (a launch variant,
-                # compiled only: inline PTX; 1-3 were 0 to +7% slower in session 15)
+                # compiled only: inline PTX; 1-3 were 0 to +7% slower in session 15); < 0: the L1 is asked for the
+                # chunk -PFD steps after the one in flight to the registers, line by line (session 51, not timed)
                 PFD=0,
                 # > 0: a LINEAR task's next PFK KB of weights (after its first row block) asked of the L2 before its
                 # wait (a launch variant, compiled only: inline PTX)
@@ -387,8 +388,12 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
     if blocks["PF"] not in (0, 1, 2):
         raise MegakernelError(f"block override PF={blocks['PF']}: 0 (no L2 prefetch), 1 (a task's weights at its "
                               "start) or 2 (the next task's too)")
-    if blocks["PFD"] not in (0, 1, 2, 3, 4):
-        raise MegakernelError(f"block override PFD={blocks['PFD']}: 0 (no rolling L2 prefetch) or 1-4 row blocks ahead")
+    if blocks["PFD"] not in (-2, -1, 0, 1, 2, 3, 4):
+        raise MegakernelError(f"block override PFD={blocks['PFD']}: 0 (no rolling prefetch), 1-4 row blocks ahead "
+                              "into the L2 or -1, -2 chunks ahead into the L1")
+    if blocks["PFD"] < 0 and blocks["DEPTH"] != 1:
+        raise MegakernelError(f"block override PFD={blocks['PFD']} with DEPTH={blocks['DEPTH']}: the L1's rolling "
+                              "prefetch runs beside one chunk in flight (DEPTH=1)")
     if blocks["WPF"] and INTERPRET:
         raise MegakernelError("block override WPF=1: the Triton interpreter runs no inline PTX")
     if not 0 <= blocks["PFK"] <= 4096:

@@ -124,10 +124,11 @@ def test_launch_variants_on_dsv2_lite():
     task's first chunk requested before its wait for the expert its slot held then; EPF=2 guesses from the next
     slot, so every chunk is requested again), QIX=3 (MLA's query rows indexed without integer division, the cache
     length requested after them) and PIN=0 or WAITS=1 with PIN=0 (the defaults before session 50: no pinned stream,
-    no wait slots read before the weights) give the same logits bit for bit; NARROW (K = 1408 and 2816 slices
+    no wait slots read before the weights) and PFD=-1 (each stream's next chunk but one asked of the L1 line by
+    line) give the same logits bit for bit; NARROW (K = 1408 and 2816 slices
     in 4·BR x KC/4 chunks) sums each row's K in other chunks, so within fp32 rounding of them."""
     exact = [dict(AHEAD=0, ROUTE1=0), dict(PFD=2), dict(DEPTH=2, PFD=1), dict(EF=0, WPF=0, APF=0, PFK=0), dict(EF=2),
-             dict(PFK=256), dict(EPF=1), dict(EPF=2), dict(QIX=3), dict(PIN=0), dict(WAITS=1, PIN=0)]
+             dict(PFK=256), dict(EPF=1), dict(EPF=2), dict(QIX=3), dict(PIN=0), dict(WAITS=1, PIN=0), dict(PFD=-1)]
     want, got = _variant_logits("dsv2-lite", 1, 256, [200], exact + [dict(NARROW=1)])
     for blocks, logits in got:
         assert torch.equal(logits, want) if blocks in exact else rel_err(logits, want) <= 1e-5, blocks
@@ -161,12 +162,13 @@ def test_gqa_cache_prefetch_on_llama_1b():
     prefetch), PFK (a LINEAR task's next weights asked of the L2 before its wait), STAGES=3 (two key blocks in
     flight), QIX=3 (the query rows indexed without integer division), SIG=0 with WAITS=0 (the signalled counter's
     index read after the body, a wait slot after the previous poll: the defaults before session 42) and SIG=2 (that
-    index read before the closing barrier) give the same logits bit for bit on llama-1b's shapes (4 layers, B=2, a
+    index read before the closing barrier), PIN=1 and PFD=-1 and -2 (the weight stream's chunk one or two steps
+    after the next asked of the L1) give the same logits bit for bit on llama-1b's shapes (4 layers, B=2, a
     cache longer than a split): a prefetch moves no value, and an address past the cache would show up as a fault
     here (or under compute-sanitizer)."""
     want, got = _variant_logits("llama-1b", 2, 1024, [700, 1000],
                                 [dict(APF=0), dict(PFK=256), dict(STAGES=3), dict(QIX=3), dict(SIG=0, WAITS=0),
-                                 dict(SIG=2), dict(PIN=1)])
+                                 dict(SIG=2), dict(PIN=1), dict(PFD=-1), dict(PFD=-2)])
     for blocks, logits in got:
         assert torch.equal(logits, want), blocks
 

@@ -101,6 +101,7 @@ assert "prefetch.global.L2 " in k1.asm["ptx"]
 assert "ld.acquire.gpu.global.b32" in k1.asm["ptx"]  # POLL=1's waits
 assert "bar.red.popc.u32" in k1.asm["ptx"]  # PIN's streams
 print("bulk", k1.asm["ptx"].count("cp.async.bulk.prefetch.L2.global"))
+print("l1", k1.asm["ptx"].count("prefetch.global.L1"))
 """,
          "gqa": COMMON + ONE_TOKEN + r"""
 # the attention kind a GQA-only plan compiles (llama-1b's: launch.block_sizes sets ATT_KIND=2), its head-line
@@ -109,12 +110,15 @@ print("bulk", k1.asm["ptx"].count("cp.async.bulk.prefetch.L2.global"))
 # slots read before the weights it requests before its wait (WAITS=2, with EPF=1's guessed expert chunk); with fp32
 # weights (the tiny presets' on a GPU), whose pinned streams hold the chunk behind the barrier as its bits (PIN=1:
 # an fp32 chunk ORed with the barrier's count did not compile, session 49), in the tiny presets' 64-column chunks
-# (PIN=2's flat tiles, empty at KC < 256, must not compile into a PIN=1 kernel: session 50)
-gqa = compile_megakernel(dict(one, ATT_KIND=2, POLL=2, WAITS=2, EPF=1, PIN=1, KC=64, BN=64, KD=64), weights="*fp32")
+# (PIN=2's flat tiles, empty at KC < 256, must not compile into a PIN=1 kernel: session 50); and the streams'
+# chunk after the next asked of the L1 (PFD=-1: two 32-float lines a row of a 64-column chunk)
+gqa = compile_megakernel(dict(one, ATT_KIND=2, POLL=2, WAITS=2, EPF=1, PIN=1, KC=64, BN=64, KD=64, PFD=-1),
+                         weights="*fp32")
 assert "bar.red.popc.u32" in gqa.asm["ptx"]
 assert gqa.asm["cubin"] and "prefetch.global.L2 " in gqa.asm["ptx"]
 assert "prefetch.global.L1" in gqa.asm["ptx"] and ".shared .align 4 .b32 seen" in gqa.asm["ptx"]
 print("bulk", gqa.asm["ptx"].count("cp.async.bulk.prefetch.L2.global"))
+print("l1", gqa.asm["ptx"].count("prefetch.global.L1"))
 """}
 
 
@@ -138,6 +142,10 @@ def test_megakernel_compiles_for_sm90():
     bulk = {name: int(re.search(r"bulk (\d+)", outs[name]).group(1)) for name in ("variants", "gqa")}
     # a GQA-only kernel compiles MLA's bulk cache prefetch out
     assert bulk["gqa"] < bulk["variants"], bulk
+    # PFD=-1's line prefetches in three streams (stream_chunks, stream_pinned, stream_pinned_k) beyond the task
+    # word's (WPF) and the activations' (stream_pinned_k) that both kernels have
+    l1 = {name: int(re.search(r"l1 (\d+)", outs[name]).group(1)) for name in ("variants", "gqa")}
+    assert l1["gqa"] >= l1["variants"] + 3, l1
 
 
 @pytest.mark.slow
@@ -256,3 +264,32 @@ def test_ncu_lines_attributes_samples_to_source_lines():
                          cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("ok")
+
+
+L1_PREFETCH_SCRIPT = r"""
+import sys
+sys.path.insert(0, "tools")
+import sass_probe as sp
+count = {}
+for pin in (0, 1):
+    for pfd in (0, -1, -2):
+        const = dict(BR=8, KC=2048, ALIGN=8, TB=1, DEPTH=1, ROWVEC=2, AHEAD=1, PFD=pfd, PIN=pin, FLAT=0)
+        count[pin, pfd] = sp.compile_kernel(sp.stream_probe, *sp.STREAM_PROBE_ARGS, const).asm["ptx"].count(
+            "prefetch.global.L1")
+# stream_pinned asks the L1 for nothing else; stream_chunks for nothing at all: PFD < 0's lines are all there is
+assert count[0, 0] == 0 and count[1, 0] == 0, count
+assert all(count[pin, pfd] > 0 for pin in (0, 1) for pfd in (-1, -2)), count
+print("ok", count)
+"""
+
+
+@pytest.mark.slow
+def test_l1_prefetch_of_the_stream_compiles_only_where_asked():
+    """Launch variant PFD < 0 (the chunk one or two steps after the next asked of the L1, line by line) compiles
+    its prefetches into stream_chunks and stream_pinned for sm_90, and PFD = 0 compiles none (their values are the
+    GPU tests': tests/test_weight_stream.py, tests/test_gpu.py)."""
+    import os
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", L1_PREFETCH_SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-3000:] + out.stdout[-1000:]

@@ -377,8 +377,10 @@ def test_block_overrides_that_would_change_the_result_are_refused():
                ({"PF": 3}, "PF=3: 0 .no L2 prefetch."), ({"ROWVEC": 3}, "ROWVEC=3: 0, 1"),
                ({"ROWVEC": 2}, "ROWVEC=2: the Triton interpreter runs no inline PTX"),
                ({"PF": 1}, "PF=1: the Triton interpreter runs no inline PTX"),  # this suite runs interpreted
-               ({"PFD": 5}, "PFD=5: 0 .no rolling L2 prefetch."),
+               ({"PFD": 5}, "PFD=5: 0 .no rolling prefetch.. 1-4 row blocks ahead into the L2 or -1, -2"),
                ({"PFD": 2}, "PFD=2: the Triton interpreter runs no inline PTX"),
+               ({"PFD": -1}, "PFD=-1: the Triton interpreter runs no inline PTX"),
+               ({"PFD": -1, "DEPTH": 2}, "PFD=-1 with DEPTH=2: the L1's rolling prefetch"),
                ({"EF": 3}, "EF=3: 0, 1 .evict-first weight stream. or 2"),
                ({"WPF": 1}, "WPF=1: the Triton interpreter runs no inline PTX"),
                ({"APF": 1}, "APF=1: the Triton interpreter runs no inline PTX"), ({"APF": 3}, "APF=3: 0, 1"),

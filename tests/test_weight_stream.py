@@ -50,10 +50,10 @@ def _pinned_kernel(W, A, I, K, n_rows, xrows_div, x_ld, r0, r1, out_off, res_off
     two, res, norm = (flags & 1) != 0, (flags & 2) != 0, (flags & 4) != 0
     if linear.pinnable_k(n_rows, K, two, KC, TB, ROWVEC) & (xrows_div == 0):
         linear.stream_pinned_k(A, x_ld, A + out_off, r1, A + res_off, r1, res, W + w_off, r0, r1, K, w, norm, eps, BR,
-                               KC, ALIGN, BN, ROWVEC, 0, PINNED)
+                               KC, ALIGN, BN, ROWVEC, 0, PINNED, PFD)
     elif linear.pinnable(n_rows, K, KC, TB, ROWVEC):
         linear.stream_pinned(A, x_ld, I, xrows_div, A + out_off, r1, A + res_off, r1, res, W + w_off, W + w2_off, two,
-                             r0, r1, K, w, norm, eps, BR, KC, ALIGN, BN, ROWVEC, 0, 0, False, PINNED)
+                             r0, r1, K, w, norm, eps, BR, KC, ALIGN, BN, ROWVEC, 0, 0, False, PINNED, PFD)
     else:
         linear.stream_chunks(A, x_ld, I, xrows_div, n_rows, A + out_off, r1, A + res_off, r1, res, W + w_off,
                              W + w2_off, two, r0, r1, K, w, norm, eps, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD)
@@ -186,16 +186,22 @@ def test_weight_stream_stores_one_token_in_place():
 @pytest.mark.gpu
 def test_weight_stream_prefetch_ahead_changes_nothing():
     """PFD (inline PTX, GPU only): asking the L2 for the row blocks 1 or 3 ahead, alone and beside a second
-    chunk in registers (DEPTH 2), moves no sum: every shape's rows equal the stream's without it, bit for bit,
-    and nothing else is written.  (A prefetch writes nothing, so this cannot see one past the slice's last row;
-    linear.prefetch_block stops there by construction.)"""
+    chunk in registers (DEPTH 2), or the L1 for the chunk 1 or 2 steps after the next (PFD < 0; also in the
+    pinned streams, PIN's), moves no sum: every shape's rows equal the stream's without it, bit for bit, and
+    nothing else is written.  (A prefetch writes nothing, so this cannot see one past the slice's last row;
+    linear.prefetch_block stops there by construction, chunk_lines_l1 clamps its rows as weight_rows does.)"""
     for shape in SHAPES:
         for tb, rowvec in ((1, 2), (2, 0)):
             base, _, _ = _run("cuda", tb, torch.bfloat16, *shape, rowvec=rowvec, ahead=1)
-            for depth, pfd in ((1, 1), (1, 3), (2, 2)):
+            for depth, pfd in ((1, 1), (1, 3), (2, 2), (1, -1), (1, -2)):
                 got, _, _ = _run("cuda", tb, torch.bfloat16, *shape, depth, rowvec=rowvec, ahead=1, pfd=pfd)
                 assert torch.equal(base.nan_to_num(), got.nan_to_num()) and torch.equal(base.isnan(), got.isnan()), \
                     (shape, tb, depth, pfd)
+        base, _, _ = _run("cuda", 1, torch.bfloat16, *shape, rowvec=2, ahead=1, pinned=1)
+        for pfd in (-1, -2):
+            got, _, _ = _run("cuda", 1, torch.bfloat16, *shape, rowvec=2, ahead=1, pfd=pfd, pinned=1)
+            assert torch.equal(base.nan_to_num(), got.nan_to_num()) and torch.equal(base.isnan(), got.isnan()), \
+                (shape, "pinned", pfd)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -14,7 +14,7 @@
         the weight stream alone (ops/linear.stream_chunks, bf16 weights): its hot loop's instructions
         by opcode, how many of them run every step (not in a block a forward branch skips), and the first wait
         on its weight loads' scoreboard, per variant (BR, KC, TB: tokens per weight
-        chunk, DEPTH: chunks in flight, PFD: L2 prefetch distance, PIN=1: linear.stream_pinned instead, FLAT=1:
+        chunk, DEPTH: chunks in flight, PFD: L2 prefetch distance (< 0: L1), PIN=1: linear.stream_pinned instead, FLAT=1:
         linear_flat.stream_flat); --lines
         adds them by source line
     python tools/sass_probe.py attention [--lines] [KEY=V,...]...
@@ -72,7 +72,7 @@ def stream_probe(W, A, I, x_off, x_ld, xrows_div, n_rows, out_off, out_ld, res_o
     if PIN:
         linear.stream_pinned(A + (x_off // ALIGN) * ALIGN, x_ld, I, xrows_div, A + out_off, out_ld, A + res_off,
                              res_ld, use_res != 0, W + (w_off // ALIGN) * ALIGN, W + (w2_off // ALIGN) * ALIGN,
-                             two != 0, r0, r1, K, w, False, 0.0, BR, KC, ALIGN, 16, ROWVEC)
+                             two != 0, r0, r1, K, w, False, 0.0, BR, KC, ALIGN, 16, ROWVEC, 0, 0, False, 1, PFD)
     else:
         linear.stream_chunks(A + (x_off // ALIGN) * ALIGN, x_ld, I, xrows_div, n_rows, A + out_off, out_ld,
                              A + res_off, res_ld, use_res != 0, W + (w_off // ALIGN) * ALIGN,

@@ -209,6 +209,8 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     the first PFD blocks before the loop (a LINEAR task also before its dependency wait: prefetch_blocks), so
     a register load finds its chunk in the L2 or on its way: the stream keeps more bytes in flight than the
     one chunk its registers hold.
+    PFD < 0 (a launch variant, compiled only; DEPTH 1): the step -PFD after the one requested into registers is
+    asked of the L1 line by line (chunk_lines_l1), every step: more bytes in flight, no registers held.
     HILO 1 (the plan has LINEAR[PAIR] tasks; compiled out of every other kernel): with `pair`, W and W2 are one
     matrix's high and low parts, streamed as gate|up are, and the two sums are added instead of SiLU·mul.
     w: step 0's weight chunk, already requested (before the dependency wait)."""
@@ -234,6 +236,10 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     if PFD > 0:
         for b in tl.static_range(PFD):
             prefetch_block(w_ptr, w2_ptr, two, r0 + b * BR, r1, K, BR, ALIGN)
+    sub_p, kc_p, g_p, blk_p = sub_a, kc_a, g_a, blk_a  # PFD < 0: the step the L1 is asked for
+    if PFD < 0:
+        for _ in tl.static_range(-PFD):
+            sub_p, kc_p, g_p, blk_p = advance(sub_p, kc_p, g_p, blk_p, nsub, nk, ngroups)
     rs = tl.full((TB,), 1.0, tl.float32)
     if norm:
         rs = norm_scales(x_ptr, x_ld, xrows_ptr, xrows_div, zero, n_rows, K, eps, TB, BN, ALIGN)
@@ -247,6 +253,9 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
         else:
             w_next = weight_rows(tl.where(sub_a == 1, w2_ptr, w_ptr), r0 + blk_a * BR, r1, K, kc_a * KC, BR, KC, ALIGN,
                                  EF)
+            if PFD < 0:
+                chunk_lines_l1(tl.where(sub_p == 1, w2_ptr, w_ptr), r0 + blk_p * BR, r1, K, kc_p * KC, BR, KC, ALIGN)
+                sub_p, kc_p, g_p, blk_p = advance(sub_p, kc_p, g_p, blk_p, nsub, nk, ngroups)
         xrow0_a = xrow0
         orow0_a = orow0
         if g_a != g:
@@ -376,10 +385,19 @@ def pinnable(n_rows, K, KC: tl.constexpr, TB: tl.constexpr, ROWVEC: tl.constexpr
 
 
 @triton.jit
+def next_step(sub, blk, nsub):
+    """The pinned streams' step after (row block blk, gate|up sub or K chunk); their loops spell it out for their
+    own step (the default kernel's SASS as it was), the L1's rolling prefetch calls it."""
+    sub += 1
+    wrap = sub == nsub
+    return tl.where(wrap, 0, sub), blk + wrap.to(tl.int32)
+
+
+@triton.jit
 def stream_pinned(x_ptr, x_ld, xrows_ptr, xrows_div, out_ptr, out_ld, res_ptr, res_ld, use_res, w_ptr, w2_ptr, two,
                   r0, r1, K, w, norm, eps, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, BN: tl.constexpr,
                   ROWVEC: tl.constexpr, EF: tl.constexpr = 0, HILO: tl.constexpr = 0, pair=False,
-                  PINNED: tl.constexpr = 1):
+                  PINNED: tl.constexpr = 1, PFD: tl.constexpr = 0):
     """stream_chunks' result for one token and K <= KC (pinnable), with the next chunk in flight through the
     multiply (PIN=1: MLA plans' default).  In stream_chunks' SASS it is not: an SM_90 wait on a scoreboard waits for
     every load counted on it and ptxas counts all of a loop's loads on one, so the multiply's wait for the
@@ -388,7 +406,7 @@ def stream_pinned(x_ptr, x_ld, xrows_ptr, xrows_div, out_ptr, out_ld, res_ptr, r
     waits).  Here the activation chunk is loaded once, before the loop; the next chunk is requested first and a CTA
     barrier keeps the request above the multiply (no load crosses it); and every step ends with a wait on the chunk
     it requested (the residual's load, predicated off where it adds nothing: use_res must be a run-time value, or
-    the load compiles away), so the next step's multiply waits for nothing.
+    the load compiles away), so the next step's multiply waits for nothing.  PFD < 0: as in stream_chunks.
     The same sums in the same order as stream_chunks (one token, TB 1): the same bits."""
     nsub = 1 + two.to(tl.int32)
     total = tl.cdiv(r1 - r0, BR) * nsub
@@ -402,6 +420,9 @@ def stream_pinned(x_ptr, x_ld, xrows_ptr, xrows_div, out_ptr, out_ld, res_ptr, r
     # the first multiply's wait would drain the second chunk, requested just before it
     w = pinned(w, PINNED)
     sub, blk = zero, zero
+    sub_p, blk_p = zero, zero  # PFD < 0: the step the L1 is asked for, -PFD after the one requested
+    for _ in tl.static_range(1 - PFD if PFD < 0 else 0):
+        sub_p, blk_p = next_step(sub_p, blk_p, nsub)
     gate = tl.zeros((BR,), tl.float32)
     for i in tl.range(total, loop_unroll_factor=1):  # unrolled by 2: 360 B spilled in dsv2-lite's kernel, not 216
         sub_a = sub + 1
@@ -409,6 +430,9 @@ def stream_pinned(x_ptr, x_ld, xrows_ptr, xrows_div, out_ptr, out_ld, res_ptr, r
         sub_a = tl.where(wrap, 0, sub_a)
         blk_a = blk + wrap.to(tl.int32)
         w_next = weight_rows(tl.where(sub_a == 1, w2_ptr, w_ptr), r0 + blk_a * BR, r1, K, 0, BR, KC, ALIGN, EF)
+        if PFD < 0:
+            chunk_lines_l1(tl.where(sub_p == 1, w2_ptr, w_ptr), r0 + blk_p * BR, r1, K, 0, BR, KC, ALIGN)
+            sub_p, blk_p = next_step(sub_p, blk_p, nsub)
         part = chunk_dot(pinned(w, PINNED), x, w_ptr, BR, KC, ALIGN)
         rows1 = r0 + blk * BR + tl.arange(0, BR)
         m1 = rows1 < r1
@@ -443,14 +467,25 @@ def prefetch_lines_l1(ptrs):
 
 
 @triton.jit
+def chunk_lines_l1(w_ptr, row0, r1, K, kb, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr):
+    """PFD < 0: the 128-byte lines of the chunk weight_rows(w_ptr, row0, r1, K, kb) loads asked of the L1, one a
+    thread at 8 x 2048 bf16 (rows past r1 clamped as there).  No register holds them: a later register load of
+    the chunk finds its lines in the L1 or on their way, so the SM has more bytes in flight than its registers."""
+    LINE: tl.constexpr = 128 // (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+    NL: tl.constexpr = max(KC // LINE, 1)
+    rows = tl.minimum(row0 + tl.arange(0, BR), r1 - 1)
+    prefetch_lines_l1(w_ptr + rows[:, None].to(tl.int64) * aligned(K, ALIGN) + kb + tl.arange(0, NL)[None, :] * LINE)
+
+
+@triton.jit
 def stream_pinned_k(x_ptr, x_ld, out_ptr, out_ld, res_ptr, res_ld, use_res, w_ptr, r0, r1, K, w, norm, eps,
                     BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr, BN: tl.constexpr, ROWVEC: tl.constexpr,
-                    EF: tl.constexpr = 0, PINNED: tl.constexpr = 1):
+                    EF: tl.constexpr = 0, PINNED: tl.constexpr = 1, PFD: tl.constexpr = 0):
     """stream_pinned for K > KC (pinnable_k: a one-token LINEAR, e.g. a down projection): stream_chunks' steps
     (row block by row block, each over its K chunks), each step's activation chunk asked of the L1 a step ahead
     (no register holds it) and loaded at the step's end, where the step waits for it and for the chunk it
     requested (the pin on that chunk), before the next weights are requested.  Each row's K chunks are summed in
-    stream_chunks' order: the same bits."""
+    stream_chunks' order: the same bits.  PFD < 0: as in stream_chunks."""
     nk = tl.cdiv(K, KC)
     zero = r0 * 0
     x = act_chunk(x_ptr, zero, x_ld, 0, K, BR, KC, ALIGN)
@@ -460,12 +495,18 @@ def stream_pinned_k(x_ptr, x_ld, out_ptr, out_ld, res_ptr, res_ld, use_res, w_pt
     w = pinned(w, PINNED)  # the first chunk and the activations waited for before the loop (stream_pinned)
     acc = tl.zeros((BR,), tl.float32)
     kc, blk = zero, zero
+    kc_p, blk_p = zero, zero  # PFD < 0: the step the L1 is asked for, -PFD after the one requested
+    for _ in tl.static_range(1 - PFD if PFD < 0 else 0):
+        kc_p, blk_p = next_step(kc_p, blk_p, nk)
     for i in tl.range(tl.cdiv(r1 - r0, BR) * nk, loop_unroll_factor=1):
         kc_a = kc + 1
         wrap = kc_a == nk
         kc_a = tl.where(wrap, 0, kc_a)
         blk_a = blk + wrap.to(tl.int32)
         w_next = weight_rows(w_ptr, r0 + blk_a * BR, r1, K, kc_a * KC, BR, KC, ALIGN, EF)
+        if PFD < 0:
+            chunk_lines_l1(w_ptr, r0 + blk_p * BR, r1, K, kc_p * KC, BR, KC, ALIGN)
+            kc_p, blk_p = next_step(kc_p, blk_p, nk)
         if PINNED:
             prefetch_lines_l1(x_ptr + kc_a * KC + tl.minimum(tl.arange(0, KC // 32) * 32, K - 1 - kc_a * KC))
         part = chunk_dot(pinned(w, PINNED), x, w_ptr, BR, KC, ALIGN)
@@ -607,7 +648,7 @@ def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr,
                             fld(word, LINEAR_RES_LD), has(flags, FLAG_LINEAR_RES),
                             aligned_base(W, word, LINEAR_W_OFF, ALIGN), fld(word, LINEAR_R0), fld(word, LINEAR_R1),
                             fld(word, LINEAR_K), w, has(flags, FLAG_LINEAR_NORM), ffld(word, LINEAR_EPS), BR, KC, ALIGN,
-                            BN, ROWVEC, EF)
+                            BN, ROWVEC, EF, 1, PFD)
         elif pinnable(fld(word, LINEAR_N), fld(word, LINEAR_K), KC, TB, ROWVEC):
             stream_pinned(aligned_base(A, word, LINEAR_X_OFF, ALIGN), fld(word, LINEAR_X_LD), A, 0,
                           A + off(word, LINEAR_OUT_OFF), fld(word, LINEAR_OUT_LD), A + off(word, LINEAR_RES_OFF),
@@ -615,7 +656,7 @@ def body(word, W, A, w, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.constexpr,
                           aligned_base(W, word, LINEAR_W_OFF, ALIGN), aligned_base(W, word, LINEAR_W2_OFF, ALIGN),
                           streams_two(flags, HILO), fld(word, LINEAR_R0), fld(word, LINEAR_R1), fld(word, LINEAR_K), w,
                           has(flags, FLAG_LINEAR_NORM), ffld(word, LINEAR_EPS), BR, KC, ALIGN, BN, ROWVEC, EF, HILO,
-                          pair_flag(flags, HILO))
+                          pair_flag(flags, HILO), 1, PFD)
         else:
             whole_task_stream(word, W, A, w, flags, BR, KC, ALIGN, TB, DEPTH, BN, ROWVEC, AHEAD, PFD, EF, HILO)
     else:  # the call as it stood before PIN (an extra inlined level moves ptxas's schedule: NOTES session 42)

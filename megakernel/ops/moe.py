@@ -340,7 +340,7 @@ def expert_body(word, W, A, I, BR: tl.constexpr, KC: tl.constexpr, ALIGN: tl.con
             if PIN:
                 if pinnable(count, K, KC, TB, ROWVEC):
                     pinned_expert_stream(word, A, st, S, slot, N, kk, flags, w_ptr, w2_ptr, two, r0, r1, K, w, BR, KC,
-                                         ALIGN, ROWVEC, EF)
+                                         ALIGN, ROWVEC, EF, PFD)
                 else:
                     expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two, r0, r1, K, w, BR,
                                   KC, ALIGN, TB, DEPTH, ROWVEC, AHEAD, PFD, EF)
@@ -422,14 +422,15 @@ def expert_stream(word, A, st, S, slot, N, kk, flags, count, w_ptr, w2_ptr, two,
 
 @triton.jit
 def pinned_expert_stream(word, A, st, S, slot, N, kk, flags, w_ptr, w2_ptr, two, r0, r1, K, w, BR: tl.constexpr,
-                         KC: tl.constexpr, ALIGN: tl.constexpr, ROWVEC: tl.constexpr, EF: tl.constexpr = 0):
+                         KC: tl.constexpr, ALIGN: tl.constexpr, ROWVEC: tl.constexpr, EF: tl.constexpr = 0,
+                         PFD: tl.constexpr = 0):
     """expert_stream's slice for a slot of one pair (launch variant PIN: linear.stream_pinned).  No residual: its
     flag is a run-time False (r0 < 0), so that its predicated load stays as each step's wait (stream_pinned)."""
     div = tl.where(has(flags, FLAG_EXPERT_LINEAR_GATHER), kk, 1)
     o_ptr, o_ld = A + off(word, EXPERT_LINEAR_OUT_OFF), fld(word, EXPERT_LINEAR_OUT_LD)
     stream_pinned(aligned_base(A, word, EXPERT_LINEAR_X_OFF, ALIGN), fld(word, EXPERT_LINEAR_X_LD),
                   st + 2 * S + slot * (N * kk), div, o_ptr, o_ld, o_ptr, o_ld, r0 < 0, w_ptr, w2_ptr, two, r0, r1, K,
-                  w, False, 0.0, BR, KC, ALIGN, 16, ROWVEC, EF)
+                  w, False, 0.0, BR, KC, ALIGN, 16, ROWVEC, EF, 0, False, 1, PFD)
 
 
 @triton.jit
