@@ -14,8 +14,8 @@
         the weight stream alone (ops/linear.stream_chunks, bf16 weights): its hot loop's instructions
         by opcode, how many of them run every step (not in a block a forward branch skips), and the first wait
         on its weight loads' scoreboard, per variant (BR, KC, TB: tokens per weight
-        chunk, DEPTH: chunks in flight, PFD: L2 prefetch distance (< 0: L1), PIN=1: linear.stream_pinned instead, FLAT=1:
-        linear_flat.stream_flat); --lines
+        chunk, DEPTH: chunks in flight, PFD: L2 prefetch distance (< 0: L1), PIN=1: linear.stream_pinned instead,
+        FLAT=1: linear_flat.stream_flat); --lines
         adds them by source line
     python tools/sass_probe.py attention [--lines] [KEY=V,...]...
         ATTENTION's body alone (GQA, bf16 cache, llama-1b's T=1 block sizes by default: BM=16, BJ=128, DMAX=64,
