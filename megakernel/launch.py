@@ -396,11 +396,13 @@ def check_block_overrides(blocks: dict, fitted: dict, weight_bytes: int = 2) -> 
                               "prefetch runs beside one chunk in flight (DEPTH=1)")
     if blocks["WPF"] and INTERPRET:
         raise MegakernelError("block override WPF=1: the Triton interpreter runs no inline PTX")
+    if blocks["PFD"] < 0 and INTERPRET:  # a line prefetch a thread: inline PTX, but no bulk copy's alignment
+        raise MegakernelError(f"block override PFD={blocks['PFD']}: the Triton interpreter runs no inline PTX")
     if not 0 <= blocks["PFK"] <= 4096:
         raise MegakernelError(f"block override PFK={blocks['PFK']}: 0 (off) or up to 4096 KB of a task's weights")
     for key in ("PF", "PFD", "APF", "PFK"):  # bulk L2 prefetches (inline PTX) of whole weight or cache rows
         why = bulk_prefetch_refusal(blocks["ALIGN"], weight_bytes)
-        if blocks[key] and why:
+        if blocks[key] > 0 and why:
             raise MegakernelError(f"block override {key}={blocks[key]}: {why}")
     if blocks["KD"] != fitted["KD"]:
         raise MegakernelError(f"block override KD={blocks['KD']}: the plan's DOWN_T rows (expert_mlp, dense_mlp) "

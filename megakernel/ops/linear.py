@@ -236,8 +236,8 @@ def stream_chunks(x_ptr, x_ld, xrows_ptr, xrows_div, n_rows, out_ptr, out_ld, re
     if PFD > 0:
         for b in tl.static_range(PFD):
             prefetch_block(w_ptr, w2_ptr, two, r0 + b * BR, r1, K, BR, ALIGN)
-    sub_p, kc_p, g_p, blk_p = sub_a, kc_a, g_a, blk_a  # PFD < 0: the step the L1 is asked for
-    if PFD < 0:
+    if PFD < 0:  # the step the L1 is asked for
+        sub_p, kc_p, g_p, blk_p = sub_a, kc_a, g_a, blk_a
         for _ in tl.static_range(-PFD):
             sub_p, kc_p, g_p, blk_p = advance(sub_p, kc_p, g_p, blk_p, nsub, nk, ngroups)
     rs = tl.full((TB,), 1.0, tl.float32)
@@ -420,9 +420,10 @@ def stream_pinned(x_ptr, x_ld, xrows_ptr, xrows_div, out_ptr, out_ld, res_ptr, r
     # the first multiply's wait would drain the second chunk, requested just before it
     w = pinned(w, PINNED)
     sub, blk = zero, zero
-    sub_p, blk_p = zero, zero  # PFD < 0: the step the L1 is asked for, -PFD after the one requested
-    for _ in tl.static_range(1 - PFD if PFD < 0 else 0):
-        sub_p, blk_p = next_step(sub_p, blk_p, nsub)
+    if PFD < 0:  # the step the L1 is asked for, -PFD after the one requested
+        sub_p, blk_p = zero, zero
+        for _ in tl.static_range(1 - PFD):
+            sub_p, blk_p = next_step(sub_p, blk_p, nsub)
     gate = tl.zeros((BR,), tl.float32)
     for i in tl.range(total, loop_unroll_factor=1):  # unrolled by 2: 360 B spilled in dsv2-lite's kernel, not 216
         sub_a = sub + 1
@@ -495,9 +496,10 @@ def stream_pinned_k(x_ptr, x_ld, out_ptr, out_ld, res_ptr, res_ld, use_res, w_pt
     w = pinned(w, PINNED)  # the first chunk and the activations waited for before the loop (stream_pinned)
     acc = tl.zeros((BR,), tl.float32)
     kc, blk = zero, zero
-    kc_p, blk_p = zero, zero  # PFD < 0: the step the L1 is asked for, -PFD after the one requested
-    for _ in tl.static_range(1 - PFD if PFD < 0 else 0):
-        kc_p, blk_p = next_step(kc_p, blk_p, nk)
+    if PFD < 0:  # the step the L1 is asked for, -PFD after the one requested
+        kc_p, blk_p = zero, zero
+        for _ in tl.static_range(1 - PFD):
+            kc_p, blk_p = next_step(kc_p, blk_p, nk)
     for i in tl.range(tl.cdiv(r1 - r0, BR) * nk, loop_unroll_factor=1):
         kc_a = kc + 1
         wrap = kc_a == nk
